@@ -1,0 +1,32 @@
+"""pipesched: pipeline-parallel schedules as data — compiled, proven deadlock-free, simulated, executed.
+
+This package (everything outside ``pipesched.runtime``) is torch-free and imports in milliseconds.
+"""
+from .api import build, compile_program
+from .cost import CostModel
+from .errors import (
+    DeadlockError,
+    DependencyError,
+    InvalidProgramError,
+    PairingError,
+    ProgramFormatError,
+    ScheduleArgumentError,
+    ScheduleError,
+    UnknownScheduleError,
+)
+from .ir import Instr, Op, Program
+from .lower import add_all_reduce, add_recompute, add_send_recv
+from .program_io import load, loads, to_json, to_text
+from .schedules import SCHEDULES, get_schedule
+from .sim import simulate
+from .timeline import Event, Timeline
+from .validate import validate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CostModel", "DeadlockError", "DependencyError", "Event", "Instr", "InvalidProgramError", "Op",
+    "PairingError", "Program", "ProgramFormatError", "SCHEDULES", "ScheduleArgumentError", "ScheduleError",
+    "Timeline", "UnknownScheduleError", "add_all_reduce", "add_recompute", "add_send_recv", "build",
+    "compile_program", "get_schedule", "load", "loads", "simulate", "to_json", "to_text", "validate",
+]

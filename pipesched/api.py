@@ -1,0 +1,58 @@
+"""The compiler's front door: a schedule name and sizes in, a lowered and proven program out."""
+from __future__ import annotations
+
+from .errors import ScheduleArgumentError
+from .ir import Program
+from .lower import add_all_reduce, add_recompute, add_send_recv
+from .schedules import get_schedule
+from .validate import validate
+
+
+def build(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int | None = None) -> Program:
+    """The compute-only program (F, B, ... per rank, no communication) of a registered schedule.
+
+    Args:
+        schedule: a registered name (``pipesched list``).
+        num_ranks: pipeline ranks ``p`` >= 1.
+        num_microbatches: microbatches per step ``m`` >= 1.
+        virtual_stages: stages per rank ``v``; ``None`` takes the schedule's default.
+    Raises:
+        UnknownScheduleError: ``schedule`` is not registered (lists the valid names).
+        ScheduleArgumentError: a size the schedule cannot run (names the argument and what is valid).
+    """
+    info = get_schedule(schedule)
+    v = info.default_virtual_stages if virtual_stages is None else virtual_stages
+    return info.build(num_ranks, num_microbatches, v)
+
+
+def compile_program(
+    schedule: str,
+    num_ranks: int,
+    num_microbatches: int,
+    virtual_stages: int | None = None,
+    dp_size: int = 1,
+    recompute=False,
+) -> Program:
+    """Build, lower and validate: the program an executor runs.
+
+    Passes, in order: :func:`~pipesched.lower.add_recompute` (if ``recompute``),
+    :func:`~pipesched.lower.add_send_recv`, :func:`~pipesched.lower.add_all_reduce` (if ``dp_size > 1``),
+    then :func:`~pipesched.validate.validate`.
+
+    Args:
+        recompute: ``False``, ``True`` (every stage) or one bool per stage (``p * v`` of them).
+        dp_size: data-parallel replicas >= 1.
+    Raises:
+        UnknownScheduleError, ScheduleArgumentError: as :func:`build`.
+        ScheduleError: the compiled program fails validation (a bug in a schedule; please report it).
+    """
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise ScheduleArgumentError(f"dp_size must be an integer >= 1, got {dp_size!r}")
+    program = build(schedule, num_ranks, num_microbatches, virtual_stages)
+    if recompute is not False:
+        try:
+            program = add_recompute(program, recompute)
+        except ValueError as exc:
+            raise ScheduleArgumentError(f"recompute={recompute!r}: {exc}") from None
+    program = add_all_reduce(add_send_recv(program), dp_size)
+    return validate(program)

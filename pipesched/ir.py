@@ -1,0 +1,167 @@
+"""Instruction kinds, instructions and programs: the plain-data IR every other module works on."""
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+
+
+class Op(str, enum.Enum):
+    """The kind of an instruction.
+
+    Compute kinds run on the rank that holds ``stage``; communication kinds also name a ``peer`` rank.
+
+    - ``F``: forward of ``stage`` on ``microbatch``. Needs the stage input: the previous stage's ``F``
+      (same rank) or a ``RECV_F`` (other rank).
+    - ``B``: full backward (input and weight gradients) of (stage, microbatch). Needs that ``F`` and the
+      gradient of the stage output: the next stage's ``B``/``I`` (same rank) or a ``RECV_B``.
+    - ``I``: input-gradient half of a split backward (zero-bubble schedules); same needs as ``B``.
+    - ``W``: weight-gradient half of a split backward; needs the ``I`` of the same (stage, microbatch).
+    - ``R``: recompute the forward of (stage, microbatch) from its saved input with the saved RNG
+      state, so that the following ``B``/``I`` finds its activations. Needs the ``F``.
+    - ``SEND_F``: send the output of (stage, microbatch) to ``peer``, the rank of stage + 1.
+      Pairs with ``RECV_F`` of (stage + 1, microbatch) on ``peer``.
+    - ``RECV_F``: post the receive of the input of (stage, microbatch) from ``peer``, the rank of
+      stage - 1. Posting never blocks; the ``F`` that uses the input waits for it to land.
+    - ``SEND_B``: send the gradient of the input of (stage, microbatch) to ``peer``, the rank of stage - 1.
+      Pairs with ``RECV_B`` of (stage - 1, microbatch) on ``peer``.
+    - ``RECV_B``: post the receive of the gradient of the output of (stage, microbatch) from ``peer``,
+      the rank of stage + 1; the ``B``/``I`` that uses it waits for it to land.
+    - A SEND may block until its RECV is posted (the validator assumes it does).
+    - ``ALL_REDUCE``: start averaging the gradients of ``stage`` over the data-parallel group
+      (asynchronous; waited for at the end of the step). Has no microbatch and no peer.
+    """
+
+    F = "F"
+    B = "B"
+    I = "I"  # noqa: E741 - the field's name for the input-gradient backward
+    W = "W"
+    R = "R"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    ALL_REDUCE = "ALL_REDUCE"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+COMPUTE_OPS = frozenset({Op.F, Op.B, Op.I, Op.W, Op.R})
+SEND_OPS = frozenset({Op.SEND_F, Op.SEND_B})
+RECV_OPS = frozenset({Op.RECV_F, Op.RECV_B})
+COMM_OPS = SEND_OPS | RECV_OPS
+BACKWARD_OPS = frozenset({Op.B, Op.I})  # the ops that consume the output gradient
+
+_TOKEN = re.compile(r"^(?P<op>[A-Z_]+?)(?P<stage>\d+)(?:\.(?P<mb>\d+))?(?:(?P<dir>[<>])(?P<peer>\d+))?$")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Instr:
+    """One instruction of a rank's stream.
+
+    Attributes:
+        op: the kind (see :class:`Op`).
+        stage: global stage index, 0-based.
+        microbatch: microbatch index, 0-based; ``None`` only for ``ALL_REDUCE``.
+        peer: the other rank of a SEND/RECV; ``None`` for every other kind.
+
+    Text form: ``F0.3`` (forward, stage 0, microbatch 3), ``SEND_F0.3>1`` (to rank 1),
+    ``RECV_B2.0<3`` (from rank 3), ``ALL_REDUCE1``. ``Instr.parse(str(i)) == i``.
+    """
+
+    op: Op
+    stage: int
+    microbatch: int | None = None
+    peer: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.op, Op):
+            object.__setattr__(self, "op", Op(self.op))
+        if self.stage < 0:
+            raise ValueError(f"stage must be >= 0, got {self.stage}")
+        if self.op is Op.ALL_REDUCE:
+            if self.microbatch is not None or self.peer is not None:
+                raise ValueError(f"ALL_REDUCE takes no microbatch or peer, got {self.microbatch}, {self.peer}")
+            return
+        if self.microbatch is None or self.microbatch < 0:
+            raise ValueError(f"{self.op} needs a microbatch >= 0, got {self.microbatch}")
+        if (self.op in COMM_OPS) != (self.peer is not None):
+            raise ValueError(f"{self.op}: peer must be given exactly for SEND/RECV, got peer={self.peer}")
+
+    def __str__(self) -> str:
+        text = f"{self.op.value}{self.stage}"
+        if self.microbatch is not None:
+            text += f".{self.microbatch}"
+        if self.peer is not None:
+            text += (">" if self.op in SEND_OPS else "<") + str(self.peer)
+        return text
+
+    @classmethod
+    def parse(cls, text: str) -> "Instr":
+        """Parse the text form (see the class docstring). Raises ``ValueError`` naming the bad token."""
+        match = _TOKEN.match(text.strip())
+        if match is None or match["op"] not in Op.__members__:
+            raise ValueError(
+                f"cannot parse instruction {text!r}; expected e.g. F0.3, B1.0, SEND_F0.3>1, RECV_B2.0<3, ALL_REDUCE1 "
+                f"(kinds: {', '.join(Op.__members__)})"
+            )
+        op = Op(match["op"])
+        if match["dir"] and (match["dir"] == ">") != (op in SEND_OPS):
+            raise ValueError(f"{text!r}: use '>' with SEND_* and '<' with RECV_*")
+        mb = None if match["mb"] is None else int(match["mb"])
+        peer = None if match["peer"] is None else int(match["peer"])
+        return cls(op, int(match["stage"]), mb, peer)
+
+    @property
+    def key(self) -> tuple[Op, int, int | None]:
+        """(op, stage, microbatch): what the instruction computes, without the peer."""
+        return (self.op, self.stage, self.microbatch)
+
+
+@dataclass(frozen=True)
+class Program:
+    """Per-rank ordered instruction streams plus what is needed to interpret them.
+
+    Attributes:
+        ranks: ``ranks[r]`` is the ordered tuple of instructions rank ``r`` executes.
+        stage_to_rank: ``stage_to_rank[s]`` is the pipeline rank holding stage ``s``.
+        num_microbatches: microbatches per step (``m``).
+        dp_size: data-parallel replicas of this pipeline (each runs the same program).
+        schedule: the schedule's registry name, or a free label for a hand-written program.
+    """
+
+    ranks: tuple[tuple[Instr, ...], ...]
+    stage_to_rank: tuple[int, ...]
+    num_microbatches: int
+    dp_size: int = 1
+    schedule: str = "custom"
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(tuple(stream) for stream in self.ranks))
+        object.__setattr__(self, "stage_to_rank", tuple(self.stage_to_rank))
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_to_rank)
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages rank ``rank`` holds, in increasing order."""
+        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
+
+    def replace(self, ranks) -> "Program":
+        """A copy with new streams and the same placement, sizes and label."""
+        return Program(tuple(ranks), self.stage_to_rank, self.num_microbatches, self.dp_size, self.schedule, dict(self.meta))
+
+    def __len__(self) -> int:
+        return sum(len(stream) for stream in self.ranks)
+
+    def __str__(self) -> str:
+        from .program_io import to_text
+
+        return to_text(self)

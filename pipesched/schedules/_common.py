@@ -1,0 +1,31 @@
+"""Helpers shared by the schedule builders: argument checks and program assembly."""
+from __future__ import annotations
+
+from ..errors import ScheduleArgumentError
+from ..ir import Instr, Op, Program
+
+
+def check_positive(name: str, value, minimum: int = 1) -> int:
+    """Return ``value`` as an int if it is an integer >= ``minimum``, else raise ``ScheduleArgumentError``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ScheduleArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def forward(stage: int, microbatch: int) -> Instr:
+    return Instr(Op.F, stage, microbatch)
+
+
+def backward(stage: int, microbatch: int) -> Instr:
+    return Instr(Op.B, stage, microbatch)
+
+
+def program(name: str, streams, stage_to_rank, num_microbatches: int, virtual_stages: int = 1) -> Program:
+    """Assemble a compute-only program (no SEND/RECV yet; :mod:`pipesched.lower` adds them)."""
+    return Program(
+        ranks=tuple(tuple(s) for s in streams),
+        stage_to_rank=tuple(stage_to_rank),
+        num_microbatches=num_microbatches,
+        schedule=name,
+        meta={"virtual_stages": virtual_stages},
+    )

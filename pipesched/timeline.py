@@ -1,0 +1,140 @@
+"""Timeline: when each instruction ran on each rank — the one shape shared by the simulator and the runtime.
+
+A timeline is a flat list of :class:`Event` (rank, instruction, start, end in seconds from the step's start)
+plus labels. Everything the visualizer and the bubble statistics need is derived from the events, so a
+simulated and a measured run of the same program are analysed by the same code.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from .ir import COMPUTE_OPS, Instr, Op
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One executed instruction. ``start`` and ``end`` are seconds from the step's start (``end >= start``)."""
+
+    rank: int
+    instr: Instr
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Start and end of every instruction of one step, on every rank.
+
+    Attributes:
+        events: every executed instruction, ordered by (rank, start).
+        num_ranks: pipeline ranks (rows of a Gantt chart).
+        source: ``"simulated"`` or ``"measured"``.
+        meta: free labels shown on pictures: schedule, p, m, v, cost assumptions, ...
+        peak_inflight: per rank, the most microbatches whose forward ran and whose backward
+            (``B``, or ``W`` for a split backward) has not yet finished.
+        peak_activation_bytes: per rank, the most bytes of activations held for backward
+            (``None`` where unknown).
+    """
+
+    events: tuple[Event, ...]
+    num_ranks: int
+    source: str = "simulated"
+    meta: dict = field(default_factory=dict)
+    peak_inflight: tuple[int, ...] = ()
+    peak_activation_bytes: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        ordered = tuple(sorted(self.events, key=lambda e: (e.rank, e.start, e.end)))
+        object.__setattr__(self, "events", ordered)
+
+    @property
+    def makespan(self) -> float:
+        """Seconds from the first start to the last end over all ranks (0 for an empty timeline)."""
+        if not self.events:
+            return 0.0
+        return max(e.end for e in self.events) - min(e.start for e in self.events)
+
+    def busy_per_rank(self) -> tuple[float, ...]:
+        """Seconds each rank spent computing (F, B, I, W, R); waiting on communication is not busy."""
+        busy = [0.0] * self.num_ranks
+        for event in self.events:
+            if event.instr.op in COMPUTE_OPS:
+                busy[event.rank] += event.duration
+        return tuple(busy)
+
+    def bubble_per_rank(self) -> tuple[float, ...]:
+        """Per rank, idle seconds / makespan (idle = makespan - compute), in [0, 1]."""
+        span = self.makespan
+        if span <= 0:
+            return tuple(0.0 for _ in range(self.num_ranks))
+        return tuple(max(0.0, span - busy) / span for busy in self.busy_per_rank())
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Total idle rank-seconds / (ranks x makespan), the field's bubble fraction."""
+        per_rank = self.bubble_per_rank()
+        return sum(per_rank) / len(per_rank) if per_rank else 0.0
+
+    def summary(self) -> dict:
+        """Plain numbers for ``--json`` output and reports."""
+        return {
+            "source": self.source,
+            "makespan": self.makespan,
+            "bubble_fraction": self.bubble_fraction,
+            "bubble_per_rank": list(self.bubble_per_rank()),
+            "peak_inflight": list(self.peak_inflight),
+            "peak_activation_bytes": None if self.peak_activation_bytes is None else list(self.peak_activation_bytes),
+            "meta": self.meta,
+        }
+
+    def to_json_dict(self) -> dict:
+        """A JSON-ready dict that :meth:`from_json_dict` reads back (used for saved measured runs)."""
+        data = self.summary()
+        data["num_ranks"] = self.num_ranks
+        data["events"] = [[e.rank, str(e.instr), e.start, e.end] for e in self.events]
+        return data
+
+    @classmethod
+    def from_json_dict(cls, data: dict) -> "Timeline":
+        events = tuple(Event(int(r), Instr.parse(text), float(s), float(e)) for r, text, s, e in data["events"])
+        peak_bytes = data.get("peak_activation_bytes")
+        return cls(
+            events=events,
+            num_ranks=int(data["num_ranks"]),
+            source=data.get("source", "measured"),
+            meta=dict(data.get("meta", {})),
+            peak_inflight=tuple(data.get("peak_inflight", ())),
+            peak_activation_bytes=None if peak_bytes is None else tuple(peak_bytes),
+        )
+
+    def save(self, path) -> None:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(self.to_json_dict(), handle)
+
+    @classmethod
+    def load(cls, path) -> "Timeline":
+        with open(path, encoding="utf-8") as handle:
+            return cls.from_json_dict(json.load(handle))
+
+
+def peak_inflight(streams) -> tuple[int, ...]:
+    """Per rank, the most microbatch-stages whose ``F`` ran and whose ``B`` (or ``W``) has not.
+
+    Order-only: it depends on each rank's stream, not on timing.
+    """
+    peaks = []
+    for stream in streams:
+        live = peak = 0
+        for instr in stream:
+            if instr.op is Op.F:
+                live += 1
+                peak = max(peak, live)
+            elif instr.op in (Op.B, Op.W):
+                live -= 1
+        peaks.append(peak)
+    return tuple(peaks)

@@ -1,0 +1,197 @@
+"""Prove a program runnable: well-formed, complete, correctly ordered, send/recv-paired, deadlock-free.
+
+:func:`validate` runs four checks, cheapest first, each linear in the number of instructions:
+
+1. structure — every instruction's stage, microbatch and peer fit the program, on the right rank;
+2. completeness — each (stage, microbatch) has one F and one B (or one I and one W), at most one R;
+   with ``dp_size > 1`` each stage has one ALL_REDUCE;
+3. order — on each rank, everything an instruction needs (:mod:`pipesched.deps`) comes before it; in a
+   lowered program, data from another rank must arrive through an earlier RECV;
+4. pairing and deadlock — between any two ranks the receives are posted in the order the sends are
+   issued, and the rendezvous execution of :mod:`pipesched.engine` completes.
+
+Each failure raises a :class:`~pipesched.errors.ScheduleError` subclass naming the rank, the instruction,
+the reason, and showing the grid with the spot marked.
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from . import engine
+from .deps import needs, produces
+from .errors import DependencyError, InvalidProgramError, PairingError, render_grid
+from .ir import COMM_OPS, RECV_OPS, SEND_OPS, Instr, Op, Program
+
+
+def validate(program: Program) -> Program:
+    """Check ``program``; return it unchanged if it is valid.
+
+    Raises:
+        InvalidProgramError: bad sizes, stage, microbatch or peer, instruction on the wrong rank, missing or
+            duplicated work.
+        DependencyError: an instruction precedes what it needs on its rank.
+        PairingError: a send without its receive (or the reverse), or receives out of the sends' order.
+        DeadlockError: no rank can progress under rendezvous semantics.
+    """
+    check_structure(program)
+    check_complete(program)
+    check_order(program)
+    check_pairing(program)
+    engine.execute(program)
+    return program
+
+
+def _fail(cls, program: Program, rank: int, pos: int, reason: str):
+    instr = program.ranks[rank][pos]
+    return cls(reason, rank, instr, render_grid(program.ranks, {rank: pos}))
+
+
+def check_structure(program: Program) -> None:
+    """Sizes, stage/microbatch ranges, placement and peers."""
+    p, S, M = program.num_ranks, program.num_stages, program.num_microbatches
+    if p < 1 or S < 1 or M < 1 or program.dp_size < 1:
+        raise InvalidProgramError(
+            f"a program needs >= 1 rank, stage, microbatch and dp_size; got ranks={p}, stages={S}, "
+            f"num_microbatches={M}, dp_size={program.dp_size}"
+        )
+    bad = [r for r in program.stage_to_rank if not 0 <= r < p]
+    if bad:
+        raise InvalidProgramError(f"stage_to_rank names rank {bad[0]}, but the program has ranks 0..{p - 1}")
+    s2r = program.stage_to_rank
+    for rank, stream in enumerate(program.ranks):
+        for pos, instr in enumerate(stream):
+            reason = _structure_problem(instr, rank, s2r, M, program.dp_size)
+            if reason:
+                raise _fail(InvalidProgramError, program, rank, pos, reason)
+
+
+def _structure_problem(instr: Instr, rank: int, s2r, M: int, dp_size: int) -> str | None:
+    S = len(s2r)
+    if instr.stage >= S:
+        return f"stage {instr.stage} does not exist (stages 0..{S - 1})"
+    if s2r[instr.stage] != rank:
+        return f"stage {instr.stage} is placed on rank {s2r[instr.stage]}, not on rank {rank}"
+    if instr.microbatch is not None and instr.microbatch >= M:
+        return f"microbatch {instr.microbatch} does not exist (num_microbatches={M})"
+    if instr.op is Op.ALL_REDUCE and dp_size == 1:
+        return "ALL_REDUCE in a program with dp_size=1 (nothing to reduce)"
+    if instr.op in COMM_OPS:
+        towards_next = instr.op in (Op.SEND_F, Op.RECV_B)
+        neighbour = instr.stage + 1 if towards_next else instr.stage - 1
+        if not 0 <= neighbour < S:
+            return f"{instr.op} of stage {instr.stage} has no {'next' if towards_next else 'previous'} stage"
+        if s2r[neighbour] == rank:
+            return f"stage {neighbour} is on this same rank; no {instr.op} is needed"
+        if instr.peer != s2r[neighbour]:
+            return f"peer must be rank {s2r[neighbour]} (holds stage {neighbour}), got {instr.peer}"
+    return None
+
+
+def check_complete(program: Program) -> None:
+    """One F and one B (or one I and one W) per (stage, microbatch); at most one R; ALL_REDUCE per stage."""
+    counts: Counter = Counter()
+    for rank, stream in enumerate(program.ranks):
+        for pos, instr in enumerate(stream):
+            key = instr.key
+            counts[key] += 1
+            if counts[key] > 1 and instr.op not in COMM_OPS:
+                raise _fail(InvalidProgramError, program, rank, pos, f"{instr} appears twice")
+    for s in range(program.num_stages):
+        for mb in range(program.num_microbatches):
+            problem = _missing_work(counts, s, mb)
+            if problem:
+                op, reason = problem
+                raise InvalidProgramError(
+                    f"stage {s}, microbatch {mb}: {reason}", program.stage_to_rank[s], Instr(op, s, mb)
+                )
+        if program.dp_size > 1 and counts[(Op.ALL_REDUCE, s, None)] == 0:
+            raise InvalidProgramError(f"dp_size={program.dp_size} but stage {s} has no ALL_REDUCE")
+
+
+def _missing_work(counts: Counter, s: int, mb: int) -> tuple[Op, str] | None:
+    if not counts[(Op.F, s, mb)]:
+        return Op.F, "its forward F is missing"
+    full, inp, wgt = counts[(Op.B, s, mb)], counts[(Op.I, s, mb)], counts[(Op.W, s, mb)]
+    if full and (inp or wgt):
+        return Op.B, "has both a B and an I/W split; use one or the other"
+    if not (full or inp or wgt):
+        return Op.B, "its backward is missing (a B, or an I and a W)"
+    if not full and not inp:
+        return Op.I, "has a W but no I (the input-gradient half it follows)"
+    if not full and not wgt:
+        return Op.W, "has an I but no W (the weight-gradient half)"
+    return None
+
+
+def check_order(program: Program) -> None:
+    """On each rank, what an instruction needs comes earlier in the stream (or, in a compute-only
+    program, is made by another rank)."""
+    lowered = engine.has_comm(program)
+    S, M, s2r = program.num_stages, program.num_microbatches, program.stage_to_rank
+    recomputed = {(i.stage, i.microbatch) for st in program.ranks for i in st if i.op is Op.R}
+    for rank, stream in enumerate(program.ranks):
+        have: set = set()
+        for pos, instr in enumerate(stream):
+            for item in needs(instr, S, M, (instr.stage, instr.microbatch) in recomputed):
+                remote = item[0] in ("act", "grad") and s2r[item[1]] != rank
+                if item in have or (remote and not lowered):
+                    continue
+                raise _fail(DependencyError, program, rank, pos, _order_reason(item, remote, stream, pos))
+            have.update(produces(instr))
+
+
+def _order_reason(item, remote: bool, stream, pos: int) -> str:
+    kind, s, mb = item
+    what = {
+        "act": f"the output of stage {s} for microbatch {mb}",
+        "grad": f"the input gradient of stage {s} for microbatch {mb}",
+        "fwd": f"the forward F{s}.{mb}",
+        "rec": f"the recompute R{s}.{mb}",
+        "igrad": f"the input-gradient backward I{s}.{mb}",
+        "wgrad": f"the weight gradient of stage {s}, microbatch {mb}",
+    }[kind]
+    if remote:
+        recv = "RECV_F" if kind == "act" else "RECV_B"
+        return f"needs {what} from another rank, but no {recv} receives it before this point"
+    later = any(item in produces(i) for i in stream[pos + 1:])
+    return f"needs {what}, which comes {'later in this stream' if later else 'nowhere before it on this rank'}"
+
+
+def check_pairing(program: Program) -> None:
+    """Every send has its receive, and between two ranks receives are posted in the order of the sends."""
+    sends: dict = defaultdict(list)
+    recvs: dict = defaultdict(list)
+    for rank, stream in enumerate(program.ranks):
+        for pos, instr in enumerate(stream):
+            if instr.op in SEND_OPS:
+                sends[(rank, instr.peer)].append((pos, _message(instr)))
+            elif instr.op in RECV_OPS:
+                recvs[(instr.peer, rank)].append((pos, _message(instr)))
+    for channel in sorted(set(sends) | set(recvs)):
+        src, dst = channel
+        out, inn = sends.get(channel, []), recvs.get(channel, [])
+        for (spos, smsg), (rpos, rmsg) in zip(out, inn):
+            if smsg != rmsg:
+                raise PairingError(
+                    f"receives from rank {src} are posted out of the order of its sends: rank {src} sends "
+                    f"{program.ranks[src][spos]} here, but rank {dst}'s matching receive is "
+                    f"{program.ranks[dst][rpos]} (messages between two ranks match first in, first out)",
+                    src, program.ranks[src][spos], render_grid(program.ranks, {src: spos, dst: rpos}),
+                )
+        if len(out) > len(inn):
+            pos = out[len(inn)][0]
+            raise _fail(PairingError, program, src, pos, f"has no matching receive on rank {dst}")
+        if len(inn) > len(out):
+            pos = inn[len(out)][0]
+            raise _fail(PairingError, program, dst, pos, f"has no matching send on rank {src}")
+
+
+def _message(instr: Instr) -> tuple:
+    """What travels: (direction, producing stage, microbatch) — the same for a SEND and its RECV."""
+    if instr.op is Op.SEND_F:
+        return ("act", instr.stage, instr.microbatch)
+    if instr.op is Op.RECV_F:
+        return ("act", instr.stage - 1, instr.microbatch)
+    if instr.op is Op.SEND_B:
+        return ("grad", instr.stage, instr.microbatch)
+    return ("grad", instr.stage + 1, instr.microbatch)
