@@ -54,27 +54,30 @@ class DeadlockError(ScheduleError):
     """No rank can make progress and work remains (a send blocks until its receive is posted)."""
 
 
-def render_grid(ranks, marks: Mapping[int, int] | None = None, window: int = _WINDOW) -> str:
+def render_grid(ranks, marks: Mapping[int, int] | None = None, window: int = _WINDOW, max_columns: int = 8) -> str:
     """Render per-rank streams as columns, one row per stream position.
 
     Args:
         ranks: sequence of per-rank instruction sequences.
         marks: ``{rank: position}`` of the spots to mark with ``<-- here``.
         window: rows shown around the marked rows; the rest is elided. All rows if no marks.
+        max_columns: with marks and more ranks than this, only the marked ranks and their neighbours show.
     Returns:
         The grid as text, with a header row naming the ranks.
     """
     marks = dict(marks or {})
-    depth = max((len(s) for s in ranks), default=0)
+    columns = _columns_to_show(len(ranks), marks, max_columns)
+    depth = max((len(ranks[r]) for r in columns), default=0)
     rows = _rows_to_show(depth, marks.values(), window)
-    width = max([len(str(i)) for s in ranks for i in s] + [6]) + 9
-    lines = ["step  " + "".join(f"rank {r}".ljust(width) for r in range(len(ranks)))]
+    width = max([len(str(i)) for r in columns for i in ranks[r]] + [6]) + (11 if marks else 2)
+    lines = ["step  " + "".join(f"rank {r}".ljust(width) for r in columns).rstrip()]
     previous = -1
     for row in rows:
         if row != previous + 1:
             lines.append("  ...")
         cells = []
-        for rank, stream in enumerate(ranks):
+        for rank in columns:
+            stream = ranks[rank]
             cell = str(stream[row]) if row < len(stream) else ""
             if marks.get(rank) == row:
                 cell += " <-- here"
@@ -84,6 +87,17 @@ def render_grid(ranks, marks: Mapping[int, int] | None = None, window: int = _WI
     if rows and rows[-1] != depth - 1:
         lines.append("  ...")
     return "\n".join(lines)
+
+
+def _columns_to_show(num_ranks: int, marks: dict, max_columns: int) -> list[int]:
+    if not marks or num_ranks <= max_columns:
+        return list(range(num_ranks))
+    keep = set()
+    for rank in sorted(marks):
+        for r in (rank - 1, rank, rank + 1):
+            if 0 <= r < num_ranks and len(keep) < max_columns:
+                keep.add(r)
+    return sorted(keep)
 
 
 def _rows_to_show(depth: int, marked, window: int) -> list[int]:

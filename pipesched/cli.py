@@ -1,0 +1,204 @@
+"""The ``pipesched`` command line: list, show, simulate, validate, render, demo."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import program_io
+from .api import build, compile_program
+from .cost import CostModel
+from .errors import DeadlockError, ScheduleError, render_grid
+from .schedules import SCHEDULES
+from .sim import simulate
+
+
+def _add_schedule_args(parser: argparse.ArgumentParser, optional_name: bool = False) -> None:
+    parser.add_argument("schedule", nargs="?" if optional_name else None, metavar="SCHEDULE",
+                        help=f"schedule name: {', '.join(SCHEDULES)}")
+    parser.add_argument("--ranks", "-p", type=int, default=4, help="pipeline ranks p (default 4)")
+    parser.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step m (default 8)")
+    parser.add_argument("--virtual-stages", "-v", type=int, default=None,
+                        help="stages per rank v (default: the schedule's, 2 for interleaved-1f1b)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (adds ALL_REDUCE; default 1)")
+    parser.add_argument("--recompute", action="store_true", help="recompute every stage's forward before its backward")
+
+
+def _per_stage(text: str):
+    values = [float(x) for x in text.split(",")]
+    return values[0] if len(values) == 1 else values
+
+
+def add_cost_args(parser: argparse.ArgumentParser) -> None:
+    """Cost-model options (seconds, bytes); a per-stage option takes one number or a comma list per stage."""
+    group = parser.add_argument_group("cost model (seconds and bytes; per-stage values as a comma list)")
+    group.add_argument("--forward", type=_per_stage, default=1.0, help="seconds per F (default 1)")
+    group.add_argument("--backward", type=_per_stage, default=2.0, help="seconds per B (default 2)")
+    group.add_argument("--input-grad", type=_per_stage, default=None, help="seconds per I (default B/2)")
+    group.add_argument("--weight-grad", type=_per_stage, default=None, help="seconds per W (default B/2)")
+    group.add_argument("--recompute-cost", type=_per_stage, default=None, help="seconds per R (default F)")
+    group.add_argument("--latency", type=float, default=0.0, help="seconds per message (default 0)")
+    group.add_argument("--bandwidth", type=float, default=float("inf"), help="bytes/s per link (default inf)")
+    group.add_argument("--activation-bytes", type=_per_stage, default=0.0,
+                       help="bytes of one microbatch's stage output (message size; default 0)")
+    group.add_argument("--stash-bytes", type=_per_stage, default=None,
+                       help="bytes held per in-flight microbatch for backward (default: activation bytes)")
+    group.add_argument("--grad-bytes", type=_per_stage, default=0.0, help="bytes of a stage's gradients (all-reduce)")
+
+
+def cost_from_args(args: argparse.Namespace) -> CostModel:
+    """The :class:`CostModel` the cost options describe."""
+    return CostModel(
+        forward=args.forward, backward=args.backward, input_grad=args.input_grad, weight_grad=args.weight_grad,
+        recompute=args.recompute_cost, latency=args.latency, bandwidth=args.bandwidth,
+        activation_bytes=args.activation_bytes, stash_bytes=args.stash_bytes, grad_bytes=args.grad_bytes,
+    )
+
+
+def program_from_args(args: argparse.Namespace):
+    """Compile the program the schedule options name."""
+    return compile_program(args.schedule, args.ranks, args.microbatches, args.virtual_stages,
+                           dp_size=args.dp, recompute=bool(args.recompute))
+
+
+def _cmd_list(args) -> int:
+    if args.json:
+        print(json.dumps([{"name": i.name, "summary": i.summary, "paper": i.paper, "bubble": i.bubble,
+                           "peak_inflight": i.inflight, "microbatches": i.microbatches}
+                          for i in SCHEDULES.values()], indent=2))
+        return 0
+    width = max(len(name) for name in SCHEDULES)
+    for info in SCHEDULES.values():
+        print(f"{info.name.ljust(width)}  {info.summary}  [{info.paper}]")
+    return 0
+
+
+def _cmd_show(args) -> int:
+    if args.compute_only:
+        program = build(args.schedule, args.ranks, args.microbatches, args.virtual_stages)
+    else:
+        program = program_from_args(args)
+    if args.json:
+        print(program_io.to_json(program, indent=None))
+    elif args.format == "text":
+        print(program_io.to_text(program), end="")
+    else:
+        print(f"# {program.schedule}: p={program.num_ranks} m={program.num_microbatches} "
+              f"stages={program.num_stages} dp={program.dp_size} instructions={len(program)}")
+        print(render_grid(program.ranks))
+    return 0
+
+
+def _cmd_simulate(args) -> int:
+    program = program_from_args(args)
+    timeline = simulate(program, cost_from_args(args), check=False)
+    summary = timeline.summary()
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"{program.schedule}: p={program.num_ranks} m={program.num_microbatches} "
+          f"v={summary['meta']['virtual_stages']} dp={program.dp_size}  costs: {summary['meta']['cost']}")
+    print(f"makespan         {timeline.makespan:.6g} s")
+    print(f"bubble fraction  {timeline.bubble_fraction:.4f}")
+    for rank, (bubble, peak) in enumerate(zip(timeline.bubble_per_rank(), timeline.peak_inflight)):
+        extra = ""
+        if timeline.peak_activation_bytes is not None:
+            extra = f"  peak activations {timeline.peak_activation_bytes[rank]:.4g} B"
+        print(f"  rank {rank}: bubble {bubble:.4f}  peak in-flight {peak}{extra}")
+    return 0
+
+
+def _cmd_validate(args) -> int:
+    try:
+        program = program_io.load(args.file)
+        from .validate import validate
+
+        validate(program)
+    except DeadlockError as exc:
+        return _report_invalid(args, exc, "deadlock")
+    except ScheduleError as exc:
+        return _report_invalid(args, exc, type(exc).__name__)
+    except OSError as exc:
+        print(f"error: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
+        return 2
+    timeline = simulate(program, check=False)
+    if args.json:
+        print(json.dumps({"valid": True, "ranks": program.num_ranks, "stages": program.num_stages,
+                          "num_microbatches": program.num_microbatches, "instructions": len(program),
+                          "bubble_fraction": timeline.bubble_fraction,
+                          "peak_inflight": list(timeline.peak_inflight)}))
+    else:
+        print(f"valid: {args.file}: {program.num_ranks} ranks, {program.num_stages} stages, "
+              f"{program.num_microbatches} microbatches, {len(program)} instructions; complete, ordered, "
+              f"paired and deadlock-free. Unit-cost bubble fraction {timeline.bubble_fraction:.4f}, "
+              f"peak in-flight {list(timeline.peak_inflight)}")
+    return 0
+
+
+def _report_invalid(args, exc: ScheduleError, cause: str) -> int:
+    if args.json:
+        print(json.dumps({"valid": False, "cause": cause, "error": type(exc).__name__, "rank": exc.rank,
+                          "instruction": None if exc.instr is None else str(exc.instr), "reason": exc.reason}))
+    else:
+        print(f"invalid: {args.file}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return 1
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipesched", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("list", help="the built-in schedules")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_list)
+    p = sub.add_parser("show", help="the per-rank instruction streams of a schedule")
+    _add_schedule_args(p)
+    p.add_argument("--format", choices=("grid", "text"), default="grid", help="grid (default) or the text form")
+    p.add_argument("--compute-only", action="store_true", help="before lowering: no SEND/RECV")
+    p.add_argument("--json", action="store_true", help="print the JSON form")
+    p.set_defaults(func=_cmd_show)
+    p = sub.add_parser("simulate", help="makespan, bubble fraction and peak in-flight activations")
+    _add_schedule_args(p)
+    add_cost_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_simulate)
+    p = sub.add_parser("validate", help="prove a program file (text or JSON form) runnable")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_validate)
+    _add_optional_commands(sub)
+    return parser
+
+
+def _add_optional_commands(sub) -> None:
+    """Subcommands whose modules import matplotlib or torch, which load only when those commands run."""
+    try:
+        from .viz.cli import add_render_parser
+    except ImportError:
+        add_render_parser = None
+    if add_render_parser is not None:
+        add_render_parser(sub)
+    try:
+        from .demo import add_demo_parser
+    except ImportError:
+        add_demo_parser = None
+    if add_demo_parser is not None:
+        add_demo_parser(sub)
+
+
+def main(argv=None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ScheduleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # e.g. `pipesched show ... | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

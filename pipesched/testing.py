@@ -1,0 +1,102 @@
+"""Hypothesis strategies and checks for property-testing schedules — the built-in ones or your own.
+
+Needs the ``test`` extra (``pip install pipesched[test]``). Example, for your own builder
+``my_schedule(p, m) -> Program`` (compute-only)::
+
+    from hypothesis import given, strategies as st
+    from pipesched.testing import check_program
+    from pipesched.lower import add_send_recv
+
+    @given(st.integers(1, 16), st.integers(1, 64))
+    def test_my_schedule(p, m):
+        check_program(add_send_recv(my_schedule(p, m)))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+from . import program_io
+from .api import compile_program
+from .cost import CostModel
+from .ir import Program
+from .schedules import SCHEDULES
+from .sim import simulate
+from .validate import validate
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """Sizes that pick one compiled program: schedule name, ranks p, microbatches m, virtual stages v, dp."""
+
+    schedule: str
+    num_ranks: int
+    num_microbatches: int
+    virtual_stages: int
+    dp_size: int = 1
+    recompute: bool = False
+
+    def compile(self) -> Program:
+        return compile_program(self.schedule, self.num_ranks, self.num_microbatches, self.virtual_stages,
+                               dp_size=self.dp_size, recompute=self.recompute)
+
+
+@st.composite
+def schedule_configs(draw, names=None, max_ranks: int = 16, max_microbatches: int = 64,
+                     max_virtual_stages: int = 4, max_dp: int = 4, recompute: bool | None = None):
+    """Strategy of :class:`ScheduleConfig` over the registered schedules (or ``names``).
+
+    ``virtual_stages`` is drawn in 1..max_virtual_stages for schedules whose default is > 1, else 1.
+    ``recompute``: ``None`` draws it, a bool fixes it.
+    """
+    name = draw(st.sampled_from(sorted(names or SCHEDULES)))
+    multi = SCHEDULES[name].default_virtual_stages > 1
+    return ScheduleConfig(
+        schedule=name,
+        num_ranks=draw(st.integers(1, max_ranks)),
+        num_microbatches=draw(st.integers(1, max_microbatches)),
+        virtual_stages=draw(st.integers(1, max_virtual_stages)) if multi else 1,
+        dp_size=draw(st.integers(1, max_dp)),
+        recompute=draw(st.booleans()) if recompute is None else recompute,
+    )
+
+
+def _per_stage(num_stages: int, low: float, high: float):
+    return st.lists(st.floats(low, high, allow_nan=False), min_size=num_stages, max_size=num_stages)
+
+
+@st.composite
+def cost_models(draw, num_stages: int, uniform: bool = False, with_comm: bool = True):
+    """Strategy of :class:`CostModel` with positive per-stage seconds (0.1 to 10) for ``num_stages`` stages.
+
+    ``uniform``: one forward and one backward cost for every stage (the closed forms' assumption) and
+    free messages. ``with_comm``: draw latency, bandwidth and activation sizes too.
+    """
+    if uniform:
+        return CostModel(forward=draw(st.floats(0.1, 10)), backward=draw(st.floats(0.1, 10)))
+    return CostModel(
+        forward=draw(_per_stage(num_stages, 0.1, 10)),
+        backward=draw(_per_stage(num_stages, 0.1, 10)),
+        recompute=draw(_per_stage(num_stages, 0.1, 10)),
+        latency=draw(st.floats(0, 1)) if with_comm else 0.0,
+        bandwidth=draw(st.floats(1e3, 1e9)) if with_comm else float("inf"),
+        activation_bytes=draw(_per_stage(num_stages, 0, 1e6)) if with_comm else 0.0,
+    )
+
+
+def check_program(program: Program, cost: CostModel | None = None) -> None:
+    """Assert what every runnable program must satisfy: it validates, the simulator completes with every
+    instruction timed once and within the makespan, and the text and JSON forms round-trip.
+
+    Raises:
+        ScheduleError: the program is invalid.
+        AssertionError: a property does not hold (the message says which).
+    """
+    validate(program)
+    timeline = simulate(program, cost, check=False)
+    assert len(timeline.events) == len(program), f"simulated {len(timeline.events)} of {len(program)} instructions"
+    assert all(e.end >= e.start >= 0 for e in timeline.events), "an event ends before it starts"
+    assert 0.0 <= timeline.bubble_fraction <= 1.0, f"bubble fraction {timeline.bubble_fraction} outside [0, 1]"
+    assert program_io.loads(program_io.to_text(program)) == program, "text form does not round-trip"
+    assert program_io.loads(program_io.to_json(program)) == program, "JSON form does not round-trip"

@@ -1,0 +1,77 @@
+"""The command line: each subcommand's output and exit code, including --json for tools."""
+import json
+from pathlib import Path
+
+import pytest
+
+from pipesched.cli import main
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "schedules" / "examples"
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_list(capsys):
+    code, out, _ = run(capsys, "list")
+    assert code == 0 and [line.split()[0] for line in out.splitlines()] == ["gpipe", "1f1b", "interleaved-1f1b"]
+
+
+def test_show_json_is_the_program(capsys):
+    code, out, _ = run(capsys, "show", "1f1b", "--ranks", "2", "--microbatches", "3", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["num_microbatches"] == 3 and data["stage_to_rank"] == [0, 1]
+    assert data["ranks"][1][0] == {"op": "RECV_F", "stage": 1, "microbatch": 0, "peer": 0}
+
+
+def test_show_grid(capsys):
+    code, out, _ = run(capsys, "show", "gpipe", "-p", "2", "-m", "1", "--compute-only")
+    assert code == 0 and out.splitlines()[2].split() == ["0", "F0.0", "F1.0"]
+
+
+def test_simulate_json(capsys):
+    code, out, _ = run(capsys, "simulate", "1f1b", "-p", "4", "-m", "8", "--json")
+    data = json.loads(out)
+    assert code == 0
+    assert data["bubble_fraction"] == pytest.approx(3 / 11)
+    assert data["makespan"] == pytest.approx(33.0)
+    assert data["peak_inflight"] == [4, 3, 2, 1]
+
+
+def test_simulate_cost_options(capsys):
+    code, out, _ = run(capsys, "simulate", "gpipe", "-p", "2", "-m", "1", "--forward", "1,3", "--backward", "2,6",
+                       "--json")
+    assert code == 0 and json.loads(out)["makespan"] == 12
+
+
+def test_validate_good_and_broken(capsys):
+    code, out, _ = run(capsys, "validate", str(EXAMPLES / "handwritten-1f1b-p2-m3.txt"))
+    assert code == 0 and out.startswith("valid:")
+    code, _, err = run(capsys, "validate", str(EXAMPLES / "broken-deadlock.txt"))
+    assert code == 1 and "deadlock" in err and "<-- here" in err
+    code, out, _ = run(capsys, "validate", str(EXAMPLES / "broken-deadlock.txt"), "--json")
+    assert code == 1 and json.loads(out)["cause"] == "deadlock"
+
+
+def test_validate_json_form_file(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    run(capsys, "show", "interleaved-1f1b", "-p", "2", "-m", "3", "--json")
+    main(["show", "interleaved-1f1b", "-p", "2", "-m", "3", "--json"])
+    path.write_text(capsys.readouterr().out)
+    code, out, _ = run(capsys, "validate", str(path), "--json")
+    assert code == 0 and json.loads(out)["valid"] is True
+
+
+def test_bad_arguments_exit_2_with_the_reason(capsys):
+    code, _, err = run(capsys, "show", "nope", "-p", "2", "-m", "2")
+    assert code == 2 and "valid names: 1f1b, gpipe, interleaved-1f1b" in err
+    code, _, err = run(capsys, "simulate", "1f1b", "-p", "0", "-m", "2")
+    assert code == 2 and "num_ranks must be an integer >= 1, got 0" in err
+
+
+def test_missing_file(capsys):
+    code, _, err = run(capsys, "validate", "/nonexistent/prog.txt")
+    assert code == 2 and "cannot read" in err

@@ -1,0 +1,35 @@
+"""Instructions: the text form round-trips and bad instructions are refused with a clear message."""
+import pytest
+
+from pipesched import Instr, Op
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("F0.3", Instr(Op.F, 0, 3)),
+    ("B12.40", Instr(Op.B, 12, 40)),
+    ("SEND_F0.3>1", Instr(Op.SEND_F, 0, 3, 1)),
+    ("RECV_B2.0<3", Instr(Op.RECV_B, 2, 0, 3)),
+    ("ALL_REDUCE1", Instr(Op.ALL_REDUCE, 1)),
+    ("W5.0", Instr(Op.W, 5, 0)),
+    ("R1.2", Instr(Op.R, 1, 2)),
+])
+def test_parse_and_format_round_trip(text, expected):
+    assert Instr.parse(text) == expected
+    assert str(expected) == text
+
+
+@pytest.mark.parametrize("text", ["X0.1", "F", "F0.1>2", "SEND_F0.1<2", "F-1.0", "SEND_F0.1", "ALL_REDUCE0.1"])
+def test_bad_text_is_refused(text):
+    with pytest.raises(ValueError):
+        Instr.parse(text)
+
+
+def test_comm_instruction_needs_a_peer():
+    with pytest.raises(ValueError, match="peer"):
+        Instr(Op.SEND_F, 0, 0)
+
+
+def test_instructions_are_hashable_and_ordered():
+    a, b = Instr(Op.F, 0, 0), Instr(Op.F, 0, 1)
+    assert len({a, b, Instr.parse("F0.0")}) == 2
+    assert a.key == (Op.F, 0, 0)

@@ -1,0 +1,65 @@
+"""The simulator: hand-computed timelines, closed forms, costs, memory and its errors."""
+import pytest
+
+from pipesched import CostModel, DeadlockError, compile_program, loads, simulate
+
+
+def test_hand_computed_timeline_with_message_delay():
+    # F=1, B=2, each message 0.5 s latency + 100 B at 200 B/s
+    cost = CostModel(forward=1, backward=2, latency=0.5, bandwidth=200, activation_bytes=100)
+    timeline = simulate(compile_program("1f1b", 2, 1), cost)
+    compute = {(e.rank, str(e.instr)): (e.start, e.end) for e in timeline.events if e.instr.op.value in "FB"}
+    assert compute == {(0, "F0.0"): (0, 1), (1, "F1.0"): (2, 3), (1, "B1.0"): (3, 5), (0, "B0.0"): (6, 8)}
+    assert timeline.makespan == 8
+    assert timeline.bubble_per_rank() == (5 / 8, 5 / 8)
+    assert timeline.bubble_fraction == 5 / 8
+
+
+@pytest.mark.parametrize("f, b", [(1, 1), (1, 2), (2, 1), (0.3, 0.7)])
+@pytest.mark.parametrize("p, m", [(1, 1), (2, 5), (4, 8), (4, 3), (8, 16)])
+def test_gpipe_and_1f1b_closed_forms(f, b, p, m):
+    for name in ("gpipe", "1f1b"):
+        timeline = simulate(compile_program(name, p, m), CostModel(forward=f, backward=b))
+        assert timeline.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+        assert timeline.makespan == pytest.approx((m + p - 1) * (f + b))
+    assert simulate(compile_program("gpipe", p, m)).peak_inflight == (m,) * p
+    assert simulate(compile_program("1f1b", p, m)).peak_inflight == tuple(min(p - r, m) for r in range(p))
+
+
+@pytest.mark.parametrize("p, m, v", [(2, 4, 2), (4, 8, 2), (4, 12, 3), (3, 6, 4)])
+def test_interleaved_closed_form(p, m, v):
+    timeline = simulate(compile_program("interleaved-1f1b", p, m, v), CostModel(forward=1, backward=2))
+    assert timeline.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+
+
+def test_per_stage_costs_and_imbalance():
+    timeline = simulate(compile_program("gpipe", 2, 1), CostModel(forward=[1, 3], backward=[2, 6]))
+    assert timeline.makespan == 12  # 1 + 3 + 6 + 2
+    assert timeline.busy_per_rank() == (3, 9)
+
+
+def test_activation_memory_with_and_without_recompute():
+    cost = CostModel(activation_bytes=10, stash_bytes=100)
+    plain = simulate(compile_program("gpipe", 2, 4), cost)
+    recomputed = simulate(compile_program("gpipe", 2, 4, recompute=True), cost)
+    assert plain.peak_activation_bytes == (400, 400)
+    # inputs of all 4 microbatches (10 B each) plus one recomputed stash (100 B)
+    assert recomputed.peak_activation_bytes == (140, 140)
+
+
+def test_all_reduce_is_asynchronous_and_counts_in_makespan():
+    cost = CostModel(grad_bytes=1000, bandwidth=100)  # ring over 2 replicas moves 1000 B: 10 s
+    timeline = simulate(compile_program("gpipe", 1, 1, dp_size=2), cost)
+    assert timeline.makespan == 3 + 10
+    assert timeline.busy_per_rank() == (3,)
+
+
+def test_cost_list_of_wrong_length_is_refused():
+    with pytest.raises(ValueError, match="cost forward has 3 values but the program has 2 stages"):
+        simulate(compile_program("1f1b", 2, 2), CostModel(forward=[1, 1, 1]))
+
+
+def test_deadlock_is_the_validators_error():
+    program = loads("microbatches: 2\nstage_to_rank: 0 1\nrank 0: F0.0 B0.0 F0.1 B0.1\nrank 1: F1.1 F1.0 B1.0 B1.1\n")
+    with pytest.raises(DeadlockError, match="deadlock"):
+        simulate(program)
