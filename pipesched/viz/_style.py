@@ -1,0 +1,53 @@
+"""Colours, labels and units shared by every picture (no matplotlib import here).
+
+Palette: Okabe & Ito's colour-blind-safe set. Forward is a dark blue and backward a vermillion of
+clearly different lightness; each later virtual stage (model chunk) on a rank is lighter and hatched,
+so kinds and chunks stay apart in greyscale and for colour-blind readers.
+"""
+from __future__ import annotations
+
+from ..ir import Op
+
+BASE = {
+    Op.F: "#0072B2",  # blue
+    Op.B: "#D55E00",  # vermillion
+    Op.I: "#E69F00",  # orange
+    Op.W: "#009E73",  # bluish green
+    Op.R: "#CC79A7",  # reddish purple
+}
+KIND_NAME = {Op.F: "forward F", Op.B: "backward B", Op.I: "input grad I", Op.W: "weight grad W",
+             Op.R: "recompute R"}
+IDLE = "#f0f0f0"
+COMM_WAIT = "#bdbdbd"
+ALL_REDUCE = "#000000"
+DARK_TEXT = {Op.F, Op.B}  # kinds dark enough for white microbatch numbers on the first chunk
+CHUNK_HATCH = ("", "////", "\\\\\\\\", "xxx")
+
+
+def chunk_colour(op: Op, chunk: int, num_chunks: int) -> str:
+    """The fill colour of ``op`` on virtual stage ``chunk`` of ``num_chunks``: lighter for later chunks."""
+    base = BASE[op]
+    if num_chunks <= 1 or chunk == 0:
+        return base
+    mix = 0.45 * chunk / (num_chunks - 1) + 0.1
+    rgb = [int(base[i:i + 2], 16) for i in (1, 3, 5)]
+    rgb = [round(c + (255 - c) * mix) for c in rgb]
+    return "#" + "".join(f"{c:02x}" for c in rgb)
+
+
+def chunk_hatch(chunk: int) -> str:
+    """The hatch pattern of virtual stage ``chunk`` (none for the first)."""
+    return CHUNK_HATCH[chunk % len(CHUNK_HATCH)]
+
+
+def text_colour(op: Op, chunk: int) -> str:
+    return "white" if op in DARK_TEXT and chunk == 0 else "black"
+
+
+def time_unit(span: float) -> tuple[str, float]:
+    """A readable unit for a span in seconds: ``(label, factor)`` with ``seconds * factor`` in that unit."""
+    if span >= 1 or span <= 0:
+        return "s", 1.0
+    if span >= 1e-3:
+        return "ms", 1e3
+    return "µs", 1e6

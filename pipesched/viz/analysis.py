@@ -1,0 +1,186 @@
+"""Where the bubble is: each rank's idle time cut into warmup, steady, cooldown, communication, imbalance.
+
+Pure (no matplotlib): the numbers behind the pictures, for simulated and measured timelines alike.
+"""
+from __future__ import annotations
+
+from ..ir import COMPUTE_OPS, Op
+from ..timeline import Event, Timeline
+
+CATEGORIES = ("warmup", "steady", "cooldown", "communication", "imbalance")
+_EPS = 1e-12
+
+
+def bubble_breakdown(timeline: Timeline) -> dict:
+    """Cut every rank's idle time into five disjoint parts that add up to the bubble (seconds).
+
+    The step runs from ``T0`` (first event start) to ``T1 = T0 + makespan``. On rank ``r`` the idle time
+    is ``makespan - busy_r``: the instants in ``[T0, T1]`` not covered by a compute event (F, B, I, W, R).
+
+    - ``communication``: idle instants while a message the rank waits for is in flight. For the idle
+      gap that ends where a compute ``c`` starts, the message is the one ``c`` consumes
+      (``RECV_F(s, mb)`` for ``F(s, mb)``, ``RECV_B(s, mb)`` for ``B``/``I(s, mb)``); it is in flight from
+      its ``SEND``'s start (with no ``SEND`` event in the timeline: from when the receive was posted) to
+      the ``RECV``'s end (when it landed). For the trailing gap after the rank's last compute it is the
+      time the rank's ``ALL_REDUCE`` events are still running. A compute-only timeline (no SEND/RECV
+      events) has no communication wait.
+    - ``imbalance``: ``min(max_k busy_k - busy_r, idle_r - communication_r)``: the idle the rank has
+      because it computes less than the busiest rank — no schedule can remove it. It is 0 when every
+      rank does the same work (equal stage costs). It is taken out of the positional parts below in
+      the order steady, cooldown, warmup (a slower neighbour shows first in the steady phase).
+    - The other idle instants are labelled by position on the rank's own timeline:
+      ``warmup`` before its first backward (``B``/``I``) starts (the pipeline filling: forwards and the
+      first gradients travelling back; all idle of a rank with no backward), ``cooldown`` after its
+      last forward (``F``) ends and its first backward has started (the pipeline draining), and
+      ``steady`` in between (1F1B-style steady phase: the schedule's own steady-state gaps and delays
+      passed on from other ranks' communication waits).
+
+    Returns:
+        ``{"makespan": s, "idle": rank-seconds, "seconds": {category: rank-seconds, "total": ...},
+        "fraction": {category: rank-seconds / (ranks * makespan), "total": bubble fraction},
+        "per_rank": [{category: seconds, "idle": seconds}, ...]}``. ``fraction["total"]`` equals
+        ``timeline.bubble_fraction`` and the categories sum to it.
+    """
+    span = timeline.makespan
+    per_rank = [_rank_breakdown(timeline, rank) for rank in range(timeline.num_ranks)]
+    most = max((row["busy"] for row in per_rank), default=0.0)
+    for row in per_rank:
+        excess = min(most - row.pop("busy"), row["idle"] - row["communication"])
+        for name in ("steady", "cooldown", "warmup"):
+            taken = min(excess, row[name])
+            row[name] -= taken
+            row["imbalance"] += taken
+            excess -= taken
+    seconds = {name: sum(row[name] for row in per_rank) for name in CATEGORIES}
+    seconds["total"] = sum(row["idle"] for row in per_rank)
+    denominator = timeline.num_ranks * span
+    fraction = {name: (value / denominator if denominator > 0 else 0.0) for name, value in seconds.items()}
+    return {"makespan": span, "idle": seconds["total"], "seconds": seconds, "fraction": fraction,
+            "per_rank": per_rank}
+
+
+def communication_waits(timeline: Timeline) -> list[list[tuple[float, float, str]]]:
+    """Per rank, the idle intervals ``(start, end, kind)`` in seconds spent waiting on communication.
+
+    ``kind`` is ``"p2p"`` (a SEND/RECV message in flight) or ``"all-reduce"``; the intervals are those
+    :func:`bubble_breakdown` counts as ``communication``, ordered by start.
+    """
+    return [_split_rank(timeline, rank)[1] for rank in range(timeline.num_ranks)]
+
+
+def compute_events(timeline: Timeline, rank: int | None = None) -> list[Event]:
+    """The compute events (F, B, I, W, R) of ``rank`` (or of every rank), ordered by (rank, start)."""
+    return [e for e in timeline.events if e.instr.op in COMPUTE_OPS and (rank is None or e.rank == rank)]
+
+
+def stage_chunks(timeline: Timeline) -> dict[tuple[int, int], int]:
+    """``(rank, stage) -> chunk``: the index of ``stage`` among the stages ``rank`` runs (the virtual stage)."""
+    stages: dict[int, set] = {}
+    for event in timeline.events:
+        stages.setdefault(event.rank, set()).add(event.instr.stage)
+    return {(rank, stage): k for rank, held in stages.items() for k, stage in enumerate(sorted(held))}
+
+
+def _bounds(timeline: Timeline) -> tuple[float, float]:
+    if not timeline.events:
+        return 0.0, 0.0
+    t0 = min(e.start for e in timeline.events)
+    return t0, t0 + timeline.makespan
+
+
+def _merge(intervals) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1] + _EPS:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _overlap(a: float, b: float, c: float, d: float) -> tuple[float, float] | None:
+    lo, hi = max(a, c), min(b, d)
+    return (lo, hi) if hi > lo + _EPS else None
+
+
+def _message_windows(timeline: Timeline) -> dict:
+    """``(rank, consumer op group, stage, mb) -> (in flight from, landed)`` for every RECV event."""
+    sent = {}
+    for e in timeline.events:
+        i = e.instr
+        if i.op is Op.SEND_F:
+            sent[("F", i.stage + 1, i.microbatch)] = e.start
+        elif i.op is Op.SEND_B:
+            sent[("B", i.stage - 1, i.microbatch)] = e.start
+    windows = {}
+    for e in timeline.events:
+        i = e.instr
+        if i.op in (Op.RECV_F, Op.RECV_B):
+            key = ("F" if i.op is Op.RECV_F else "B", i.stage, i.microbatch)
+            windows[(e.rank,) + key] = (sent.get(key, e.start), e.end)
+    return windows
+
+
+def _split_rank(timeline: Timeline, rank: int) -> tuple[dict, list]:
+    """Idle of one rank: seconds per category and the communication-wait intervals."""
+    t0, t1 = _bounds(timeline)
+    computes = compute_events(timeline, rank)
+    busy = _merge((e.start, e.end) for e in computes)
+    starts = {}
+    for e in computes:
+        starts.setdefault(e.start, e)
+    windows = _message_windows(timeline)
+    reduces = [(e.start, e.end) for e in timeline.events if e.rank == rank and e.instr.op is Op.ALL_REDUCE]
+    backward_starts = [e.start for e in computes if e.instr.op in (Op.B, Op.I)]
+    warm_end = min(backward_starts) if backward_starts else t1
+    forward_ends = [e.end for e in computes if e.instr.op is Op.F]
+    cool_start = max([warm_end] + forward_ends)
+    result = dict.fromkeys(CATEGORIES, 0.0)
+    waits: list = []
+    cursor = t0
+    gaps = []
+    for start, end in busy + [(t1, t1)]:
+        if start > cursor + _EPS:
+            gaps.append((cursor, start))
+        cursor = max(cursor, end)
+    for a, b in gaps:
+        comm = _gap_waits(a, b, starts.get(b), rank, windows, reduces)
+        waits.extend(comm)
+        for lo, hi in _subtract(a, b, [(c0, c1) for c0, c1, _ in comm]):
+            result["warmup"] += _length(lo, hi, t0, warm_end)
+            result["steady"] += _length(lo, hi, warm_end, cool_start)
+            result["cooldown"] += _length(lo, hi, cool_start, t1)
+        result["communication"] += sum(c1 - c0 for c0, c1, _ in comm)
+    result["idle"] = sum(b - a for a, b in gaps)
+    result["busy"] = sum(b - a for a, b in busy)
+    return result, waits
+
+
+def _gap_waits(a, b, next_compute, rank, windows, reduces) -> list:
+    if next_compute is None:  # the trailing gap: waiting for the step's all-reduces
+        found = [_overlap(a, b, c, d) for c, d in _merge(reduces)]
+        return [(lo, hi, "all-reduce") for lo, hi in filter(None, found)]
+    i = next_compute.instr
+    group = "F" if i.op is Op.F else "B" if i.op in (Op.B, Op.I) else None
+    window = windows.get((rank, group, i.stage, i.microbatch)) if group else None
+    hit = window and _overlap(a, b, *window)
+    return [(hit[0], hit[1], "p2p")] if hit else []
+
+
+def _subtract(a: float, b: float, holes) -> list[tuple[float, float]]:
+    pieces, cursor = [], a
+    for lo, hi in sorted(holes):
+        if lo > cursor:
+            pieces.append((cursor, lo))
+        cursor = max(cursor, hi)
+    if b > cursor:
+        pieces.append((cursor, b))
+    return pieces
+
+
+def _length(lo: float, hi: float, c: float, d: float) -> float:
+    return max(0.0, min(hi, d) - max(lo, c))
+
+
+def _rank_breakdown(timeline: Timeline, rank: int) -> dict:
+    return _split_rank(timeline, rank)[0]

@@ -1,0 +1,232 @@
+"""Gantt chart of one timeline: a row per rank, a box per compute instruction, idle time as visible gaps."""
+from __future__ import annotations
+
+from ..ir import Op
+from ..timeline import Timeline, peak_inflight
+from . import _style
+from .analysis import communication_waits, compute_events, stage_chunks
+
+ROW_IN = 0.42  # inches per rank row
+LABEL_PT = 6.5  # microbatch number font size
+MARGINS_IN = {"left": 0.75, "right": 1.45, "top": 0.95, "bottom": 0.95}
+
+
+def plot_timeline(timeline: Timeline, ax=None, title: str | None = None):
+    """Draw ``timeline`` as a Gantt chart and return the matplotlib ``Figure``.
+
+    One row per rank (rank 0 on top); one box per compute instruction (F, B, I, W, R) coloured by kind,
+    later virtual stages lighter and hatched, with the microbatch number inside where it fits. Idle
+    time shows as light-grey gaps; the part of a gap spent waiting for a message in flight
+    ("communication wait", see :func:`~pipesched.viz.analysis.bubble_breakdown`) is hatched grey, and
+    all-reduces are thin black bars at the bottom of their row. The title names the schedule, p, m, v,
+    the source and the cost assumptions, and ends with the overall bubble fraction; the right margin
+    gives each rank's bubble fraction and peak in-flight microbatches. Times are seconds, shown in s,
+    ms or µs depending on the makespan.
+
+    Args:
+        timeline: a simulated or measured :class:`~pipesched.timeline.Timeline`.
+        ax: an Axes to draw into (its figure is returned); ``None`` makes a new headless (Agg) figure
+            sized so that boxes stay readable.
+        title: replaces the first title line (schedule and sizes); the cost/bubble line stays.
+    Returns:
+        The ``matplotlib.figure.Figure`` (saving is the caller's: ``fig.savefig("x.png")``).
+    Raises:
+        ValueError: the timeline has no events or no ranks.
+    """
+    _check(timeline)
+    if ax is None:
+        fig, ax = new_figure(timeline, timeline.num_ranks)
+    else:
+        fig = ax.figure
+    draw_rows(ax, timeline)
+    _rank_axis(ax, timeline.num_ranks)
+    _annotate_ranks(ax, timeline)
+    set_title(ax, title_text(timeline, title))
+    _time_axis(ax, timeline)
+    add_legend(ax, timeline)
+    return fig
+
+
+def new_figure(timeline: Timeline, rows: float, extra_rows_in: float = 0.0):
+    """A headless Agg figure and its main Axes laid out in inches for ``rows`` rank rows."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    width = axes_width_in(timeline)
+    height = max(1.3, rows * ROW_IN)
+    m = MARGINS_IN
+    fig_w = width + m["left"] + m["right"]
+    fig_h = height + m["top"] + m["bottom"] + extra_rows_in
+    fig = Figure(figsize=(fig_w, fig_h), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_axes([m["left"] / fig_w, (m["bottom"] + extra_rows_in) / fig_h, width / fig_w, height / fig_h])
+    return fig, ax
+
+
+def axes_width_in(timeline: Timeline) -> float:
+    """Inches of time axis so that a typical compute box is about 11 points wide (6 to 20 inches)."""
+    durations = sorted(e.duration for e in compute_events(timeline) if e.duration > 0)
+    if not durations or timeline.makespan <= 0:
+        return 8.0
+    typical = durations[len(durations) // 4]
+    return min(20.0, max(6.0, timeline.makespan / typical * 11 / 72))
+
+
+def draw_rows(ax, timeline: Timeline, offset: float = 0.0, height: float = 0.8, labels: bool = True,
+              tag: str = "") -> int:
+    """Draw idle bands, communication waits, compute boxes and all-reduces; return the boxes drawn.
+
+    Row ``r`` is centred at ``y = r + offset`` with boxes ``height`` tall (data units). Every compute box
+    is a ``Rectangle`` whose gid is ``"{tag}compute:{rank}:{instr}"``.
+    """
+    from matplotlib.patches import Rectangle
+
+    t0 = min(e.start for e in timeline.events)
+    t1 = t0 + timeline.makespan
+    unit, factor = _style.time_unit(timeline.makespan)
+    half = height / 2
+    for rank in range(timeline.num_ranks):
+        y = rank + offset
+        ax.add_patch(Rectangle((0.0, y - half), (t1 - t0) * factor, height,
+                               facecolor=_style.IDLE, edgecolor="none", zorder=0, gid=f"{tag}idle:{rank}"))
+    for rank, waits in enumerate(communication_waits(timeline)):
+        for start, end, kind in waits:
+            if kind == "p2p":
+                ax.add_patch(Rectangle(((start - t0) * factor, rank + offset - half), (end - start) * factor,
+                                       height, facecolor="white", edgecolor=_style.COMM_WAIT, hatch="xxxx",
+                                       linewidth=0, zorder=1, gid=f"{tag}wait:{rank}"))
+    chunks = stage_chunks(timeline)
+    counts = _chunk_counts(chunks)
+    points_per_unit = _points_per_data_unit(ax, timeline.makespan * factor)
+    drawn = 0
+    for event in compute_events(timeline):
+        instr, rank = event.instr, event.rank
+        chunk = chunks[(rank, instr.stage)]
+        x, w = (event.start - t0) * factor, event.duration * factor
+        ax.add_patch(Rectangle((x, rank + offset - half), w, height,
+                               facecolor=_style.chunk_colour(instr.op, chunk, counts[rank]),
+                               hatch=_style.chunk_hatch(chunk), edgecolor="white", linewidth=0.4,
+                               zorder=2, gid=f"{tag}compute:{rank}:{instr}"))
+        drawn += 1
+        text = str(instr.microbatch)
+        if labels and w * points_per_unit >= len(text) * 0.62 * LABEL_PT + 2.5:
+            ax.text(x + w / 2, rank + offset, text, ha="center", va="center", fontsize=LABEL_PT,
+                    color=_style.text_colour(instr.op, chunk), zorder=3, clip_on=True)
+    for event in timeline.events:
+        if event.instr.op is Op.ALL_REDUCE:
+            y = event.rank + offset + half
+            ax.add_patch(Rectangle(((event.start - t0) * factor, y - 0.14 * height),
+                                   max(event.duration, 0) * factor, 0.14 * height, facecolor=_style.ALL_REDUCE,
+                                   edgecolor="none", zorder=4, gid=f"{tag}allreduce:{event.rank}:{event.instr}"))
+    ax.set_xlim(-0.01 * (t1 - t0) * factor, (t1 - t0) * factor * 1.01)
+    return drawn
+
+
+def title_text(timeline: Timeline, title: str | None = None) -> str:
+    """Two title lines: schedule and sizes (or ``title``), then costs and the overall bubble fraction."""
+    meta = timeline.meta
+    first = title or (
+        f"{meta.get('schedule', 'custom')}  ·  p={meta.get('ranks', timeline.num_ranks)} ranks  ·  "
+        f"m={meta.get('microbatches', '?')} microbatches  ·  v={meta.get('virtual_stages', '?')}"
+        + (f"  ·  dp={meta['dp_size']}" if meta.get("dp_size", 1) != 1 else "")
+        + f"  ·  {timeline.source}"
+    )
+    unit, factor = _style.time_unit(timeline.makespan)
+    cost = meta.get("cost") or ("costs as measured" if timeline.source == "measured" else "default costs")
+    cost_label = f"costs (s per stage per microbatch): {cost}" if meta.get("cost") else cost
+    second = (f"{cost_label}  ·  makespan {timeline.makespan * factor:.4g} {unit}  ·  "
+              f"bubble {100 * timeline.bubble_fraction:.2f}%")
+    return first + "\n" + second
+
+
+def set_title(ax, text: str, fontsize: float = 9.5) -> None:
+    """Left-aligned title wrapped to the Axes width (long cost lists must not run off the figure)."""
+    import textwrap
+
+    width_pt = ax.get_position().width * ax.figure.get_figwidth() * 72
+    chars = max(30, int(width_pt / (0.56 * fontsize)))
+    lines = [wrapped for line in text.split("\n") for wrapped in textwrap.wrap(line, chars) or [""]]
+    ax.set_title("\n".join(lines), fontsize=fontsize, loc="left", gid="title")
+
+
+def rank_peaks(timeline: Timeline) -> tuple[int, ...]:
+    """Peak in-flight microbatches per rank: the timeline's own, else counted from its event order."""
+    if len(timeline.peak_inflight) == timeline.num_ranks:
+        return tuple(timeline.peak_inflight)
+    streams = [[e.instr for e in timeline.events if e.rank == r] for r in range(timeline.num_ranks)]
+    return peak_inflight(streams)
+
+
+def add_legend(ax, timeline: Timeline, extra: tuple = ()) -> None:
+    """A one- or two-row legend under the time axis with only the kinds the timeline has."""
+    from matplotlib.patches import Patch
+
+    chunks = stage_chunks(timeline)
+    num_chunks = max(_chunk_counts(chunks).values(), default=1)
+    ops = [op for op in _style.BASE if any(e.instr.op is op for e in timeline.events)]
+    handles = []
+    for op in ops:
+        for chunk in range(num_chunks):
+            suffix = f", chunk {chunk}" if num_chunks > 1 else ""
+            handles.append(Patch(facecolor=_style.chunk_colour(op, chunk, num_chunks), edgecolor="white",
+                                 hatch=_style.chunk_hatch(chunk), label=_style.KIND_NAME[op] + suffix))
+    handles.append(Patch(facecolor=_style.IDLE, label="idle (bubble)"))
+    if any(waits for waits in communication_waits(timeline)):
+        handles.append(Patch(facecolor="white", edgecolor=_style.COMM_WAIT, hatch="xxxx", label="comm wait"))
+    if any(e.instr.op is Op.ALL_REDUCE for e in timeline.events):
+        handles.append(Patch(facecolor=_style.ALL_REDUCE, label="all-reduce"))
+    handles.extend(extra)
+    width_in = ax.get_position().width * ax.figure.get_figwidth()
+    ncol = max(1, min(len(handles), int(width_in / 1.45)))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.4 / _rows_in(ax)),
+              ncol=ncol, fontsize=7.5, frameon=False, handlelength=1.6, columnspacing=1.2)
+
+
+def _annotate_ranks(ax, timeline: Timeline, offset: float = 0.0) -> None:
+    peaks = rank_peaks(timeline)
+    transform = ax.get_yaxis_transform()
+    ax.text(1.01, -0.62 + offset, "bubble   peak\n             in-flight", transform=transform, fontsize=7,
+            va="bottom", ha="left", color="#444444", clip_on=False)
+    for rank, bubble in enumerate(timeline.bubble_per_rank()):
+        ax.text(1.01, rank + offset, f"{100 * bubble:5.1f}%   {peaks[rank]:>4d}", transform=transform,
+                fontsize=7.5, va="center", ha="left", family="monospace", clip_on=False,
+                gid=f"bubble-rank-{rank}")
+
+
+def _rank_axis(ax, num_ranks: int) -> None:
+    ax.set_ylim(num_ranks - 0.5, -0.5)
+    ax.set_yticks(range(num_ranks))
+    ax.set_yticklabels([f"rank {r}" for r in range(num_ranks)], fontsize=8)
+    ax.tick_params(axis="y", length=0)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+
+
+def _time_axis(ax, timeline: Timeline) -> None:
+    unit, _ = _style.time_unit(timeline.makespan)
+    ax.set_xlabel(f"time from step start ({unit})", fontsize=8)
+    ax.tick_params(axis="x", labelsize=7.5)
+    ax.grid(axis="x", color="#dddddd", linewidth=0.5, zorder=-1)
+    ax.set_axisbelow(True)
+
+
+def _chunk_counts(chunks: dict) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for (rank, _), k in chunks.items():
+        counts[rank] = max(counts.get(rank, 0), k + 1)
+    return counts
+
+
+def _points_per_data_unit(ax, span: float) -> float:
+    width_pt = ax.get_position().width * ax.figure.get_figwidth() * 72
+    return width_pt / (span * 1.02) if span > 0 else 0.0
+
+
+def _rows_in(ax) -> float:
+    return ax.get_position().height * ax.figure.get_figheight()
+
+
+def _check(timeline: Timeline) -> None:
+    if timeline.num_ranks < 1 or not timeline.events:
+        raise ValueError(f"cannot draw a timeline with {timeline.num_ranks} ranks and "
+                         f"{len(timeline.events)} events")
