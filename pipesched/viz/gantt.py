@@ -39,10 +39,10 @@ def plot_timeline(timeline: Timeline, ax=None, title: str | None = None):
     else:
         fig = ax.figure
     draw_rows(ax, timeline)
-    _rank_axis(ax, timeline.num_ranks)
-    _annotate_ranks(ax, timeline)
+    rank_axis(ax, timeline.num_ranks)
+    annotate_ranks(ax, timeline)
     set_title(ax, title_text(timeline, title))
-    _time_axis(ax, timeline)
+    time_axis(ax, timeline)
     add_legend(ax, timeline)
     return fig
 
@@ -73,17 +73,19 @@ def axes_width_in(timeline: Timeline) -> float:
 
 
 def draw_rows(ax, timeline: Timeline, offset: float = 0.0, height: float = 0.8, labels: bool = True,
-              tag: str = "") -> int:
+              tag: str = "", factor: float | None = None) -> int:
     """Draw idle bands, communication waits, compute boxes and all-reduces; return the boxes drawn.
 
     Row ``r`` is centred at ``y = r + offset`` with boxes ``height`` tall (data units). Every compute box
-    is a ``Rectangle`` whose gid is ``"{tag}compute:{rank}:{instr}"``.
+    is a ``Rectangle`` whose gid is ``"{tag}compute:{rank}:{instr}"``. ``factor`` converts seconds to
+    the x unit (default: the unit :func:`~pipesched.viz._style.time_unit` picks for the makespan).
     """
     from matplotlib.patches import Rectangle
 
     t0 = min(e.start for e in timeline.events)
     t1 = t0 + timeline.makespan
-    unit, factor = _style.time_unit(timeline.makespan)
+    if factor is None:
+        factor = _style.time_unit(timeline.makespan)[1]
     half = height / 2
     for rank in range(timeline.num_ranks):
         y = rank + offset
@@ -118,7 +120,8 @@ def draw_rows(ax, timeline: Timeline, offset: float = 0.0, height: float = 0.8, 
             ax.add_patch(Rectangle(((event.start - t0) * factor, y - 0.14 * height),
                                    max(event.duration, 0) * factor, 0.14 * height, facecolor=_style.ALL_REDUCE,
                                    edgecolor="none", zorder=4, gid=f"{tag}allreduce:{event.rank}:{event.instr}"))
-    ax.set_xlim(-0.01 * (t1 - t0) * factor, (t1 - t0) * factor * 1.01)
+    lo, hi = ax.get_xlim() if ax.get_autoscalex_on() is False else (0.0, 0.0)
+    ax.set_xlim(min(lo, -0.01 * (t1 - t0) * factor), max(hi, (t1 - t0) * factor * 1.01))
     return drawn
 
 
@@ -182,7 +185,7 @@ def add_legend(ax, timeline: Timeline, extra: tuple = ()) -> None:
               ncol=ncol, fontsize=7.5, frameon=False, handlelength=1.6, columnspacing=1.2)
 
 
-def _annotate_ranks(ax, timeline: Timeline, offset: float = 0.0) -> None:
+def annotate_ranks(ax, timeline: Timeline, offset: float = 0.0) -> None:
     peaks = rank_peaks(timeline)
     transform = ax.get_yaxis_transform()
     ax.text(1.01, -0.62 + offset, "bubble   peak\n             in-flight", transform=transform, fontsize=7,
@@ -193,7 +196,7 @@ def _annotate_ranks(ax, timeline: Timeline, offset: float = 0.0) -> None:
                 gid=f"bubble-rank-{rank}")
 
 
-def _rank_axis(ax, num_ranks: int) -> None:
+def rank_axis(ax, num_ranks: int) -> None:
     ax.set_ylim(num_ranks - 0.5, -0.5)
     ax.set_yticks(range(num_ranks))
     ax.set_yticklabels([f"rank {r}" for r in range(num_ranks)], fontsize=8)
@@ -202,8 +205,8 @@ def _rank_axis(ax, num_ranks: int) -> None:
         ax.spines[side].set_visible(False)
 
 
-def _time_axis(ax, timeline: Timeline) -> None:
-    unit, _ = _style.time_unit(timeline.makespan)
+def time_axis(ax, timeline: Timeline, unit: str | None = None) -> None:
+    unit = unit or _style.time_unit(timeline.makespan)[0]
     ax.set_xlabel(f"time from step start ({unit})", fontsize=8)
     ax.tick_params(axis="x", labelsize=7.5)
     ax.grid(axis="x", color="#dddddd", linewidth=0.5, zorder=-1)

@@ -1,0 +1,126 @@
+"""``pipesched render``: draw a schedule's timeline or a measured run, or export it as a Chrome trace.
+
+Importing this module does not import matplotlib (``pipesched --help`` stays fast); drawing does.
+Standalone: ``python -m pipesched.viz.cli render 1f1b -p 8 -m 32 -o 1f1b.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+IMAGE_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def add_render_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``render`` on an argparse subparsers object; the parsed args run with :func:`run_render`.
+
+    Usage: ``render SCHEDULE --ranks P --microbatches M [--virtual-stages V] [--dp D] [--recompute]
+    [cost options] -o FILE.png|.svg|.pdf|.json`` or ``render --trace MEASURED.json [--compare] -o FILE``.
+    """
+    from ..cli import add_cost_args
+    from ..schedules import SCHEDULES
+
+    parser = subparsers.add_parser(
+        "render", help="draw a timeline (.png/.svg/.pdf) or export a Chrome trace (.json)",
+        description="Simulate SCHEDULE with the cost options and draw its timeline, or draw a measured run "
+                    "the runtime saved (--trace). The output's suffix picks the format: .png/.svg/.pdf is a "
+                    "Gantt chart, .json a Chrome/Perfetto trace.")
+    parser.add_argument("schedule", nargs="?", metavar="SCHEDULE", help=f"schedule name: {', '.join(SCHEDULES)}")
+    parser.add_argument("--ranks", "-p", type=int, default=4, help="pipeline ranks p (default 4)")
+    parser.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step m (default 8)")
+    parser.add_argument("--virtual-stages", "-v", type=int, default=None,
+                        help="stages per rank v (default: the schedule's)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (adds ALL_REDUCE; default 1)")
+    parser.add_argument("--recompute", action="store_true", help="recompute every stage's forward before its backward")
+    add_cost_args(parser)
+    parser.add_argument("--trace", metavar="MEASURED.json", help="a timeline saved with Timeline.save (measured run)")
+    parser.add_argument("--compare", action="store_true",
+                        help="with --trace: draw the prediction (costs fitted from the run) beside the measurement")
+    parser.add_argument("--mode", choices=("side-by-side", "overlay"), default="side-by-side",
+                        help="layout of --compare (default side-by-side)")
+    parser.add_argument("--output", "-o", required=True, metavar="FILE", help="FILE.png|.svg|.pdf|.json")
+    parser.add_argument("--title", default=None, help="replace the first title line")
+    parser.add_argument("--dpi", type=int, default=110, help="dots per inch of a .png (default 110)")
+    parser.set_defaults(func=run_render)
+    return parser
+
+
+def run_render(args: argparse.Namespace) -> int:
+    """Run ``render`` with parsed ``args``; returns the exit status (0 done, 2 bad input).
+
+    Writes the file named by ``args.output`` and prints one line naming it and its bubble fraction.
+    Errors (unknown schedule, bad sizes, unreadable trace, unknown suffix) are printed to stderr.
+    """
+    from ..errors import ScheduleError
+
+    try:
+        return _render(args)
+    except (ScheduleError, ValueError, KeyError, OSError) as exc:
+        message = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.strerror else exc
+        print(f"error: render: {message}", file=sys.stderr)
+        return 2
+
+
+def _render(args: argparse.Namespace) -> int:
+    out = Path(args.output)
+    suffix = out.suffix.lower()
+    if suffix not in IMAGE_SUFFIXES + (".json",):
+        raise ValueError(f"cannot tell the format of {out}: use .png, .svg, .pdf or .json")
+    if (args.trace is None) == (args.schedule is None):
+        raise ValueError("give a SCHEDULE to simulate or --trace MEASURED.json, exactly one of them")
+    if args.compare and (args.trace is None or suffix == ".json"):
+        raise ValueError("--compare needs --trace and an image output (.png/.svg/.pdf)")
+    timeline = _load(args.trace) if args.trace else _simulate(args)
+    if suffix == ".json":
+        from .trace import save_chrome_trace
+
+        save_chrome_trace(timeline, out)
+        print(f"wrote {out}: Chrome trace, {len(timeline.events)} events on {timeline.num_ranks} ranks")
+        return 0
+    if args.compare:
+        from .compare import plot_comparison, predict_for
+
+        figure = plot_comparison(predict_for(timeline), timeline, mode=args.mode, title=args.title)
+    else:
+        from .gantt import plot_timeline
+
+        figure = plot_timeline(timeline, title=args.title)
+    figure.savefig(out, dpi=args.dpi)
+    print(f"wrote {out}: {timeline.source} timeline, bubble fraction {timeline.bubble_fraction:.4f}")
+    return 0
+
+
+def _simulate(args: argparse.Namespace):
+    from ..api import compile_program
+    from ..cli import cost_from_args
+    from ..sim import simulate
+
+    program = compile_program(args.schedule, args.ranks, args.microbatches, args.virtual_stages,
+                              dp_size=args.dp, recompute=bool(args.recompute))
+    return simulate(program, cost_from_args(args), check=False)
+
+
+def _load(path: str):
+    from ..timeline import Timeline
+
+    try:
+        return Timeline.load(path)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON ({exc.msg} at line {exc.lineno}); expected a file written "
+                         f"by Timeline.save") from None
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{path} is not a saved Timeline (missing or bad field {exc})") from None
+
+
+def main(argv=None) -> int:
+    """``python -m pipesched.viz.cli render ...``: the subcommand without the rest of the CLI."""
+    parser = argparse.ArgumentParser(prog="pipesched.viz")
+    add_render_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""Simulated vs measured: predict a measured run, draw both, and put the two bubbles side by side."""
+from __future__ import annotations
+
+import statistics
+
+from ..api import compile_program
+from ..cost import CostModel
+from ..ir import Op
+from ..sim import simulate
+from ..timeline import Timeline
+from . import _style
+from .analysis import CATEGORIES, bubble_breakdown
+from .gantt import (ROW_IN, add_legend, annotate_ranks, axes_width_in, draw_rows, rank_axis, set_title,
+                    time_axis, title_text)
+
+__all__ = ["bubble_breakdown", "fit_cost", "plot_comparison", "predict_for"]
+
+_COST_FIELD = {Op.F: "forward", Op.B: "backward", Op.I: "input_grad", Op.W: "weight_grad", Op.R: "recompute"}
+BREAKDOWN_IN = 1.9  # inches of the breakdown bar panel
+
+
+def fit_cost(measured: Timeline) -> CostModel:
+    """A cost model read off a timeline: per stage, the mean seconds of each compute kind it ran.
+
+    ``latency`` is the shortest time any message took from its SEND's start to its RECV's end (the
+    best case of a transfer; 0 with no matched messages). All-reduce times are not fitted.
+
+    Raises:
+        ValueError: the timeline has no forward (``F``) events.
+    """
+    stages = 1 + max((e.instr.stage for e in measured.events), default=-1)
+    samples: dict = {}
+    for event in measured.events:
+        if event.instr.op in _COST_FIELD:
+            samples.setdefault((event.instr.op, event.instr.stage), []).append(event.duration)
+    if not any(op is Op.F for op, _ in samples):
+        raise ValueError("cannot fit costs: the timeline has no forward (F) events")
+    fields = {}
+    for op, name in _COST_FIELD.items():
+        if any(o is op for o, _ in samples):
+            fields[name] = [statistics.fmean(samples.get((op, s), [0.0])) for s in range(stages)]
+    if "backward" not in fields:
+        i, w = fields.get("input_grad", [0.0] * stages), fields.get("weight_grad", [0.0] * stages)
+        fields["backward"] = [a + b for a, b in zip(i, w)]
+    return CostModel(latency=_fitted_latency(measured), **fields)
+
+
+def predict_for(measured: Timeline, cost: CostModel | None = None) -> Timeline:
+    """Simulate the program a measured run executed, with ``cost`` (default: :func:`fit_cost`).
+
+    The program is compiled from the measured timeline's ``meta`` (``schedule``, ``ranks``,
+    ``microbatches``, ``virtual_stages``, ``dp_size``), recomputing the stages that have ``R`` events.
+
+    Raises:
+        ValueError: ``meta`` does not name a registered schedule and its sizes.
+        UnknownScheduleError, ScheduleArgumentError: as :func:`pipesched.compile_program`.
+    """
+    meta = measured.meta
+    missing = [k for k in ("schedule", "microbatches") if k not in meta]
+    if missing:
+        raise ValueError(f"the measured timeline's meta lacks {missing}; it has {sorted(meta)} — cannot "
+                         f"recompile its program to predict it")
+    ranks = int(meta.get("ranks", measured.num_ranks))
+    v = meta.get("virtual_stages")
+    recomputed = {e.instr.stage for e in measured.events if e.instr.op is Op.R}
+    stages = ranks * (int(v) if v else 1)
+    recompute = bool(recomputed) and (True if len(recomputed) == stages else
+                                      [s in recomputed for s in range(stages)])
+    program = compile_program(meta["schedule"], ranks, int(meta["microbatches"]), None if v is None else int(v),
+                              dp_size=int(meta.get("dp_size", 1)), recompute=recompute)
+    return simulate(program, cost or fit_cost(measured), check=False)
+
+
+def plot_comparison(simulated: Timeline, measured: Timeline, mode: str = "side-by-side", title: str | None = None):
+    """Draw a simulated and a measured timeline of the same program, with both bubbles and breakdowns.
+
+    ``"side-by-side"``: the predicted Gantt chart above the measured one on one time scale, each titled
+    with its bubble fraction. ``"overlay"``: one chart, each rank row split in two — predicted on top,
+    measured below. Both modes end with a bar chart of :func:`bubble_breakdown` (percent of
+    ranks x makespan) for predicted and measured, with the measured bubble next to the predicted one.
+
+    Args:
+        simulated: the prediction (e.g. :func:`predict_for` of ``measured``).
+        measured: the measured timeline (``Timeline.load`` of the runtime's file).
+        mode: ``"side-by-side"`` or ``"overlay"``.
+        title: the figure's first title line (default: schedule and sizes of ``measured``).
+    Returns:
+        The headless (Agg) ``matplotlib.figure.Figure``.
+    Raises:
+        ValueError: unknown ``mode``, an empty timeline, or different rank counts.
+    """
+    if mode not in ("side-by-side", "overlay"):
+        raise ValueError(f"mode must be 'side-by-side' or 'overlay', got {mode!r}")
+    if simulated.num_ranks != measured.num_ranks or not simulated.events or not measured.events:
+        raise ValueError(f"need two non-empty timelines with the same ranks, got {simulated.num_ranks} "
+                         f"and {measured.num_ranks} ranks")
+    unit, factor = _style.time_unit(max(simulated.makespan, measured.makespan))
+    p = measured.num_ranks
+    panels = [p, p] if mode == "side-by-side" else [2 * p * 0.8]
+    fig, gantt_axes, bar_ax = _layout(max(simulated, measured, key=axes_width_in), panels)
+    head = title or title_text(measured).split("\n")[0].replace(f"  ·  {measured.source}", "")
+    versus = (f"measured bubble {100 * measured.bubble_fraction:.2f}%  vs  predicted "
+              f"{100 * simulated.bubble_fraction:.2f}%")
+    fig.suptitle(f"{head}\n{versus}", x=0.01, ha="left", fontsize=11, y=0.995, va="top")
+    if mode == "side-by-side":
+        for ax, timeline, name in zip(gantt_axes, (simulated, measured), ("predicted", "measured")):
+            draw_rows(ax, timeline, factor=factor, tag=f"{name}:")
+            rank_axis(ax, p)
+            annotate_ranks(ax, timeline)
+            time_axis(ax, timeline, unit)
+            source = "" if timeline.source == name else f" ({timeline.source})"
+            set_title(ax, f"{name}{source}  ·  {timeline.meta.get('cost', 'costs as measured')}"
+                          f"  ·  makespan {timeline.makespan * factor:.4g} {unit}  ·  "
+                          f"bubble {100 * timeline.bubble_fraction:.2f}%")
+        gantt_axes[0].set_xlabel("")
+        _share_xlim(gantt_axes)
+        add_legend(gantt_axes[1], measured)
+    else:
+        _overlay(gantt_axes[0], simulated, measured, factor, unit)
+    _breakdown_bars(bar_ax, simulated, measured)
+    return fig
+
+
+def _overlay(ax, simulated: Timeline, measured: Timeline, factor: float, unit: str) -> None:
+    draw_rows(ax, simulated, offset=-0.21, height=0.4, tag="predicted:", factor=factor)
+    draw_rows(ax, measured, offset=0.21, height=0.4, tag="measured:", factor=factor)
+    rank_axis(ax, measured.num_ranks)
+    ax.set_yticklabels([f"rank {r}\npred / meas" for r in range(measured.num_ranks)], fontsize=7.5)
+    transform = ax.get_yaxis_transform()
+    for rank, (a, b) in enumerate(zip(simulated.bubble_per_rank(), measured.bubble_per_rank())):
+        ax.text(1.01, rank, f"{100 * a:5.1f}%\n{100 * b:5.1f}%", transform=transform, fontsize=7.5,
+                va="center", ha="left", family="monospace", clip_on=False, gid=f"bubble-rank-{rank}")
+    ax.text(1.01, -0.62, "bubble\npred/meas", transform=transform, fontsize=7, va="bottom", color="#444444")
+    time_axis(ax, measured, unit)
+    set_title(ax, f"each row: predicted (top, {simulated.meta.get('cost', '')}) and measured (bottom)")
+    add_legend(ax, measured)
+
+
+def _breakdown_bars(ax, simulated: Timeline, measured: Timeline) -> None:
+    import numpy as np
+
+    names = ("total",) + CATEGORIES
+    x = np.arange(len(names))
+    for shift, timeline, colour, label in ((-0.2, simulated, "#999999", "predicted"),
+                                           (0.2, measured, "#0072B2", "measured")):
+        fractions = bubble_breakdown(timeline)["fraction"]
+        values = [100 * fractions[n] for n in names]
+        bars = ax.bar(x + shift, values, width=0.38, color=colour, label=label, gid=f"breakdown:{label}")
+        ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=1)
+    ax.set_xticks(x, ["bubble (total)"] + [n for n in CATEGORIES], fontsize=8)
+    ax.set_ylabel("% of ranks × makespan", fontsize=8)
+    ax.tick_params(axis="y", labelsize=7.5)
+    ax.set_ylim(0, max(5.0, ax.get_ylim()[1] * 1.15))
+    ax.legend(fontsize=8, frameon=False, loc="upper right")
+    ax.set_title("bubble breakdown (see pipesched.viz.bubble_breakdown)", fontsize=9, loc="left")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+
+def _layout(timeline: Timeline, panels: list[float]):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    width = axes_width_in(timeline)
+    left, right, top, gap, bottom = 0.85, 1.45, 0.5, 1.6, 0.45
+    heights = [max(1.2, rows * ROW_IN) for rows in panels]
+    fig_w = width + left + right
+    fig_h = top + sum(heights) + gap * len(heights) + BREAKDOWN_IN + bottom
+    fig = Figure(figsize=(fig_w, fig_h), dpi=110)
+    FigureCanvasAgg(fig)
+    axes, cursor = [], fig_h - top - 0.45
+    for height in heights:
+        cursor -= height
+        axes.append(fig.add_axes([left / fig_w, cursor / fig_h, width / fig_w, height / fig_h]))
+        cursor -= gap - (0.3 if len(axes) < len(heights) else 0.0)
+    bar_w = min(width, 7.5)
+    bar = fig.add_axes([left / fig_w, bottom / fig_h, bar_w / fig_w, BREAKDOWN_IN / fig_h])
+    return fig, axes, bar
+
+
+def _share_xlim(axes) -> None:
+    lo = min(ax.get_xlim()[0] for ax in axes)
+    hi = max(ax.get_xlim()[1] for ax in axes)
+    for ax in axes:
+        ax.set_xlim(lo, hi)
+
+
+def _fitted_latency(timeline: Timeline) -> float:
+    sent = {}
+    for e in timeline.events:
+        if e.instr.op is Op.SEND_F:
+            sent[("F", e.instr.stage + 1, e.instr.microbatch)] = e.start
+        elif e.instr.op is Op.SEND_B:
+            sent[("B", e.instr.stage - 1, e.instr.microbatch)] = e.start
+    flights = []
+    for e in timeline.events:
+        if e.instr.op in (Op.RECV_F, Op.RECV_B):
+            key = ("F" if e.instr.op is Op.RECV_F else "B", e.instr.stage, e.instr.microbatch)
+            if key in sent:
+                flights.append(max(0.0, e.end - sent[key]))
+    return min(flights, default=0.0)
