@@ -18,7 +18,7 @@ BASE = {
 KIND_NAME = {Op.F: "forward F", Op.B: "backward B", Op.I: "input grad I", Op.W: "weight grad W",
              Op.R: "recompute R"}
 IDLE = "#f0f0f0"
-COMM_WAIT = "#bdbdbd"
+COMM_WAIT = "#8c8c8c"
 ALL_REDUCE = "#000000"
 DARK_TEXT = {Op.F, Op.B}  # kinds dark enough for white microbatch numbers on the first chunk
 CHUNK_HATCH = ("", "////", "\\\\\\\\", "xxx")

@@ -8,7 +8,8 @@ from .analysis import communication_waits, compute_events, stage_chunks
 
 ROW_IN = 0.42  # inches per rank row
 LABEL_PT = 6.5  # microbatch number font size
-MARGINS_IN = {"left": 0.75, "right": 1.45, "top": 0.95, "bottom": 0.95}
+MARGINS_IN = {"left": 0.75, "right": 1.45, "top": 0.75, "bottom": 0.95}
+SEP = "  ·  "
 
 
 def plot_timeline(timeline: Timeline, ax=None, title: str | None = None):
@@ -34,14 +35,17 @@ def plot_timeline(timeline: Timeline, ax=None, title: str | None = None):
         ValueError: the timeline has no events or no ranks.
     """
     _check(timeline)
-    if ax is None:
+    own = ax is None
+    if own:
         fig, ax = new_figure(timeline, timeline.num_ranks)
     else:
         fig = ax.figure
     draw_rows(ax, timeline)
     rank_axis(ax, timeline.num_ranks)
     annotate_ranks(ax, timeline)
-    set_title(ax, title_text(timeline, title))
+    lines = set_title(ax, title_text(timeline, title))
+    if own and lines > 2:
+        grow_top(fig, (lines - 2) * 0.19)
     time_axis(ax, timeline)
     add_legend(ax, timeline)
     return fig
@@ -126,30 +130,48 @@ def draw_rows(ax, timeline: Timeline, offset: float = 0.0, height: float = 0.8, 
 
 
 def title_text(timeline: Timeline, title: str | None = None) -> str:
-    """Two title lines: schedule and sizes (or ``title``), then costs and the overall bubble fraction."""
+    """Two title lines: schedule and sizes (or ``title``), then the overall bubble fraction and the costs."""
     meta = timeline.meta
-    first = title or (
-        f"{meta.get('schedule', 'custom')}  ·  p={meta.get('ranks', timeline.num_ranks)} ranks  ·  "
-        f"m={meta.get('microbatches', '?')} microbatches  ·  v={meta.get('virtual_stages', '?')}"
-        + (f"  ·  dp={meta['dp_size']}" if meta.get("dp_size", 1) != 1 else "")
-        + f"  ·  {timeline.source}"
-    )
+    first = title or SEP.join(
+        [f"{meta.get('schedule', 'custom')}", f"p={meta.get('ranks', timeline.num_ranks)} ranks",
+         f"m={meta.get('microbatches', '?')} microbatches", f"v={meta.get('virtual_stages', '?')}"]
+        + ([f"dp={meta['dp_size']}"] if meta.get("dp_size", 1) != 1 else []) + [timeline.source])
     unit, factor = _style.time_unit(timeline.makespan)
     cost = meta.get("cost") or ("costs as measured" if timeline.source == "measured" else "default costs")
-    cost_label = f"costs (s per stage per microbatch): {cost}" if meta.get("cost") else cost
-    second = (f"{cost_label}  ·  makespan {timeline.makespan * factor:.4g} {unit}  ·  "
-              f"bubble {100 * timeline.bubble_fraction:.2f}%")
+    cost_label = f"costs [s per stage and microbatch]: {cost}" if meta.get("cost") else cost
+    second = (f"bubble {100 * timeline.bubble_fraction:.2f}%{SEP}makespan {timeline.makespan * factor:.4g} "
+              f"{unit}{SEP}{cost_label}")
     return first + "\n" + second
 
 
-def set_title(ax, text: str, fontsize: float = 9.5) -> None:
-    """Left-aligned title wrapped to the Axes width (long cost lists must not run off the figure)."""
+def set_title(ax, text: str, fontsize: float = 9.5) -> int:
+    """Left-aligned title wrapped to the Axes width (long cost lists must not run off); returns its lines."""
     import textwrap
 
     width_pt = ax.get_position().width * ax.figure.get_figwidth() * 72
-    chars = max(30, int(width_pt / (0.56 * fontsize)))
-    lines = [wrapped for line in text.split("\n") for wrapped in textwrap.wrap(line, chars) or [""]]
+    chars = max(30, int(width_pt / (0.6 * fontsize)))
+    lines = []
+    for line in text.split("\n"):
+        current = ""
+        for part in line.split(SEP):
+            joined = part if not current else current + SEP + part
+            if current and len(joined) > chars:
+                lines.append(current)
+                current = part
+            else:
+                current = joined
+        lines.extend(textwrap.wrap(current, chars) or [""])
     ax.set_title("\n".join(lines), fontsize=fontsize, loc="left", gid="title")
+    return len(lines)
+
+
+def grow_top(fig, inches: float) -> None:
+    """Add ``inches`` at the top of ``fig`` keeping every Axes' size and place from the bottom (inches)."""
+    old = fig.get_figheight()
+    boxes = [(ax, ax.get_position()) for ax in fig.axes]
+    fig.set_figheight(old + inches)
+    for ax, box in boxes:
+        ax.set_position([box.x0, box.y0 * old / (old + inches), box.width, box.height * old / (old + inches)])
 
 
 def rank_peaks(timeline: Timeline) -> tuple[int, ...]:
@@ -186,12 +208,13 @@ def add_legend(ax, timeline: Timeline, extra: tuple = ()) -> None:
 
 
 def annotate_ranks(ax, timeline: Timeline, offset: float = 0.0) -> None:
+    """Right of each row: the rank's bubble fraction (%) and its peak in-flight microbatches."""
     peaks = rank_peaks(timeline)
     transform = ax.get_yaxis_transform()
-    ax.text(1.01, -0.62 + offset, "bubble   peak\n             in-flight", transform=transform, fontsize=7,
-            va="bottom", ha="left", color="#444444", clip_on=False)
+    ax.text(1.01, -0.55 + offset, " " * 10 + "peak\nbubble  in-flight", transform=transform, fontsize=7.5,
+            va="bottom", ha="left", family="monospace", color="#444444", clip_on=False)
     for rank, bubble in enumerate(timeline.bubble_per_rank()):
-        ax.text(1.01, rank + offset, f"{100 * bubble:5.1f}%   {peaks[rank]:>4d}", transform=transform,
+        ax.text(1.01, rank + offset, f"{100 * bubble:5.1f}%  {peaks[rank]:>9d}", transform=transform,
                 fontsize=7.5, va="center", ha="left", family="monospace", clip_on=False,
                 gid=f"bubble-rank-{rank}")
 

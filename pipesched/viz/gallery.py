@@ -1,0 +1,127 @@
+"""Regenerate the ``viz/`` gallery: every built-in schedule's timeline, the bubble chart, sim vs measured.
+
+Usage: ``python -m pipesched.viz.gallery [--out viz/] [--measured RUN.json]``. Without ``--measured`` it
+uses ``<out>/measured/*.json`` (timelines a real run saved with ``Timeline.save``) when there are any.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..api import compile_program
+from ..cost import CostModel
+from ..schedules import SCHEDULES
+from ..sim import simulate
+from ..timeline import Timeline
+
+REFERENCE = (4, 8)  # p, m of the catalogue's reference timelines
+LARGE = ("1f1b", 8, 32)
+DPI = 110
+
+
+def build_gallery(out="viz", measured=()) -> list[Path]:
+    """Render the gallery into ``out`` and return the files written.
+
+    Files: ``timeline-<schedule>-p4-m8[-v<v>].png`` for every registered schedule (its default v),
+    ``timeline-1f1b-p8-m32.png``, ``timeline-1f1b-p4-m8-dp2-recompute-latency.png`` (every box kind:
+    recompute, communication wait, all-reduce), ``bubble-vs-microbatches-p4.png`` and ``-p8.png``,
+    ``trace-1f1b-p4-m8.json`` (Chrome trace), one ``sim-vs-measured-<name>.png`` per measured timeline
+    file in ``measured``, and ``README.md`` listing them.
+
+    Raises:
+        OSError: ``out`` cannot be written or a measured file cannot be read.
+        ValueError: a measured file is not a saved Timeline of a registered schedule.
+    """
+    from .charts import plot_bubble_vs_microbatches
+    from .gantt import plot_timeline
+    from .trace import save_chrome_trace
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    entries: list[tuple[str, str]] = []
+
+    def save(figure, name: str, caption: str) -> None:
+        path = out / name
+        figure.savefig(path, dpi=DPI)
+        written.append(path)
+        entries.append((name, caption))
+
+    p, m = REFERENCE
+    for name, info in SCHEDULES.items():
+        v = info.default_virtual_stages
+        stem = f"timeline-{name}-p{p}-m{m}" + (f"-v{v}" if v > 1 else "")
+        timeline = simulate(compile_program(name, p, m, v))
+        save(plot_timeline(timeline), stem + ".png", f"{name}, p={p}, m={m}, v={v}: {info.summary}")
+        if name == "1f1b":
+            save_chrome_trace(timeline, out / f"trace-{name}-p{p}-m{m}.json")
+            written.append(out / f"trace-{name}-p{p}-m{m}.json")
+    name, p8, m32 = LARGE
+    save(plot_timeline(simulate(compile_program(name, p8, m32))), f"timeline-{name}-p{p8}-m{m32}.png",
+         f"{name} at p={p8}, m={m32}: the size the pictures must read well at")
+    busy = CostModel(latency=0.15, grad_bytes=4e6, bandwidth=2e6)
+    save(plot_timeline(simulate(compile_program("1f1b", p, m, dp_size=2, recompute=True), busy)),
+         f"timeline-1f1b-p{p}-m{m}-dp2-recompute-latency.png",
+         "1f1b with recompute, dp=2 and 0.15 s message latency: recompute, communication wait, all-reduce")
+    for ranks in (4, 8):
+        save(plot_bubble_vs_microbatches(ranks), f"bubble-vs-microbatches-p{ranks}.png",
+             f"bubble fraction vs microbatches at p={ranks}: simulated points, closed-form curves")
+    for path in measured:
+        figure_path = render_measured_comparison(path, out)
+        written.append(figure_path)
+        entries.append((figure_path.name, f"simulated vs measured: {Path(path).name}"))
+    written.append(_write_readme(out, entries))
+    return written
+
+
+def render_measured_comparison(measured_path, out="viz", mode: str = "side-by-side") -> Path:
+    """Draw the prediction beside a measured run saved with ``Timeline.save``; return the PNG's path.
+
+    The prediction simulates the same program with costs fitted from the run
+    (:func:`pipesched.viz.compare.fit_cost`), so the gap between the two bubbles is what the cost model
+    misses (communication, jitter), not a different compute speed. Writes
+    ``<out>/sim-vs-measured-<file stem>.png``.
+
+    Raises:
+        OSError: the file cannot be read or the PNG written.
+        ValueError: the file is not a saved Timeline of a registered schedule.
+    """
+    from .compare import plot_comparison, predict_for
+
+    measured = Timeline.load(measured_path)
+    path = Path(out) / f"sim-vs-measured-{Path(measured_path).stem}.png"
+    plot_comparison(predict_for(measured), measured, mode=mode).savefig(path, dpi=DPI)
+    return path
+
+
+def _write_readme(out: Path, entries: list[tuple[str, str]]) -> Path:
+    lines = ["# Gallery", "",
+             "Regenerate with `python -m pipesched.viz.gallery --out viz` (pictures of simulated timelines at",
+             "default costs F=1 s, B=2 s unless a caption says otherwise). A simulated-vs-measured chart appears",
+             "for each timeline a real run saved into `viz/measured/` (`Timeline.save`), or pass `--measured FILE`.",
+             "`trace-1f1b-p4-m8.json` opens in https://ui.perfetto.dev.", ""]
+    for name, caption in entries:
+        lines += [f"## {caption}", "", f"![{caption}]({name})", ""]
+    path = out / "README.md"
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipesched.viz.gallery", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="viz", help="folder to write (default: viz)")
+    parser.add_argument("--measured", action="append", default=None, metavar="RUN.json",
+                        help="a measured timeline (Timeline.save); repeatable; default <out>/measured/*.json")
+    args = parser.parse_args(argv)
+    measured = args.measured if args.measured is not None else sorted(Path(args.out, "measured").glob("*.json"))
+    if not measured:
+        print("note: no measured timeline (no --measured, nothing in <out>/measured/): "
+              "skipping the simulated-vs-measured chart", file=sys.stderr)
+    for path in build_gallery(args.out, measured):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
