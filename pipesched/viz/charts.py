@@ -64,7 +64,7 @@ def plot_bubble_vs_microbatches(num_ranks: int = 4, microbatches=None, schedules
 
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
-    ms = list(microbatches or range(1, 4 * num_ranks + 1))
+    ms = list(range(1, 4 * num_ranks + 1) if microbatches is None else microbatches)
     if not ms:
         raise ValueError("microbatches is empty")
     infos = [get_schedule(name) for name in (schedules or SCHEDULES)]

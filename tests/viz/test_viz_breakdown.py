@@ -5,7 +5,7 @@ from pipesched import SCHEDULES, CostModel
 from pipesched.viz.analysis import CATEGORIES, bubble_breakdown, communication_waits
 from pipesched.viz.compare import bubble_breakdown as from_compare
 
-from conftest import sim
+from viz_support import sim
 
 
 def test_compare_exports_the_same_function():

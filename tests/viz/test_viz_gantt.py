@@ -8,7 +8,7 @@ from pipesched import SCHEDULES, CostModel, Timeline
 from pipesched.ir import COMPUTE_OPS
 from pipesched.viz.gantt import plot_timeline
 
-from conftest import sim
+from viz_support import sim
 
 CASES = [(name, 4, 8, None) for name in sorted(SCHEDULES)] + [("1f1b", 8, 32, None)]
 

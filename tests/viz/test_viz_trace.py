@@ -7,7 +7,7 @@ import pytest
 from pipesched import CostModel
 from pipesched.viz.trace import save_chrome_trace, to_chrome_trace
 
-from conftest import sim
+from viz_support import sim
 
 
 def instruction_events(trace):

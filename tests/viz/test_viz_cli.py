@@ -1,0 +1,69 @@
+"""`render` subcommand via its own argparse entry, and the import-cost guarantee of pipesched.viz."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pipesched.viz.cli import main
+
+from viz_support import measured_like
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_render_schedule_to_png_and_svg(tmp_path, capsys):
+    png, svg = tmp_path / "t.png", tmp_path / "t.svg"
+    assert main(["render", "1f1b", "--ranks", "4", "--microbatches", "8", "-o", str(png)]) == 0
+    assert png.read_bytes()[:8] == PNG
+    assert "bubble fraction 0.2727" in capsys.readouterr().out
+    assert main(["render", "interleaved-1f1b", "-p", "4", "-m", "8", "-v", "2", "--dp", "2", "--recompute",
+                 "--forward", "1,1,2,1,1,1,2,1", "--latency", "0.1", "-o", str(svg)]) == 0
+    assert b"<svg" in svg.read_bytes()[:400]
+
+
+def test_render_schedule_to_chrome_trace(tmp_path):
+    out = tmp_path / "t.json"
+    assert main(["render", "gpipe", "-p", "2", "-m", "3", "-o", str(out)]) == 0
+    events = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
+    # per rank: 3 F + 3 B + 3 SEND + 3 RECV = 12
+    assert len(events) == 24 and {e["pid"] for e in events} == {0, 1}
+
+
+def test_render_measured_trace_and_comparison(tmp_path, capsys):
+    saved = tmp_path / "run.json"
+    measured_like().save(saved)
+    assert main(["render", "--trace", str(saved), "-o", str(tmp_path / "m.png")]) == 0
+    assert "measured timeline, bubble fraction 0.6250" in capsys.readouterr().out
+    assert main(["render", "--trace", str(saved), "--compare", "--mode", "overlay",
+                 "-o", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").read_bytes()[:8] == PNG
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["render", "nope", "-o", "x.png"], "unknown schedule 'nope'"),
+    (["render", "1f1b", "-o", "x.txt"], "use .png, .svg, .pdf or .json"),
+    (["render", "-o", "x.png"], "exactly one of them"),
+    (["render", "1f1b", "--trace", "a.json", "-o", "x.png"], "exactly one of them"),
+    (["render", "1f1b", "--compare", "-o", "x.png"], "--compare needs --trace"),
+    (["render", "--trace", "missing.json", "-o", "x.png"], "missing.json"),
+    (["render", "1f1b", "-p", "0", "-o", "x.png"], "ranks"),
+])
+def test_render_errors_exit_2_with_a_message(argv, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_render_rejects_a_file_that_is_not_a_timeline(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{\"events\": []}")
+    assert main(["render", "--trace", str(bad), "-o", str(tmp_path / "x.png")]) == 2
+    assert "not a saved Timeline" in capsys.readouterr().err
+
+
+def test_importing_viz_and_its_cli_does_not_import_matplotlib():
+    code = ("import pipesched, pipesched.viz, pipesched.viz.cli, pipesched.viz.trace, pipesched.viz.analysis, sys; "
+            "bad = [m for m in ('matplotlib', 'torch') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,64 @@
+"""Simulated vs measured: fitted costs, prediction, the two-panel picture with both bubbles."""
+import re
+
+import pytest
+
+from pipesched import CostModel, Timeline
+from pipesched.viz.compare import fit_cost, plot_comparison, predict_for
+
+from viz_support import sim
+
+COST = CostModel(forward=[1.1e-3, 1.0e-3, 1.4e-3, 1.0e-3], backward=[2.3e-3, 2.0e-3, 2.9e-3, 2.1e-3], latency=1.5e-4)
+
+
+def as_measured(timeline, drop=("cost",)):
+    meta = {k: v for k, v in timeline.meta.items() if k not in drop}
+    return Timeline(timeline.events, timeline.num_ranks, source="measured", meta=meta)
+
+
+def test_fit_cost_reads_per_stage_means_and_latency():
+    _, timeline = sim("1f1b", 4, 8, cost=COST)
+    fitted = fit_cost(as_measured(timeline))
+    assert fitted.forward == pytest.approx([1.1e-3, 1.0e-3, 1.4e-3, 1.0e-3])
+    assert fitted.backward == pytest.approx([2.3e-3, 2.0e-3, 2.9e-3, 2.1e-3])
+    assert fitted.latency == pytest.approx(1.5e-4)
+
+
+def test_prediction_of_a_run_with_fitted_costs_reproduces_it():
+    _, timeline = sim("interleaved-1f1b", 4, 8, 2, cost=CostModel(forward=1e-3, backward=2e-3, latency=1e-4),
+                      recompute=True)
+    predicted = predict_for(as_measured(timeline))
+    assert predicted.source == "simulated"
+    assert predicted.bubble_fraction == pytest.approx(timeline.bubble_fraction)
+    assert predicted.makespan == pytest.approx(timeline.makespan)
+
+
+def test_predict_needs_the_schedule_in_meta():
+    _, timeline = sim("1f1b", 2, 2)
+    with pytest.raises(ValueError, match="schedule"):
+        predict_for(as_measured(timeline, drop=("schedule",)))
+
+
+@pytest.mark.parametrize("mode", ["side-by-side", "overlay"])
+def test_comparison_draws_both_timelines_and_both_bubbles(mode):
+    _, measured = sim("1f1b", 4, 8, cost=COST)
+    measured = as_measured(measured)
+    predicted = predict_for(measured, CostModel(forward=1e-3, backward=2e-3))
+    fig = plot_comparison(predicted, measured, mode=mode)
+    gids = [p.get_gid() or "" for ax in fig.axes for p in ax.patches]
+    assert sum(g.startswith("predicted:compute:") for g in gids) == 64
+    assert sum(g.startswith("measured:compute:") for g in gids) == 64
+    head = fig._suptitle.get_text()
+    found = re.search(r"measured bubble (\d+\.\d+)%\s+vs\s+predicted (\d+\.\d+)%", head)
+    assert float(found.group(1)) == round(100 * measured.bubble_fraction, 2)
+    assert float(found.group(2)) == 27.27  # uniform 1f1b prediction: 3/11
+    bars = {p.get_gid() for ax in fig.axes for p in ax.patches if (p.get_gid() or "").startswith("breakdown")}
+    assert bars == {"breakdown:predicted", "breakdown:measured"}
+
+
+def test_comparison_rejects_mismatch_and_unknown_mode(measured):
+    _, other = sim("1f1b", 4, 8)
+    with pytest.raises(ValueError, match="same ranks"):
+        plot_comparison(other, measured)
+    with pytest.raises(ValueError, match="mode"):
+        plot_comparison(measured, measured, mode="stacked")
