@@ -109,9 +109,9 @@ def plot_comparison(simulated: Timeline, measured: Timeline, mode: str = "side-b
             annotate_ranks(ax, timeline)
             time_axis(ax, timeline, unit)
             source = "" if timeline.source == name else f" ({timeline.source})"
-            set_title(ax, f"{name}{source}  ·  {timeline.meta.get('cost', 'costs as measured')}"
-                          f"  ·  makespan {timeline.makespan * factor:.4g} {unit}  ·  "
-                          f"bubble {100 * timeline.bubble_fraction:.2f}%")
+            set_title(ax, f"{name}{source}  ·  bubble {100 * timeline.bubble_fraction:.2f}%  ·  "
+                          f"makespan {timeline.makespan * factor:.4g} {unit}\n"
+                          f"{_cost_label(timeline)}")
         gantt_axes[0].set_xlabel("")
         _share_xlim(gantt_axes)
         add_legend(gantt_axes[1], measured)
@@ -132,7 +132,7 @@ def _overlay(ax, simulated: Timeline, measured: Timeline, factor: float, unit: s
                 va="center", ha="left", family="monospace", clip_on=False, gid=f"bubble-rank-{rank}")
     ax.text(1.01, -0.62, "bubble\npred/meas", transform=transform, fontsize=7, va="bottom", color="#444444")
     time_axis(ax, measured, unit)
-    set_title(ax, f"each row: predicted (top, {simulated.meta.get('cost', '')}) and measured (bottom)")
+    set_title(ax, f"each row: predicted (top) and measured (bottom)\npredicted with {_cost_label(simulated)}")
     add_legend(ax, measured)
 
 
@@ -158,24 +158,30 @@ def _breakdown_bars(ax, simulated: Timeline, measured: Timeline) -> None:
 
 
 def _layout(timeline: Timeline, panels: list[float]):
+    """Figure in inches, top to bottom: suptitle, per panel (3-line title, rows, time axis), legend, bars."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     width = axes_width_in(timeline)
-    left, right, top, gap, bottom = 0.85, 1.45, 0.5, 1.6, 0.45
+    left, right, suptitle, panel_title, axis, legend, bar_title, bottom = 0.85, 1.45, 0.5, 0.6, 0.45, 0.6, 0.35, 0.45
     heights = [max(1.2, rows * ROW_IN) for rows in panels]
     fig_w = width + left + right
-    fig_h = top + sum(heights) + gap * len(heights) + BREAKDOWN_IN + bottom
+    fig_h = suptitle + sum(panel_title + h + axis for h in heights) + legend + bar_title + BREAKDOWN_IN + bottom
     fig = Figure(figsize=(fig_w, fig_h), dpi=110)
     FigureCanvasAgg(fig)
-    axes, cursor = [], fig_h - top - 0.45
+    axes, cursor = [], fig_h - suptitle
     for height in heights:
-        cursor -= height
+        cursor -= panel_title + height
         axes.append(fig.add_axes([left / fig_w, cursor / fig_h, width / fig_w, height / fig_h]))
-        cursor -= gap - (0.3 if len(axes) < len(heights) else 0.0)
+        cursor -= axis
     bar_w = min(width, 7.5)
     bar = fig.add_axes([left / fig_w, bottom / fig_h, bar_w / fig_w, BREAKDOWN_IN / fig_h])
     return fig, axes, bar
+
+
+def _cost_label(timeline: Timeline) -> str:
+    cost = timeline.meta.get("cost")
+    return f"costs [s]: {cost}" if cost else "costs as measured"
 
 
 def _share_xlim(axes) -> None:
