@@ -13,6 +13,8 @@ _EXPORTS = {
     "plot_comparison": "compare",
     "predict_for": "compare",
     "fit_cost": "compare",
+    "simulate_like": "compare",
+    "write_chrome_trace": "trace",
     "bubble_breakdown": "analysis",
     "communication_waits": "analysis",
     "to_chrome_trace": "trace",

@@ -13,7 +13,7 @@ from .analysis import CATEGORIES, bubble_breakdown
 from .gantt import (ROW_IN, add_legend, annotate_ranks, axes_width_in, draw_rows, rank_axis, set_title,
                     time_axis, title_text)
 
-__all__ = ["bubble_breakdown", "fit_cost", "plot_comparison", "predict_for"]
+__all__ = ["bubble_breakdown", "fit_cost", "plot_comparison", "predict_for", "simulate_like"]
 
 _COST_FIELD = {Op.F: "forward", Op.B: "backward", Op.I: "input_grad", Op.W: "weight_grad", Op.R: "recompute"}
 BREAKDOWN_IN = 1.9  # inches of the breakdown bar panel
@@ -69,6 +69,19 @@ def predict_for(measured: Timeline, cost: CostModel | None = None) -> Timeline:
     program = compile_program(meta["schedule"], ranks, int(meta["microbatches"]), None if v is None else int(v),
                               dp_size=int(meta.get("dp_size", 1)), recompute=recompute)
     return simulate(program, cost or fit_cost(measured), check=False)
+
+
+def simulate_like(program, measured: Timeline, cost: CostModel | None = None) -> Timeline:
+    """Simulate ``program`` (the one the measured run executed) with ``cost`` (default: fitted from ``measured``).
+
+    Use this when the program is at hand (e.g. ``Pipeline.program``); :func:`predict_for` recompiles it
+    from the measured timeline's labels instead.
+
+    Raises:
+        ValueError: the measured timeline has no forwards (cannot fit), or a cost does not fit the program.
+        ScheduleError: the program is invalid.
+    """
+    return simulate(program, cost or fit_cost(measured))
 
 
 def plot_comparison(simulated: Timeline, measured: Timeline, mode: str = "side-by-side", title: str | None = None):

@@ -65,6 +65,9 @@ def save_chrome_trace(timeline: Timeline, path) -> None:
         json.dump(to_chrome_trace(timeline), handle)
 
 
+write_chrome_trace = save_chrome_trace  # the name examples/train_gpt.py uses
+
+
 def _category(op: Op) -> str:
     if op in COMPUTE_OPS:
         return "compute"

@@ -62,3 +62,19 @@ def test_comparison_rejects_mismatch_and_unknown_mode(measured):
         plot_comparison(other, measured)
     with pytest.raises(ValueError, match="mode"):
         plot_comparison(measured, measured, mode="stacked")
+
+
+def test_package_exports_what_the_training_example_uses(tmp_path):
+    import json
+
+    from pipesched import compile_program
+    from pipesched.viz import plot_comparison as exported, simulate_like, write_chrome_trace
+
+    program = compile_program("1f1b", 4, 8)
+    _, measured = sim("1f1b", 4, 8, cost=COST)
+    measured = as_measured(measured)
+    predicted = simulate_like(program, measured)
+    assert predicted.bubble_fraction == pytest.approx(measured.bubble_fraction)
+    assert exported is plot_comparison
+    write_chrome_trace(measured, tmp_path / "t.json")
+    assert len([e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "X"]) == len(program)
