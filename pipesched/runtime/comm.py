@@ -1,0 +1,181 @@
+"""Process groups (the PP x DP grid), and point-to-point messages that carry their own shapes and dtypes.
+
+Rank layout: with ``p`` pipeline ranks and ``d = dp_size`` replicas, world rank ``g`` is pipeline rank
+``g % p`` of replica ``g // p``. Replica ``k``'s pipeline is world ranks ``k*p .. k*p + p - 1``; the
+data-parallel group of pipeline rank ``r`` is world ranks ``r, r + p, ..., r + (d-1)*p``.
+
+A message is a tensor or a tuple of tensors. A tuple travels as one packed ``uint8`` buffer (each part
+16-byte aligned); a single tensor travels as itself. Activation messages have a *meta* (per tensor:
+shape, dtype, requires_grad, plus whether it was a tuple); while a rank is learning the metas of a new
+input signature it sends a fixed-size ``int64`` header before each activation, afterwards none.
+Gradient messages never need a header: their shapes are those of the activations they answer.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+#: dtypes that may cross a stage boundary, by wire code
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+DTYPE_CODE = {dt: i for i, dt in enumerate(DTYPES)}
+HEADER_LEN = 256  # int64 words of a meta header
+_ALIGN = 16
+
+# tags: 0..15 control, then 4 per (stage, microbatch): act header, act payload, grad payload
+TAG_SIGNATURE, TAG_LOSS = 1, 2
+_KIND = {"act_header": 0, "act": 1, "grad": 2}
+
+
+def tag_of(kind: str, stage: int, microbatch: int, num_stages: int) -> int:
+    """The message tag of ``kind`` for (stage, microbatch): unique per message within a step."""
+    return 16 + ((microbatch * num_stages + stage) * 4 + _KIND[kind])
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Where this process sits in the PP x DP grid (see the module docstring for the layout)."""
+
+    world_rank: int
+    world_size: int
+    pp_size: int
+    dp_size: int
+
+    @property
+    def pp_rank(self) -> int:
+        return self.world_rank % self.pp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.world_rank // self.pp_size
+
+    def pipeline_ranks(self, replica: int) -> tuple[int, ...]:
+        """World ranks of replica ``replica``'s pipeline, by pipeline rank."""
+        return tuple(replica * self.pp_size + r for r in range(self.pp_size))
+
+    def dp_ranks(self, pp_rank: int) -> tuple[int, ...]:
+        """World ranks of the data-parallel group of pipeline rank ``pp_rank``."""
+        return tuple(k * self.pp_size + pp_rank for k in range(self.dp_size))
+
+
+def make_grid(world_rank: int, world_size: int, dp_size: int) -> Grid:
+    """The grid for ``world_size`` processes and ``dp_size`` replicas.
+
+    Raises:
+        ValueError: ``world_size`` is not a multiple of ``dp_size`` (names both).
+    """
+    if world_size % dp_size:
+        raise ValueError(f"dp_size={dp_size} does not divide the world size {world_size}; "
+                         f"world size = pipeline ranks x dp_size")
+    return Grid(world_rank, world_size, world_size // dp_size, dp_size)
+
+
+def make_groups(grid: Grid, timeout: float):
+    """Create every replica's pipeline group and every pipeline rank's DP group (collective over the world,
+    same order on every rank); return ``(my_pp_group, my_dp_group or None)``. Waits on them time out after
+    ``timeout`` seconds."""
+    delta = datetime.timedelta(seconds=timeout)
+    pp_group = dp_group = None
+    for k in range(grid.dp_size):
+        group = dist.new_group(list(grid.pipeline_ranks(k)), timeout=delta)
+        if k == grid.dp_rank:
+            pp_group = group
+    if grid.dp_size > 1:
+        for r in range(grid.pp_size):
+            group = dist.new_group(list(grid.dp_ranks(r)), timeout=delta)
+            if r == grid.pp_rank:
+                dp_group = group
+    return pp_group, dp_group
+
+
+# ---- metas -----------------------------------------------------------------------------------------
+
+Meta = tuple  # (is_tuple, ((shape, dtype, requires_grad), ...))
+
+
+def meta_of(tensors, is_tuple: bool) -> Meta:
+    """The meta of a message: ``(is_tuple, ((shape, dtype, requires_grad), ...))``."""
+    return (is_tuple, tuple((tuple(t.shape), t.dtype, bool(t.requires_grad)) for t in tensors))
+
+
+def encode_meta(meta: Meta) -> torch.Tensor:
+    """``meta`` as an ``int64`` tensor of :data:`HEADER_LEN` words.
+
+    Raises:
+        ValueError: a dtype that cannot be sent, or a message too large to describe (too many tensors/dims).
+    """
+    is_tuple, parts = meta
+    words = [int(is_tuple), len(parts)]
+    for shape, dtype, requires_grad in parts:
+        if dtype not in DTYPE_CODE:
+            raise ValueError(f"cannot send a tensor of dtype {dtype} between stages; supported: {DTYPES}")
+        words += [DTYPE_CODE[dtype], int(requires_grad), len(shape), *shape]
+    if len(words) > HEADER_LEN:
+        raise ValueError(f"a stage output with {len(parts)} tensors is too large to describe "
+                         f"({len(words)} > {HEADER_LEN} header words)")
+    return torch.tensor(words + [0] * (HEADER_LEN - len(words)), dtype=torch.int64)
+
+
+def decode_meta(header: torch.Tensor) -> Meta:
+    """Inverse of :func:`encode_meta`."""
+    words = header.tolist()
+    is_tuple, count, pos, parts = bool(words[0]), words[1], 2, []
+    for _ in range(count):
+        code, requires_grad, ndim = words[pos:pos + 3]
+        shape = tuple(words[pos + 3:pos + 3 + ndim])
+        parts.append((shape, DTYPES[code], bool(requires_grad)))
+        pos += 3 + ndim
+    return (is_tuple, tuple(parts))
+
+
+# ---- packing ---------------------------------------------------------------------------------------
+
+def _nbytes(shape, dtype) -> int:
+    count = 1
+    for d in shape:
+        count *= d
+    return count * (torch.empty((), dtype=dtype).element_size())
+
+
+def _offsets(specs) -> tuple[list[int], int]:
+    offsets, total = [], 0
+    for shape, dtype in specs:
+        offsets.append(total)
+        total += -(-_nbytes(shape, dtype) // _ALIGN) * _ALIGN
+    return offsets, total
+
+
+def pack(tensors) -> torch.Tensor:
+    """One tensor: itself (contiguous). Several: one ``uint8`` buffer holding each, 16-byte aligned."""
+    if len(tensors) == 1:
+        return tensors[0].detach().contiguous()
+    offsets, total = _offsets([(t.shape, t.dtype) for t in tensors])
+    buf = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+    for t, off in zip(tensors, offsets):
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)  # (nbytes,)
+        buf[off:off + flat.numel()].copy_(flat)
+    return buf
+
+
+def empty_for(specs, device) -> torch.Tensor:
+    """The receive buffer for a message of ``specs`` ((shape, dtype) per tensor), see :func:`pack`."""
+    if len(specs) == 1:
+        shape, dtype = specs[0]
+        return torch.empty(shape, dtype=dtype, device=device)
+    _, total = _offsets(specs)
+    return torch.empty(total, dtype=torch.uint8, device=device)
+
+
+def unpack(buf: torch.Tensor, specs) -> tuple[torch.Tensor, ...]:
+    """Inverse of :func:`pack`: views into ``buf``, one per (shape, dtype)."""
+    if len(specs) == 1:
+        return (buf,)
+    offsets, _ = _offsets(specs)
+    out = []
+    for (shape, dtype), off in zip(specs, offsets):
+        n = _nbytes(shape, dtype)
+        out.append(buf[off:off + n].view(dtype).view(shape))
+    return tuple(out)

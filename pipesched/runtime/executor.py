@@ -1,0 +1,306 @@
+"""The executor: one rank's instruction stream run through a dispatch table (kind -> handler).
+
+There is no per-schedule code here: the order of work is the program's. Each handler does one
+instruction; the executor records when each started and ended (a measured
+:class:`~pipesched.timeline.Timeline`) and the bytes of activations held for backward.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ..ir import Op
+from .accounting import SavedBytes, tensor_bytes
+from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, meta_of, tag_of
+from .microbatch import as_tuple
+from .recompute import keep_nothing, replay_rng, rng_state
+from .transport import Transport, wait
+
+FORWARD_OPS = (Op.F, Op.SEND_F, Op.RECV_F)
+
+
+class StepInputs:
+    """What one step needs: microbatches (tuples of tensors) for the first stage, targets and loss
+    weights for the last, whether it trains, and the metas of its input signature (filled while learning)."""
+
+    def __init__(self, train, microbatches, is_tuple, targets, weights, metas, learning):
+        self.train, self.microbatches, self.is_tuple = train, microbatches, is_tuple
+        self.targets, self.weights, self.metas, self.learning = targets, weights, metas, learning
+
+
+class _Step:
+    """Per-step tensors and pending messages, keyed by (stage, microbatch)."""
+
+    def __init__(self, inputs: StepInputs):
+        self.io = inputs
+        self.inputs, self.fwd_out, self.roots, self.input_grads = {}, {}, {}, {}
+        self.pending, self.recv_event, self.rng, self.held, self.wgrad = {}, {}, {}, {}, {}
+        self.act_sends, self.other_sends, self.reductions = {}, [], []
+        self.losses, self.outputs = {}, {}
+        self.live = self.peak = 0
+
+
+class Executor:
+    """Runs pipeline rank ``pp_rank``'s stream of ``program`` on its ``stages`` ({stage: module}).
+
+    Args:
+        transport: point-to-point messages within this pipeline.
+        dp_group: the data-parallel group (``None`` when ``program.dp_size == 1``).
+        loss_fn: ``loss_fn(output, target) -> scalar tensor`` on the last stage.
+        recompute: per stage, whether its forward is recomputed (the program has R for it).
+    """
+
+    def __init__(self, program, pp_rank, stages, transport: Transport, dp_group, loss_fn, recompute, device):
+        self.program, self.pp_rank, self.stages = program, pp_rank, stages
+        self.transport, self.dp_group, self.loss_fn = transport, dp_group, loss_fn
+        self.recompute, self.device = recompute, device
+        self.last = program.num_stages - 1
+        self.local = set(stages)
+        self.params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in stages.items()}
+        self.counter = SavedBytes(p for ps in self.params.values() for p in ps)
+        table = {Op.F: self._f, Op.B: self._b, Op.I: self._i, Op.W: self._w, Op.R: self._r,
+                 Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b,
+                 Op.RECV_B: self._recv_b, Op.ALL_REDUCE: self._all_reduce}
+        stream = program.ranks[pp_rank]
+        self.train_plan = [(table[i.op], i) for i in stream]
+        self.forward_plan = [(table[i.op], i) for i in stream if i.op in FORWARD_OPS]
+        self.current = None  # the instruction running now (for error reports)
+        self.events: list = []
+        self.step = None
+        self._step_t0 = 0.0
+
+    # ---- the loop ---------------------------------------------------------------------------------
+
+    def run(self, inputs: StepInputs, t0: float, loss_recv=None):
+        """Run one step. Returns ``(total loss or None, last-stage outputs {mb: output}, peak bytes)``.
+
+        ``loss_recv``: the posted receive of the loss (ranks without the last stage), waited at the end.
+        Raises whatever a handler raises; ``self.current`` names the instruction.
+        """
+        self.step = st = _Step(inputs)
+        self.events = events = []
+        self._step_t0 = t0
+        clock = time.perf_counter
+        for handler, instr in (self.train_plan if inputs.train else self.forward_plan):
+            self.current = instr
+            start = clock() - t0
+            handler(instr)
+            events.append([instr, start, clock() - t0])
+        self.current = None
+        loss = self._finish(loss_recv)
+        self.step = None
+        return loss, st.outputs, st.peak
+
+    def _finish(self, loss_recv):
+        st = self.step
+        for pending in list(st.act_sends.values()) + [st.other_sends]:
+            for work, _ in pending:
+                wait(work, "a send")
+        for work, flat, grads in st.reductions:
+            wait(work, "the data-parallel all-reduce")
+            flat.div_(self.program.dp_size)
+            for g, avg in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(avg)
+        if not st.io.train:
+            return None
+        if self.last in self.local:
+            return self._total_loss()
+        tensors, _ = self.transport.wait(loss_recv)
+        value, code = tensors[0].tolist()
+        return torch.tensor(value, dtype=DTYPES[int(code)])
+
+    # ---- forward ------------------------------------------------------------------------------------
+
+    def _stage_input(self, s, mb):
+        st = self.step
+        if s == 0:
+            return st.io.microbatches[mb], st.io.is_tuple
+        if s - 1 in self.local:
+            outs, is_tuple = st.fwd_out.pop((s - 1, mb))
+            return tuple(o.detach().requires_grad_(o.requires_grad) for o in outs), is_tuple
+        tensors, meta = self.transport.wait(st.pending.pop(("act", s, mb)))
+        self.events[st.recv_event.pop(("act", s, mb))][2] = time.perf_counter() - self._step_t0
+        if meta is not None:
+            st.io.metas[("in", s, mb)] = meta
+        meta = st.io.metas[("in", s, mb)]
+        out = tuple(t.detach().requires_grad_(True) if rg and t.is_floating_point() else t
+                    for t, (_, _, rg) in zip(tensors, meta[1]))
+        return out, meta[0]
+
+    def _f(self, instr):
+        s, mb, st = instr.stage, instr.microbatch, self.step
+        inputs, is_tuple = self._stage_input(s, mb)
+        module, arg = self.stages[s], (inputs if is_tuple else inputs[0])
+        if not st.io.train:
+            with torch.no_grad():
+                out = module(arg)
+            if s == self.last:
+                st.outputs[mb] = out
+            else:
+                self._stash(s, mb, out)
+            return
+        redo = self.recompute[s]
+        if redo:
+            st.rng[(s, mb)] = rng_state(self.device)
+        with (keep_nothing() if redo else self.counter.track()):
+            out = module(arg)
+            loss = self._loss(out, mb) if s == self.last else None
+        saved = self.counter.take()
+        st.inputs[(s, mb)] = (inputs, is_tuple)
+        if loss is not None:
+            st.losses[mb] = loss.detach()
+            roots = (loss,)
+            if len(st.losses) == self.program.num_microbatches:
+                self._send_loss()
+        else:
+            roots = self._stash(s, mb, out)
+        if not redo:
+            st.roots[(s, mb)] = roots
+        self._hold((s, mb), tensor_bytes(inputs) if redo else saved)
+
+    def _loss(self, out, mb):
+        io = self.step.io
+        target = io.targets[mb] if io.targets is not None else None
+        value = self.loss_fn(out) if target is None else self.loss_fn(out, target)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+        return value * io.weights[mb]
+
+    def _stash(self, s, mb, out):
+        outs, is_tuple = as_tuple(out, f"the output of stage {s}")
+        st = self.step
+        st.fwd_out[(s, mb)] = (outs, is_tuple)
+        if st.io.learning:
+            st.io.metas[("out", s, mb)] = meta_of(outs, is_tuple)
+        return outs
+
+    def _total_loss(self):
+        losses = self.step.losses
+        total = losses[0]
+        for mb in range(1, self.program.num_microbatches):
+            total = total + losses[mb]
+        return total
+
+    def _send_loss(self):
+        total = self._total_loss()
+        msg = torch.tensor([float(total), float(DTYPE_CODE[total.dtype])], dtype=torch.float64)
+        for peer in range(self.program.num_ranks):
+            if peer != self.pp_rank:
+                self.step.other_sends.append(self.transport.send((msg,), peer, TAG_LOSS))
+
+    def _r(self, instr):
+        s, mb, st = instr.stage, instr.microbatch, self.step
+        inputs, is_tuple = st.inputs[(s, mb)]
+        with replay_rng(st.rng.pop((s, mb)), self.device), torch.enable_grad(), self.counter.track():
+            out = self.stages[s](inputs if is_tuple else inputs[0])
+            loss = self._loss(out, mb) if s == self.last else None
+        st.roots[(s, mb)] = (loss,) if loss is not None else as_tuple(out)[0]
+        self._hold((s, mb), self.counter.take())
+
+    def _hold(self, key, nbytes):
+        st = self.step
+        st.held[key] = st.held.get(key, 0) + nbytes
+        st.live += nbytes
+        st.peak = max(st.peak, st.live)
+
+    # ---- backward -----------------------------------------------------------------------------------
+
+    def _output_grads(self, s, mb):
+        st = self.step
+        if s == self.last:
+            return None
+        if s + 1 in self.local:
+            return st.input_grads.pop((s + 1, mb))
+        pending = st.pending.pop(("grad", s, mb), None)
+        if pending is None:
+            return ()
+        tensors, _ = self.transport.wait(pending)
+        self.events[st.recv_event.pop(("grad", s, mb))][2] = time.perf_counter() - self._step_t0
+        return tensors
+
+    def _backward_roots(self, s, mb):
+        roots = self.step.roots.pop((s, mb))
+        if s == self.last:
+            return list(roots), None
+        return [o for o in roots if o.requires_grad], self._output_grads(s, mb)
+
+    def _b(self, instr):
+        s, mb = instr.stage, instr.microbatch
+        roots, grads = self._backward_roots(s, mb)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        inputs, _ = self.step.inputs.pop((s, mb))
+        if s > 0:
+            self.step.input_grads[(s, mb)] = tuple(
+                t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.requires_grad)
+        self._release(s, mb)
+
+    def _i(self, instr):
+        s, mb = instr.stage, instr.microbatch
+        roots, grads = self._backward_roots(s, mb)
+        inputs, _ = self.step.inputs.pop((s, mb))
+        need = [t for t in inputs if t.requires_grad]
+        got = torch.autograd.grad(roots, need, grads, retain_graph=True, allow_unused=True) if need and roots else ()
+        if s > 0:
+            self.step.input_grads[(s, mb)] = tuple(
+                g if g is not None else torch.zeros_like(t) for g, t in zip(got, need))
+        self.step.wgrad[(s, mb)] = (roots, grads)
+
+    def _w(self, instr):
+        s, mb = instr.stage, instr.microbatch
+        roots, grads = self.step.wgrad.pop((s, mb))
+        if roots and self.params[s]:
+            torch.autograd.backward(roots, grads, inputs=self.params[s])
+        self._release(s, mb)
+
+    def _release(self, s, mb):
+        st = self.step
+        st.live -= st.held.pop((s, mb), 0)
+        for work, _ in st.act_sends.pop((s, mb), ()):  # landed: its gradient has come back
+            wait(work, f"the send of the output of stage {s}, microbatch {mb}")
+
+    # ---- communication ------------------------------------------------------------------------------
+
+    def _send_f(self, instr):
+        s, mb, st = instr.stage, instr.microbatch, self.step
+        outs, is_tuple = st.fwd_out.pop((s, mb))
+        meta = meta_of(outs, is_tuple)
+        if not st.io.learning and meta != st.io.metas[("out", s, mb)]:
+            raise RuntimeError(f"stage {s} returned {meta} for microbatch {mb} but {st.io.metas[('out', s, mb)]} "
+                               f"for the same input shapes before; data-dependent output shapes are not supported")
+        sends = self.transport.send_act(outs, meta, instr.peer, s, mb, st.io.learning)
+        if st.io.train:
+            st.act_sends[(s, mb)] = sends
+        else:
+            st.other_sends.extend(sends)
+
+    def _recv_f(self, instr):
+        s, mb, st = instr.stage, instr.microbatch, self.step
+        meta = None if st.io.learning else st.io.metas[("in", s, mb)]
+        what = f"RECV_F{s}.{mb} from pipeline rank {instr.peer}"
+        st.pending[("act", s, mb)] = self.transport.post_act(meta, instr.peer, s - 1, mb, what)
+        st.recv_event[("act", s, mb)] = len(self.events)
+
+    def _send_b(self, instr):
+        s, mb, st = instr.stage, instr.microbatch, self.step
+        grads = st.input_grads.pop((s, mb))
+        if grads:
+            st.other_sends.append(self.transport.send(grads, instr.peer, tag_of("grad", s, mb, self.program.num_stages)))
+
+    def _recv_b(self, instr):
+        s, mb, st = instr.stage, instr.microbatch, self.step
+        specs = [(shape, dt) for shape, dt, rg in st.io.metas[("out", s, mb)][1] if rg]
+        if specs:
+            what = f"RECV_B{s}.{mb} from pipeline rank {instr.peer}"
+            tag = tag_of("grad", s + 1, mb, self.program.num_stages)
+            st.pending[("grad", s, mb)] = self.transport.post(specs, instr.peer, tag, what)
+            st.recv_event[("grad", s, mb)] = len(self.events)
+
+    def _all_reduce(self, instr):
+        grads = [p.grad for p in self.params[instr.stage] if p.grad is not None]
+        if grads and self.dp_group is not None:
+            flat = _flatten_dense_tensors(grads)
+            self.step.reductions.append((self.dp_group.allreduce([flat]), flat, grads))

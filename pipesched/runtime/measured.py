@@ -1,0 +1,50 @@
+"""Measured timelines: this rank's events of the last step, or every pipeline rank's, clock-aligned."""
+from __future__ import annotations
+
+import math
+
+import torch.distributed as dist
+
+from ..ir import Instr
+from ..timeline import Event, Timeline, peak_inflight
+
+
+def local_timeline(record: dict, program, pp_rank: int) -> Timeline:
+    """This rank's events of the last step (seconds from its start); ``peak_activation_bytes`` holds this
+    rank's measured peak and NaN for the other ranks."""
+    peaks = tuple(float(record["peak"]) if r == pp_rank else math.nan for r in range(program.num_ranks))
+    events = tuple(Event(pp_rank, instr, start, end) for instr, start, end in record["events"])
+    return Timeline(events, program.num_ranks, "measured", _meta(record, program),
+                    _inflight(program, record["train"]), peaks)
+
+
+def gather_timeline(record: dict, program, pp_rank: int, group) -> Timeline:
+    """Every pipeline rank's events of the last step in one timeline (collective over the pipeline group).
+
+    Clocks are aligned with each rank's wall-clock time at its step start (exact on one host; across
+    hosts as good as their clock synchronisation): time 0 is the earliest rank's start.
+    """
+    mine = (pp_rank, record["wall0"], [(str(i), s, e) for i, s, e in record["events"]], record["peak"])
+    gathered = [None] * program.num_ranks
+    dist.all_gather_object(gathered, mine, group=group)
+    origin = min(g[1] for g in gathered)
+    events, peaks = [], [0.0] * program.num_ranks
+    for rank, wall0, items, peak in gathered:
+        shift = wall0 - origin
+        events.extend(Event(rank, Instr.parse(text), s + shift, e + shift) for text, s, e in items)
+        peaks[rank] = float(peak)
+    return Timeline(tuple(events), program.num_ranks, "measured", _meta(record, program),
+                    _inflight(program, record["train"]), tuple(peaks))
+
+
+def _meta(record: dict, program) -> dict:
+    return {"schedule": program.schedule, "ranks": program.num_ranks, "microbatches": program.num_microbatches,
+            "virtual_stages": program.num_stages // max(1, program.num_ranks), "dp_size": program.dp_size,
+            "dp_rank": record["dp_rank"], "step": "train" if record["train"] else "forward",
+            "clock": "time.perf_counter"}
+
+
+def _inflight(program, train: bool) -> tuple[int, ...]:
+    if train:
+        return peak_inflight(program.ranks)
+    return tuple(0 for _ in program.ranks)

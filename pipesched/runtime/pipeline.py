@@ -1,0 +1,330 @@
+"""``Pipeline``: an ``nn.Sequential`` trained with a compiled pipeline schedule over torch.distributed."""
+from __future__ import annotations
+
+import gc
+import os
+import time
+import traceback
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+
+from .. import compile_program
+from ..ir import Program
+from .comm import DTYPE_CODE, TAG_LOSS, TAG_SIGNATURE, make_grid, make_groups
+from .executor import StepInputs, Executor
+from .failure import CommError, FailureChannel, PipelineError, failure_info
+from .measured import gather_timeline, local_timeline
+from .microbatch import as_tuple, batch_size, merge, split, split_sizes
+from .stage import build_stages, layers_of, resolve_balance
+from .transport import Transport, wait
+
+SIG_LEN = 64  # int64 words of a step signature
+_CACHE_SIZE = 32  # input signatures whose message metas are remembered
+
+
+class _Rejected(ValueError):
+    """The first stage's rank refused the step's input; the pipeline stays usable."""
+
+
+class Pipeline:
+    """Train an ``nn.Sequential`` with a pipeline schedule; construct it on every rank of the job.
+
+    Rank layout: world size = pipeline ranks ``p`` x ``dp_size``; world rank ``g`` is pipeline rank
+    ``g % p`` of replica ``g // p`` (see :mod:`pipesched.runtime.comm`). The model is cut into
+    ``p * virtual_stages`` stages in order; stage ``s`` runs on pipeline rank ``s % p``.
+
+    Args:
+        model: ``nn.Sequential`` or list of modules, identical on every rank (this rank keeps its stages'
+            layers, which stay shared with ``model``). A stage passes a tensor or a tuple of tensors
+            (any dtype) to the next, as ``nn.Sequential`` passes them from layer to layer.
+        schedule: a registered schedule name (``pipesched.SCHEDULES``).
+        num_microbatches: microbatches per step ``m`` >= 1.
+        loss_fn: ``loss_fn(output, target) -> scalar tensor`` (``loss_fn(output)`` when ``target`` is None).
+        virtual_stages: stages per rank ``v``; ``None`` takes the schedule's default (interleaved: 2).
+        balance: ``None`` (even by layer count), ``"params"`` or a list of layers per stage.
+        dp_size: data-parallel replicas of the pipeline.
+        recompute: ``False``, ``True`` or one bool per stage: keep only the stage input for backward and
+            re-run the forward (same RNG state) right before it.
+        timeout: seconds any rank waits for a message or collective before failing the step.
+    Raises:
+        TypeError, ValueError (incl. ``ScheduleArgumentError``), UnknownScheduleError: a bad argument,
+            before any communication; the message names the argument, its value and what is valid.
+    """
+
+    def __init__(self, model, schedule: str = "1f1b", num_microbatches: int = 1, loss_fn=None,
+                 virtual_stages: int | None = None, balance=None, dp_size: int = 1, recompute=False,
+                 timeout: float = 300.0) -> None:
+        _check_int("num_microbatches", num_microbatches, 1)
+        _check_int("dp_size", dp_size, 1)
+        if virtual_stages is not None:
+            _check_int("virtual_stages", virtual_stages, 1)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        layers = layers_of(model)
+        world, rank = _world()
+        grid = make_grid(rank, world, dp_size)
+        self.program: Program = compile_program(schedule, grid.pp_size, num_microbatches, virtual_stages,
+                                                dp_size, recompute)
+        self.balance = resolve_balance(layers, self.program.num_stages, balance)
+        self.grid, self.loss_fn, self.timeout = grid, loss_fn, float(timeout)
+        self.stages = build_stages(layers, self.balance, self.program.stages_of(grid.pp_rank))
+        params = [p for m in self.stages.values() for p in m.parameters()]
+        self.device = params[0].device if params else torch.device("cpu")
+        _init_default_group(self.device)  # communication starts here
+        self._pp_group, self._dp_group = make_groups(grid, self.timeout)
+        names = [self._pp_group.group_name] + ([self._dp_group.group_name] if self._dp_group else [])
+        self._failures = FailureChannel(dist.distributed_c10d._get_default_store(), names)
+        flags = _recompute_flags(self.program)
+        self._executor = Executor(self.program, grid.pp_rank, self.stages,
+                                  Transport(self._pp_group, self.program.num_stages, self.device),
+                                  self._dp_group, loss_fn, flags, self.device)
+        self._metas: OrderedDict = OrderedDict()  # signature -> {("in"|"out", stage, mb): meta}
+        self._record = None
+        self._broken: PipelineError | None = None
+
+    # ---- public ----------------------------------------------------------------------------------------
+
+    @property
+    def pp_rank(self) -> int:
+        """This process's pipeline rank."""
+        return self.grid.pp_rank
+
+    @property
+    def stage_ids(self) -> tuple[int, ...]:
+        """The global stages this rank runs."""
+        return tuple(self.stages)
+
+    def parameters(self):
+        """This rank's parameters (those of its stages), for an optimizer."""
+        for module in self.stages.values():
+            yield from module.parameters()
+
+    def step(self, x=None, target=None) -> torch.Tensor:
+        """One training step: forward and backward of every microbatch; gradients accumulate into ``.grad``.
+
+        Args:
+            x: the batch, a tensor or tuple of tensors with batch dim 0, ``(N, ...)``. Needed on the rank of
+                stage 0; other ranks may pass it (then it is checked locally, before any communication) or None.
+            target: ``(N, ...)`` tensor or tuple, needed on the rank of the last stage; others may pass None.
+        Returns:
+            The loss, a 0-dim tensor of the loss dtype, the same on every rank of this pipeline:
+            ``sum_i loss_fn(out_i, target_i) * n_i / N`` over microbatches ``i`` of ``n_i`` samples
+            (the full-batch mean loss for a mean ``loss_fn``). With ``dp_size > 1`` it is this replica's loss.
+        Raises:
+            ValueError: ``N < num_microbatches``, mismatched batch sizes, no ``loss_fn``; the pipeline stays usable.
+            PipelineError: any rank failed during the step (names the rank, the instruction and the cause);
+                the pipeline is unusable afterwards.
+        """
+        if self.loss_fn is None:
+            raise ValueError("step() needs a loss_fn; pass loss_fn= to Pipeline (forward() needs none)")
+        self._check_local(x, target)
+        return self._guarded(lambda: self._run(x, target, train=True))
+
+    def forward(self, x=None):
+        """Forward only (no autograd graph, no loss): the model's output on the rank of the last stage,
+        merged over microbatches, ``(N, ...)`` (a tuple if the model returns one); ``None`` on other ranks.
+
+        Raises:
+            ValueError, PipelineError: as :meth:`step`.
+        """
+        self._check_local(x, None)
+        return self._guarded(lambda: self._run(x, None, train=False))
+
+    __call__ = forward
+
+    def timeline(self):
+        """This rank's measured :class:`~pipesched.timeline.Timeline` of the last step (``None`` before one)."""
+        return None if self._record is None else local_timeline(self._record, self.program, self.pp_rank)
+
+    def gather_timeline(self):
+        """The whole pipeline's measured timeline of the last step; collective over the pipeline's ranks."""
+        if self._record is None:
+            raise RuntimeError("gather_timeline() needs a finished step()")
+        return gather_timeline(self._record, self.program, self.pp_rank, self._pp_group)
+
+    @property
+    def peak_activation_bytes(self) -> int | None:
+        """Bytes of activations this rank held for backward at the peak of the last step (``None`` before)."""
+        return None if self._record is None else self._record["peak"]
+
+    # ---- step machinery --------------------------------------------------------------------------------
+
+    def _check_local(self, x, target) -> None:
+        if self._broken is not None:
+            raise PipelineError(self._broken.info, self.grid.world_rank, "this Pipeline failed in an earlier step")
+        if x is not None:
+            split(x, self.program.num_microbatches, "x")
+            if target is not None and batch_size(target, "target") != batch_size(x, "x"):
+                raise ValueError(f"target has batch size {batch_size(target, 'target')} but x has {batch_size(x, 'x')}")
+        elif self.pp_rank == self.program.stage_to_rank[0]:
+            raise ValueError("x is required on the rank of the first stage (pipeline rank "
+                             f"{self.program.stage_to_rank[0]})")
+
+    def _guarded(self, run):
+        try:
+            return run()
+        except _Rejected:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
+            error = self._fail(exc)
+            raise error from (None if isinstance(exc, CommError) else exc)
+
+    def _run(self, x, target, train: bool):
+        words, micro, is_tuple = self._signature(x, train)
+        m, total = self.program.num_microbatches, words[3]
+        sizes = split_sizes(total, m)
+        targets = self._targets(target, total) if train and self._has_last else None
+        key = tuple(words[1:])
+        metas = self._metas.get(key)
+        learning = metas is None
+        inputs = StepInputs(train, micro, is_tuple, targets, [n / total for n in sizes],
+                            {} if learning else metas, learning)
+        loss_recv = None
+        if train and not self._has_last:
+            loss_recv = self._executor.transport.post([((2,), torch.float64)],
+                                                      self.program.stage_to_rank[-1], TAG_LOSS, "the step loss")
+        wall0, t0 = time.time(), time.perf_counter()
+        loss, outputs, peak = self._executor.run(inputs, t0, loss_recv)
+        for work, _ in self._signature_sends:
+            wait(work, "the step signature send")
+        self._remember(key, inputs.metas)
+        self._record = {"events": self._executor.events, "wall0": wall0, "peak": peak, "train": train,
+                        "dp_rank": self.grid.dp_rank}
+        if train:
+            return loss
+        return merge([as_tuple(outputs[i])[0] for i in range(m)], as_tuple(outputs[0])[1]) if outputs else None
+
+    @property
+    def _has_last(self) -> bool:
+        return self.program.num_stages - 1 in self.stages
+
+    def _targets(self, target, total):
+        if target is None:
+            return None
+        if batch_size(target, "target") != total:
+            raise ValueError(f"target has batch size {batch_size(target, 'target')} but x has {total}")
+        parts, is_tuple = split(_to(target, self.device), self.program.num_microbatches, "target")
+        return [p if is_tuple else p[0] for p in parts]
+
+    def _remember(self, key, metas) -> None:
+        self._metas[key] = metas
+        self._metas.move_to_end(key)
+        while len(self._metas) > _CACHE_SIZE:
+            self._metas.popitem(last=False)
+
+    def _signature(self, x, train: bool):
+        """Stage 0's rank tells the others the input's shapes (or that it rejected it)."""
+        first, transport = self.program.stage_to_rank[0], self._executor.transport
+        self._signature_sends = []
+        if self.pp_rank != first:
+            tensors, _ = transport.wait(transport.post([((SIG_LEN,), torch.int64)], first, TAG_SIGNATURE,
+                                                       "the step signature"))
+            words = tensors[0].tolist()
+            if words[0]:
+                raise _Rejected(f"the rank of the first stage (pipeline rank {first}) rejected the step input: "
+                                f"batch size {words[3]}, num_microbatches {words[2]} (see that rank's error)")
+            return words, None, False
+        try:
+            micro, is_tuple = split(_to(x, self.device), self.program.num_microbatches, "x")
+            words = _encode_signature(train, self.program.num_microbatches, micro, is_tuple)
+        except (TypeError, ValueError) as exc:
+            size = batch_size(x, "x") if isinstance(x, torch.Tensor) and x.dim() else -1
+            self._broadcast([1, int(train), self.program.num_microbatches, size] + [0] * (SIG_LEN - 4))
+            raise _Rejected(str(exc)) from None
+        self._broadcast(words)
+        return words, micro, is_tuple
+
+    def _broadcast(self, words) -> None:
+        message = torch.tensor(words, dtype=torch.int64)
+        for peer in range(self.program.num_ranks):
+            if peer != self.pp_rank:
+                self._signature_sends.append(self._executor.transport.send((message,), peer, TAG_SIGNATURE))
+
+    # ---- failure ---------------------------------------------------------------------------------------
+
+    def _fail(self, exc: BaseException) -> PipelineError:
+        """Publish (or read) the first failure, tear the process groups down, return the error to raise."""
+        me, instr = self.grid.world_rank, self._executor.current
+        note = ""
+        info = None
+        if isinstance(exc, CommError):
+            note = f"while waiting for {exc.what}"
+            info = self._failures.lookup(wait_s=2.0)
+        if info is None:
+            info = failure_info(me, instr, exc)
+        self._failures.publish(info)
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)  # drop frame references to pending messages
+        self._teardown()
+        self._broken = PipelineError(info, me, note)
+        return self._broken
+
+    def _teardown(self) -> None:
+        """Destroy this rank's groups so peers blocked on it see a closed connection at once."""
+        self._executor.step = None
+        self._executor.transport.group = None
+        self._executor.dp_group = None
+        self._signature_sends = []
+        for group in (self._pp_group, self._dp_group):
+            if group is not None:
+                try:
+                    dist.destroy_process_group(group)
+                except Exception:  # noqa: BLE001 - best effort while failing
+                    pass
+        self._pp_group = self._dp_group = None
+        gc.collect()
+
+
+def _encode_signature(train, m, micro, is_tuple) -> list[int]:
+    first = micro[0]
+    total = sum(mb[0].shape[0] for mb in micro)
+    words = [0, int(train), m, total, int(is_tuple), len(first)]
+    for t in first:
+        if t.dtype not in DTYPE_CODE:
+            raise TypeError(f"x has a tensor of dtype {t.dtype}, which cannot cross a stage boundary")
+        words += [DTYPE_CODE[t.dtype], t.dim() - 1, *t.shape[1:]]
+    if len(words) > SIG_LEN:
+        raise ValueError(f"x has too many tensors or dimensions to describe ({len(words)} > {SIG_LEN} words)")
+    return words + [0] * (SIG_LEN - len(words))
+
+
+def _to(batch, device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    return tuple(t.to(device) for t in batch)
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _recompute_flags(program: Program) -> list[bool]:
+    flags = [False] * program.num_stages
+    for stream in program.ranks:
+        for instr in stream:
+            if instr.op.value == "R":
+                flags[instr.stage] = True
+    return flags
+
+
+def _world() -> tuple[int, int]:
+    """(world size, rank) from the default group, or from torchrun's environment, or (1, 0)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+
+
+def _init_default_group(device: torch.device) -> None:
+    """Create the default process group if there is none: env:// under torchrun, else a 1-process group."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "MASTER_ADDR" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -1,0 +1,94 @@
+"""Cut an ``nn.Sequential`` (or a list of modules) into contiguous stages and pick this rank's ones."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+
+def layers_of(model) -> list[nn.Module]:
+    """The layers of ``model`` in order.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Sequential`` or a list/tuple of ``nn.Module`` (names the bad item).
+    """
+    if isinstance(model, nn.Sequential):
+        return list(model)
+    if isinstance(model, (list, tuple, nn.ModuleList)):
+        for i, layer in enumerate(model):
+            if not isinstance(layer, nn.Module):
+                raise TypeError(f"model[{i}] must be an nn.Module, got {type(layer).__name__}")
+        return list(model)
+    raise TypeError(f"model must be an nn.Sequential or a list of nn.Module, got {type(model).__name__}")
+
+
+def resolve_balance(layers: Sequence[nn.Module], num_stages: int, balance=None) -> tuple[int, ...]:
+    """Layers per stage.
+
+    Args:
+        layers: the model's layers, in order.
+        num_stages: stages to cut into (pipeline ranks x virtual stages).
+        balance: ``None`` (even by layer count, larger stages first), ``"params"`` (contiguous split that
+            minimises the largest stage's parameter count) or a sequence of ``num_stages`` positive ints
+            summing to ``len(layers)``.
+    Raises:
+        ValueError: fewer layers than stages, or a balance of the wrong length, with a count < 1, or whose
+            sum differs from the layer count (names the layer count and the sum).
+        TypeError: ``balance`` is of an unknown kind.
+    """
+    n = len(layers)
+    if n < num_stages:
+        raise ValueError(f"the model has {n} layers but the pipeline needs {num_stages} stages "
+                         f"(ranks x virtual_stages); every stage needs at least one layer")
+    if balance is None:
+        base, extra = divmod(n, num_stages)
+        return tuple(base + 1 if i < extra else base for i in range(num_stages))
+    if isinstance(balance, str):
+        if balance != "params":
+            raise ValueError(f"balance={balance!r}: valid values are None, 'params' or a list of layer counts")
+        costs = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+        return min_max_partition(costs, num_stages)
+    if not isinstance(balance, Sequence) or not all(isinstance(b, int) and not isinstance(b, bool) for b in balance):
+        raise TypeError(f"balance must be None, 'params' or a list of ints, got {balance!r}")
+    if len(balance) != num_stages:
+        raise ValueError(f"balance has {len(balance)} entries but the pipeline has {num_stages} stages")
+    if any(b < 1 for b in balance):
+        raise ValueError(f"balance={list(balance)}: every stage needs at least one layer")
+    if sum(balance) != n:
+        raise ValueError(f"balance={list(balance)} sums to {sum(balance)} but the model has {n} layers")
+    return tuple(balance)
+
+
+def min_max_partition(costs: Sequence[float], num_stages: int) -> tuple[int, ...]:
+    """Contiguous split of ``costs`` into ``num_stages`` non-empty parts minimising the largest part's sum.
+
+    Exact dynamic programme, O(len(costs)^2 x num_stages). Ties go to the split with earlier cuts.
+    """
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: the smallest max-part over splits of costs[:i] into k parts; cut[k][i]: start of part k
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    sizes, i = [], n
+    for k in range(num_stages, 0, -1):
+        sizes.append(i - cut[k][i])
+        i = cut[k][i]
+    return tuple(reversed(sizes))
+
+
+def build_stages(layers: Sequence[nn.Module], balance: Sequence[int], stage_ids: Sequence[int]) -> dict[int, nn.Sequential]:
+    """``{stage: nn.Sequential of its layers}`` for the requested stages; the layers are shared, not copied."""
+    starts = [0]
+    for count in balance:
+        starts.append(starts[-1] + count)
+    return {s: nn.Sequential(*layers[starts[s]:starts[s + 1]]) for s in stage_ids}

@@ -1,0 +1,76 @@
+"""Post and wait point-to-point messages over one process group, learning activation metas when told to."""
+from __future__ import annotations
+
+import torch
+
+from .comm import HEADER_LEN, decode_meta, empty_for, encode_meta, pack, tag_of, unpack
+from .failure import CommError
+
+
+class Pending:
+    """A posted receive: its work, buffer and specs (``None`` while only the meta header is posted)."""
+
+    __slots__ = ("work", "buf", "specs", "peer", "tag", "what")
+
+    def __init__(self, work, buf, specs, peer, tag, what):
+        self.work, self.buf, self.specs, self.peer, self.tag, self.what = work, buf, specs, peer, tag, what
+
+
+class Transport:
+    """Messages between the ranks of one pipeline group (group-local ranks)."""
+
+    def __init__(self, group, num_stages: int, device: torch.device) -> None:
+        self.group = group
+        self.num_stages = num_stages
+        self.device = device
+
+    def send(self, tensors, peer: int, tag: int):
+        """Start sending ``tensors`` (packed, see :func:`~pipesched.runtime.comm.pack`); returns
+        ``(work, buffer)`` — keep both until the work is waited for."""
+        buf = pack(tensors)
+        return self.group.send([buf], peer, tag), buf
+
+    def send_act(self, tensors, meta, peer: int, stage: int, microbatch: int, learning: bool) -> list:
+        """Send the output of (stage, microbatch); a meta header first while learning. Returns the works."""
+        pending = []
+        if learning:
+            header = encode_meta(meta)
+            pending.append((self.group.send([header], peer, tag_of("act_header", stage, microbatch, self.num_stages)), header))
+        pending.append(self.send(tensors, peer, tag_of("act", stage, microbatch, self.num_stages)))
+        return pending
+
+    def post(self, specs, peer: int, tag: int, what: str) -> Pending:
+        """Post the receive of a message of ``specs`` ((shape, dtype) per tensor)."""
+        buf = empty_for(specs, self.device)
+        return Pending(self.group.recv([buf], peer, tag), buf, specs, peer, tag, what)
+
+    def post_act(self, meta, peer: int, stage: int, microbatch: int, what: str) -> Pending:
+        """Post the receive of stage ``stage``'s output: its payload if ``meta`` is known, else its header."""
+        tag = tag_of("act", stage, microbatch, self.num_stages)
+        if meta is not None:
+            return self.post([(s, d) for s, d, _ in meta[1]], peer, tag, what)
+        header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        header_tag = tag_of("act_header", stage, microbatch, self.num_stages)
+        return Pending(self.group.recv([header], peer, header_tag), header, None, peer, tag, what)
+
+    def wait(self, pending: Pending):
+        """Wait for a posted receive; returns ``(tensors, meta or None)`` (the meta when a header came).
+
+        Raises:
+            CommError: the peer is gone or the wait timed out.
+        """
+        meta = None
+        wait(pending.work, pending.what)
+        if pending.specs is None:  # a header: now post the payload it describes
+            meta = decode_meta(pending.buf)
+            pending = self.post([(s, d) for s, d, _ in meta[1]], pending.peer, pending.tag, pending.what)
+            wait(pending.work, pending.what)
+        return unpack(pending.buf, pending.specs), meta
+
+
+def wait(work, what: str) -> None:
+    """``work.wait()``, turning a failure (peer gone, timeout) into :class:`CommError`."""
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        raise CommError(what, exc) from None
