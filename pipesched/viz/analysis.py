@@ -4,6 +4,8 @@ Pure (no matplotlib): the numbers behind the pictures, for simulated and measure
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..ir import COMPUTE_OPS, Op
 from ..timeline import Event, Timeline
 
@@ -66,6 +68,25 @@ def communication_waits(timeline: Timeline) -> list[list[tuple[float, float, str
     :func:`bubble_breakdown` counts as ``communication``, ordered by start.
     """
     return [_split_rank(timeline, rank)[1] for rank in range(timeline.num_ranks)]
+
+
+def starts_after_receives(timeline: Timeline) -> Timeline:
+    """A copy where each compute event starts no earlier than the message it consumes has landed.
+
+    The timeline contract: a compute that needs another rank's data starts after its ``RECV`` ends. A
+    recorder that timestamps a compute before waiting for its input folds that wait into the compute
+    (the box then covers idle time and the bubble reads too small); this moves such a start to the
+    ``RECV``'s end (never past the event's own end). Events already keeping the contract are unchanged.
+    """
+    windows = _message_windows(timeline)
+    events = []
+    for e in timeline.events:
+        i = e.instr
+        group = "F" if i.op is Op.F else "B" if i.op in (Op.B, Op.I) else None
+        window = windows.get((e.rank, group, i.stage, i.microbatch)) if group else None
+        start = min(e.end, max(e.start, window[1])) if window else e.start
+        events.append(e if start == e.start else Event(e.rank, i, start, e.end))
+    return replace(timeline, events=tuple(events))
 
 
 def compute_events(timeline: Timeline, rank: int | None = None) -> list[Event]:

@@ -22,7 +22,8 @@ BREAKDOWN_IN = 1.9  # inches of the breakdown bar panel
 def fit_cost(measured: Timeline) -> CostModel:
     """A cost model read off a timeline: per stage, the mean seconds of each compute kind it ran.
 
-    ``latency`` is the shortest time any message took from its SEND's start to its RECV's end (the
+    Values are rounded to 3 significant digits (measurements are not more precise than that, and the
+    cost line in titles stays readable). ``latency`` is the shortest time any message took from its SEND's start to its RECV's end (the
     best case of a transfer; 0 with no matched messages). All-reduce times are not fitted.
 
     Raises:
@@ -38,11 +39,15 @@ def fit_cost(measured: Timeline) -> CostModel:
     fields = {}
     for op, name in _COST_FIELD.items():
         if any(o is op for o, _ in samples):
-            fields[name] = [statistics.fmean(samples.get((op, s), [0.0])) for s in range(stages)]
+            fields[name] = [_sig3(statistics.fmean(samples.get((op, s), [0.0]))) for s in range(stages)]
     if "backward" not in fields:
         i, w = fields.get("input_grad", [0.0] * stages), fields.get("weight_grad", [0.0] * stages)
         fields["backward"] = [a + b for a, b in zip(i, w)]
-    return CostModel(latency=_fitted_latency(measured), **fields)
+    return CostModel(latency=_sig3(_fitted_latency(measured)), **fields)
+
+
+def _sig3(x: float) -> float:
+    return float(f"{x:.3g}")
 
 
 def predict_for(measured: Timeline, cost: CostModel | None = None) -> Timeline:
@@ -193,8 +198,10 @@ def _layout(timeline: Timeline, panels: list[float]):
 
 
 def _cost_label(timeline: Timeline) -> str:
-    cost = timeline.meta.get("cost")
-    return f"costs [s]: {cost}" if cost else "costs as measured"
+    cost, host = timeline.meta.get("cost"), timeline.meta.get("host")
+    if cost:
+        return f"costs [s]: {cost}"
+    return f"costs as measured on {host}" if host else "costs as measured"
 
 
 def _share_xlim(axes) -> None:

@@ -1,11 +1,13 @@
 """Regenerate the ``viz/`` gallery: every built-in schedule's timeline, the bubble chart, sim vs measured.
 
-Usage: ``python -m pipesched.viz.gallery [--out viz/] [--measured RUN.json]``. Without ``--measured`` it
-uses ``<out>/measured/*.json`` (timelines a real run saved with ``Timeline.save``) when there are any.
+Usage: ``python -m pipesched.viz.gallery [--out viz/] [--measured RUN.json] [--no-cpu-run]``. It measures a
+fresh run on local CPU ranks (torch, gloo) into ``<out>/measured/``, and draws simulated vs measured for
+every ``<out>/measured/*.json`` (or the ``--measured`` files): timelines saved with ``Timeline.save``.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -14,24 +16,28 @@ from ..cost import CostModel
 from ..schedules import SCHEDULES
 from ..sim import simulate
 from ..timeline import Timeline
+from .analysis import starts_after_receives
 
 REFERENCE = (4, 8)  # p, m of the catalogue's reference timelines
 LARGE = ("1f1b", 8, 32)
 DPI = 110
 
 
-def build_gallery(out="viz", measured=()) -> list[Path]:
+def build_gallery(out="viz", measured=(), cpu_run: bool = False) -> list[Path]:
     """Render the gallery into ``out`` and return the files written.
 
     Files: ``timeline-<schedule>-p4-m8[-v<v>].png`` for every registered schedule (its default v),
     ``timeline-1f1b-p8-m32.png``, ``timeline-1f1b-p4-m8-dp2-recompute-latency.png`` (every box kind:
     recompute, communication wait, all-reduce), ``bubble-vs-microbatches-p4.png`` and ``-p8.png``,
     ``trace-1f1b-p4-m8.json`` (Chrome trace), one ``sim-vs-measured-<name>.png`` per measured timeline
-    file in ``measured``, and ``README.md`` listing them.
+    file in ``measured``, and ``README.md`` listing them. ``cpu_run``: first measure a real run
+    (:func:`~pipesched.viz.cpu_run.measure_cpu_run`: 1f1b, p=4, m=8, an MLP on local CPU ranks over gloo)
+    and save it as ``<out>/measured/cpu-1f1b-p4-m8.json``, which is then drawn like the other files.
 
     Raises:
         OSError: ``out`` cannot be written or a measured file cannot be read.
         ValueError: a measured file is not a saved Timeline of a registered schedule.
+        ImportError: ``cpu_run`` without torch.
     """
     from .charts import plot_bubble_vs_microbatches
     from .gantt import plot_timeline
@@ -67,12 +73,38 @@ def build_gallery(out="viz", measured=()) -> list[Path]:
     for ranks in (4, 8):
         save(plot_bubble_vs_microbatches(ranks), f"bubble-vs-microbatches-p{ranks}.png",
              f"bubble fraction vs microbatches at p={ranks}: simulated points, closed-form curves")
+    measured = list(measured)
+    if cpu_run:
+        measured_file = record_cpu_run(out / "measured")
+        if measured_file not in measured:
+            measured.append(measured_file)
     for path in measured:
         figure_path = render_measured_comparison(path, out)
         written.append(figure_path)
-        entries.append((figure_path.name, f"simulated vs measured: {Path(path).name}"))
+        host = Timeline.load(path).meta.get("host")
+        entries.append((figure_path.name, f"simulated (fitted costs) vs measured: {Path(path).name}"
+                        + (f" ({host})" if host else "")))
     written.append(_write_readme(out, entries))
     return written
+
+
+def record_cpu_run(folder) -> Path:
+    """Measure the reference CPU run (see :func:`build_gallery`) and save it in ``folder``; return the file.
+
+    Raises:
+        ImportError: torch or the runtime is missing. TimeoutError, RuntimeError: the run failed.
+    """
+    import os
+
+    from .cpu_run import measure_cpu_run
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    timeline = measure_cpu_run("1f1b", *REFERENCE)
+    timeline.meta["host"] = f"{os.cpu_count()} CPU cores, gloo, one process per rank"
+    path = folder / f"cpu-1f1b-p{REFERENCE[0]}-m{REFERENCE[1]}.json"
+    timeline.save(path)
+    return path
 
 
 def render_measured_comparison(measured_path, out="viz", mode: str = "side-by-side") -> Path:
@@ -80,8 +112,9 @@ def render_measured_comparison(measured_path, out="viz", mode: str = "side-by-si
 
     The prediction simulates the same program with costs fitted from the run
     (:func:`pipesched.viz.compare.fit_cost`), so the gap between the two bubbles is what the cost model
-    misses (communication, jitter), not a different compute speed. Writes
-    ``<out>/sim-vs-measured-<file stem>.png``.
+    misses (communication, jitter), not a different compute speed. Compute events that were timestamped
+    before their input arrived are first moved to start when it landed
+    (:func:`~pipesched.viz.analysis.starts_after_receives`). Writes ``<out>/sim-vs-measured-<file stem>.png``.
 
     Raises:
         OSError: the file cannot be read or the PNG written.
@@ -89,7 +122,7 @@ def render_measured_comparison(measured_path, out="viz", mode: str = "side-by-si
     """
     from .compare import plot_comparison, predict_for
 
-    measured = Timeline.load(measured_path)
+    measured = starts_after_receives(Timeline.load(measured_path))
     path = Path(out) / f"sim-vs-measured-{Path(measured_path).stem}.png"
     plot_comparison(predict_for(measured), measured, mode=mode).savefig(path, dpi=DPI)
     return path
@@ -113,12 +146,17 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="viz", help="folder to write (default: viz)")
     parser.add_argument("--measured", action="append", default=None, metavar="RUN.json",
                         help="a measured timeline (Timeline.save); repeatable; default <out>/measured/*.json")
+    parser.add_argument("--no-cpu-run", dest="cpu_run", action="store_false",
+                        help="do not measure a fresh CPU run (default: measure one when torch is installed)")
     args = parser.parse_args(argv)
     measured = args.measured if args.measured is not None else sorted(Path(args.out, "measured").glob("*.json"))
-    if not measured:
+    if args.cpu_run and importlib.util.find_spec("torch") is None:
+        print("note: torch is not installed: no fresh CPU run", file=sys.stderr)
+        args.cpu_run = False
+    if not measured and not args.cpu_run:
         print("note: no measured timeline (no --measured, nothing in <out>/measured/): "
               "skipping the simulated-vs-measured chart", file=sys.stderr)
-    for path in build_gallery(args.out, measured):
+    for path in build_gallery(args.out, measured, cpu_run=args.cpu_run):
         print(f"wrote {path}")
     return 0
 

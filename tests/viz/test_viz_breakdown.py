@@ -95,3 +95,18 @@ def test_categories_partition_the_bubble(name, m):
     for row, bubble in zip(result["per_rank"], timeline.bubble_per_rank()):
         assert sum(row[c] for c in CATEGORIES) == pytest.approx(row["idle"])
         assert row["idle"] == pytest.approx(bubble * timeline.makespan)
+
+
+def test_starts_after_receives_moves_compute_that_was_stamped_before_its_input_landed():
+    from pipesched import Event, Instr, Timeline
+    from pipesched.viz.analysis import starts_after_receives
+
+    rows = [(0, "F0.0", 0, 1), (0, "SEND_F0.0>1", 1, 1), (1, "RECV_F1.0<0", 0, 3), (1, "F1.0", 0.5, 4),
+            (1, "B1.0", 4, 6), (1, "SEND_B1.0>0", 6, 6), (0, "RECV_B0.0<1", 1, 6.5), (0, "B0.0", 1, 8)]
+    raw = Timeline(tuple(Event(r, Instr.parse(t), s, e) for r, t, s, e in rows), 2, source="measured")
+    fixed = {(e.rank, str(e.instr)): (e.start, e.end) for e in starts_after_receives(raw).events}
+    assert fixed[(1, "F1.0")] == (3, 4)  # waited 0.5 -> 3 for its input
+    assert fixed[(0, "B0.0")] == (6.5, 8)
+    assert fixed[(1, "B1.0")] == (4, 6) and fixed[(0, "F0.0")] == (0, 1)  # no receive: unchanged
+    # busy 1 + 1.5 (rank 0), 1 + 2 (rank 1) over makespan 8 -> bubble (5.5 + 5) / 16
+    assert starts_after_receives(raw).bubble_fraction == pytest.approx(10.5 / 16)

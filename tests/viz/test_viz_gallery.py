@@ -1,6 +1,8 @@
 """The gallery command writes every expected picture, a trace and a README that shows them."""
 from pathlib import Path
 
+import pytest
+
 from pipesched import SCHEDULES
 from pipesched.viz.gallery import build_gallery, main, render_measured_comparison
 
@@ -38,5 +40,19 @@ def test_measured_comparison_hook(tmp_path):
 def test_gallery_main_picks_up_measured_folder(tmp_path, capsys):
     (tmp_path / "measured").mkdir()
     measured_like().save(tmp_path / "measured" / "gloo.json")
-    assert main(["--out", str(tmp_path)]) == 0
+    assert main(["--out", str(tmp_path), "--no-cpu-run"]) == 0
     assert "sim-vs-measured-gloo.png" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_cpu_run_measures_every_instruction_of_the_reference_program():
+    pytest.importorskip("torch")
+    from pipesched import compile_program
+    from pipesched.viz.cpu_run import measure_cpu_run
+
+    timeline = measure_cpu_run("1f1b", 2, 4, steps=2, width=64, batch=16)
+    program = compile_program("1f1b", 2, 4)
+    assert timeline.source == "measured" and timeline.num_ranks == 2
+    assert sorted(str(e.instr) for e in timeline.events) == sorted(str(i) for s in program.ranks for i in s)
+    assert timeline.meta["schedule"] == "1f1b" and timeline.meta["microbatches"] == 4
+    assert 0 < timeline.bubble_fraction < 1
