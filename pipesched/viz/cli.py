@@ -38,6 +38,9 @@ def add_render_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--trace", metavar="MEASURED.json", help="a timeline saved with Timeline.save (measured run)")
     parser.add_argument("--compare", action="store_true",
                         help="with --trace: draw the prediction (costs fitted from the run) beside the measurement")
+    parser.add_argument("--as-recorded", action="store_true",
+                        help="with --trace: keep compute events that start before their input landed as they are "
+                             "(default: start them when it landed, as the timeline contract says)")
     parser.add_argument("--mode", choices=("side-by-side", "overlay"), default="side-by-side",
                         help="layout of --compare (default side-by-side)")
     parser.add_argument("--output", "-o", required=True, metavar="FILE", help="FILE.png|.svg|.pdf|.json")
@@ -72,7 +75,7 @@ def _render(args: argparse.Namespace) -> int:
         raise ValueError("give a SCHEDULE to simulate or --trace MEASURED.json, exactly one of them")
     if args.compare and (args.trace is None or suffix == ".json"):
         raise ValueError("--compare needs --trace and an image output (.png/.svg/.pdf)")
-    timeline = _load(args.trace) if args.trace else _simulate(args)
+    timeline = _load(args.trace, args.as_recorded) if args.trace else _simulate(args)
     if suffix == ".json":
         from .trace import save_chrome_trace
 
@@ -102,16 +105,26 @@ def _simulate(args: argparse.Namespace):
     return simulate(program, cost_from_args(args), check=False)
 
 
-def _load(path: str):
+def _load(path: str, as_recorded: bool):
     from ..timeline import Timeline
+    from .analysis import starts_after_receives
 
     try:
-        return Timeline.load(path)
+        timeline = Timeline.load(path)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not JSON ({exc.msg} at line {exc.lineno}); expected a file written "
                          f"by Timeline.save") from None
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{path} is not a saved Timeline (missing or bad field {exc})") from None
+    if as_recorded:
+        return timeline
+    aligned = starts_after_receives(timeline)
+    before = {(e.rank, e.instr): e.start for e in timeline.events}
+    moved = sum(before[(e.rank, e.instr)] != e.start for e in aligned.events)
+    if moved:
+        print(f"note: {moved} compute events of {path} start before their input landed; drawn from when it "
+              f"landed (--as-recorded keeps them)", file=sys.stderr)
+    return aligned
 
 
 def main(argv=None) -> int:

@@ -67,3 +67,18 @@ def test_importing_viz_and_its_cli_does_not_import_matplotlib():
     code = ("import pipesched, pipesched.viz, pipesched.viz.cli, pipesched.viz.trace, pipesched.viz.analysis, sys; "
             "bad = [m for m in ('matplotlib', 'torch') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_render_trace_starts_compute_when_its_input_landed_unless_as_recorded(tmp_path, capsys):
+    from pipesched import Event, Instr, Timeline
+
+    rows = [(0, "F0.0", 0, 1), (0, "SEND_F0.0>1", 1, 1), (1, "RECV_F1.0<0", 0, 3), (1, "F1.0", 0.5, 4),
+            (1, "B1.0", 4, 6), (1, "SEND_B1.0>0", 6, 6), (0, "RECV_B0.0<1", 1, 6.5), (0, "B0.0", 1, 8)]
+    saved = tmp_path / "raw.json"
+    Timeline(tuple(Event(r, Instr.parse(t), s, e) for r, t, s, e in rows), 2, source="measured").save(saved)
+    assert main(["render", "--trace", str(saved), "-o", str(tmp_path / "a.png")]) == 0
+    out = capsys.readouterr()
+    assert "2 compute events" in out.err and "bubble fraction 0.6562" in out.out  # 10.5 / 16
+    assert main(["render", "--trace", str(saved), "--as-recorded", "-o", str(tmp_path / "b.png")]) == 0
+    out = capsys.readouterr()
+    assert out.err == "" and "bubble fraction 0.1562" in out.out  # (0 + 2.5) / 16 as recorded
