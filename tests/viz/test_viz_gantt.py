@@ -125,3 +125,17 @@ def test_draws_into_a_given_axes():
 def test_empty_timeline_raises():
     with pytest.raises(ValueError, match="0 events"):
         plot_timeline(Timeline((), 2))
+
+
+def test_split_backward_and_recompute_kinds_get_their_own_colours_and_legend_entries():
+    from pipesched import Event, Instr
+
+    rows = [(0, "F0.0", 0, 1), (0, "R0.0", 3, 4), (0, "I0.0", 4, 5), (0, "W0.0", 5, 6),
+            (1, "F1.0", 1, 2), (1, "I1.0", 2, 3), (1, "W1.0", 3, 4)]
+    timeline = Timeline(tuple(Event(r, Instr.parse(t), s, e) for r, t, s, e in rows), 2, source="measured")
+    fig = plot_timeline(timeline)
+    colours = {text[0]: colour for _, text, _, _, _, colour, _ in boxes(fig)}
+    assert len(boxes(fig)) == 7
+    assert len({tuple(c) for c in colours.values()}) == 4  # F, R, I, W all different
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["forward F", "input grad I", "weight grad W", "recompute R", "idle (bubble)"]
