@@ -130,10 +130,18 @@ def render_measured_comparison(measured_path, out="viz", mode: str = "side-by-si
 
 def _write_readme(out: Path, entries: list[tuple[str, str]]) -> Path:
     lines = ["# Gallery", "",
-             "Regenerate with `python -m pipesched.viz.gallery --out viz` (pictures of simulated timelines at",
-             "default costs F=1 s, B=2 s unless a caption says otherwise). A simulated-vs-measured chart appears",
-             "for each timeline a real run saved into `viz/measured/` (`Timeline.save`), or pass `--measured FILE`.",
-             "`trace-1f1b-p4-m8.json` opens in https://ui.perfetto.dev.", ""]
+             "Regenerate with `python -m pipesched.viz.gallery --out viz` (about 10 s). It simulates every built-in",
+             "schedule at default costs (F=1 s, B=2 s per stage and microbatch unless a caption says otherwise),",
+             "measures a fresh 1f1b run on local CPU ranks (torch, gloo; `--no-cpu-run` skips it) into",
+             "`viz/measured/`, and draws simulated-vs-measured for every timeline there (`Timeline.save`; or pass",
+             "`--measured FILE`). `trace-1f1b-p4-m8.json` opens in https://ui.perfetto.dev.", "",
+             "Reading a timeline: one row per rank; blue = forward, vermillion = backward (orange I, green W,",
+             "purple recompute); later virtual stages are lighter and hatched; the number is the microbatch; light",
+             "grey = idle; grey cross-hatch = waiting for a message in flight; black bar = all-reduce. The right",
+             "margin gives each rank's bubble and peak in-flight microbatches; the title the overall bubble.",
+             "The breakdown bars split the bubble into warmup, steady, cooldown, communication and imbalance",
+             "(defined in `pipesched.viz.bubble_breakdown`). Render your own: `pipesched render SCHEDULE -p P -m M",
+             "[costs] -o FILE.png|.svg|.json` or `pipesched render --trace RUN.json [--compare] -o FILE.png`.", ""]
     for name, caption in entries:
         lines += [f"## {caption}", "", f"![{caption}]({name})", ""]
     path = out / "README.md"
