@@ -31,8 +31,8 @@ def build_gallery(out="viz", measured=(), cpu_run: bool = False) -> list[Path]:
     recompute, communication wait, all-reduce), ``bubble-vs-microbatches-p4.png`` and ``-p8.png``,
     ``trace-1f1b-p4-m8.json`` (Chrome trace), one ``sim-vs-measured-<name>.png`` per measured timeline
     file in ``measured``, and ``README.md`` listing them. ``cpu_run``: first measure a real run
-    (:func:`~pipesched.viz.cpu_run.measure_cpu_run`: 1f1b, p=4, m=8, an MLP on local CPU ranks over gloo)
-    and save it as ``<out>/measured/cpu-1f1b-p4-m8.json``, which is then drawn like the other files.
+    (:func:`record_cpu_run`: 1f1b, m=8, an MLP on 4 local CPU ranks over gloo, 2 with fewer than 4 cores)
+    into ``<out>/measured/``, which is then drawn like the other files.
 
     Raises:
         OSError: ``out`` cannot be written or a measured file cannot be read.
@@ -89,7 +89,8 @@ def build_gallery(out="viz", measured=(), cpu_run: bool = False) -> list[Path]:
 
 
 def record_cpu_run(folder) -> Path:
-    """Measure the reference CPU run (see :func:`build_gallery`) and save it in ``folder``; return the file.
+    """Measure a 1f1b run, m=8, on 4 CPU ranks (2 on a machine with fewer than 4 cores) and save it in
+    ``folder`` as ``cpu-1f1b-p<ranks>-m8.json``; return the file.
 
     Raises:
         ImportError: torch or the runtime is missing. TimeoutError, RuntimeError: the run failed.
@@ -100,9 +101,11 @@ def record_cpu_run(folder) -> Path:
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    timeline = measure_cpu_run("1f1b", *REFERENCE)
-    timeline.meta["host"] = f"{os.cpu_count()} CPU cores, gloo, one process per rank"
-    path = folder / f"cpu-1f1b-p{REFERENCE[0]}-m{REFERENCE[1]}.json"
+    cores = os.cpu_count() or 1
+    ranks = REFERENCE[0] if cores >= REFERENCE[0] else 2  # more processes than cores measures the OS scheduler
+    timeline = measure_cpu_run("1f1b", ranks, REFERENCE[1])
+    timeline.meta["host"] = f"{cores} CPU cores, gloo, one process per rank"
+    path = folder / f"cpu-1f1b-p{ranks}-m{REFERENCE[1]}.json"
     timeline.save(path)
     return path
 
