@@ -14,6 +14,7 @@ class SavedBytes:
     def __init__(self, params) -> None:
         self.param_ptrs = {p.data_ptr() for p in params}
         self._seen: dict = {}
+        self._excluded = 0
 
     def _pack(self, t: torch.Tensor):
         ptr = t.data_ptr()
@@ -23,15 +24,17 @@ class SavedBytes:
                 self._seen[ptr] = size
         return t
 
-    def track(self):
-        """A context in which saved tensors are counted; read and reset with :meth:`take`."""
-        self._seen = {}
+    def track(self, exclude=()):
+        """A context in which saved tensors are counted, except those of ``exclude`` (tensors already
+        held, e.g. the stage input a recompute starts from); read and reset with :meth:`take`."""
+        self._seen = {t.data_ptr(): t.numel() * t.element_size() for t in exclude}
+        self._excluded = sum(self._seen.values())
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _identity)
 
     def take(self) -> int:
         """Bytes counted since the last :meth:`track`, and reset."""
-        total = sum(self._seen.values())
-        self._seen = {}
+        total = sum(self._seen.values()) - self._excluded
+        self._seen, self._excluded = {}, 0
         return total
 
 
@@ -42,3 +45,41 @@ def _identity(t):
 def tensor_bytes(tensors) -> int:
     """Sum of ``numel x element_size`` over ``tensors``."""
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def stage_activation_bytes(model, microbatch, num_stages: int, balance=None, loss_fn=None, target=None) -> dict:
+    """Per stage, the bytes one microbatch holds for backward, measured in this process — the sizes
+    :class:`pipesched.CostModel` needs to predict activation memory (``CostModel(**result)``).
+
+    Runs ``model`` (split as :class:`~pipesched.runtime.Pipeline` splits it) on ``microbatch`` with grad
+    enabled, each stage from its own leaf inputs as in the pipeline, counting saved tensors as the executor
+    does; the caller's RNG state is left untouched.
+
+    Args:
+        microbatch: one microbatch, ``(n, ...)`` tensor or tuple of tensors.
+        loss_fn, target: when given, the last stage also computes ``loss_fn(output, target)`` (its saves count).
+    Returns:
+        ``{"stash_bytes": (bytes per stage...), "input_bytes": (bytes of each stage's input...)}``, ints.
+    Raises:
+        TypeError, ValueError: as :func:`~pipesched.runtime.stage.resolve_balance`.
+    """
+    from .microbatch import as_tuple
+    from .stage import build_stages, layers_of, resolve_balance
+
+    layers = layers_of(model)
+    stages = build_stages(layers, resolve_balance(layers, num_stages, balance), range(num_stages))
+    counter = SavedBytes(p for layer in layers for p in layer.parameters())
+    inputs, is_tuple = as_tuple(microbatch, "microbatch")
+    stash, sizes = [], []
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        for s in range(num_stages):
+            if s > 0:
+                inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in inputs)
+            sizes.append(tensor_bytes(inputs))
+            with counter.track():
+                out = stages[s](inputs if is_tuple else inputs[0])
+                if s == num_stages - 1 and loss_fn is not None:
+                    loss_fn(out, target) if target is not None else loss_fn(out)
+            stash.append(counter.take())
+            inputs, is_tuple = as_tuple(out, f"the output of stage {s}")
+    return {"stash_bytes": tuple(stash), "input_bytes": tuple(sizes)}

@@ -13,6 +13,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..ir import Op
 from .accounting import SavedBytes, tensor_bytes
+from .failure import CommError
 from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, meta_of, tag_of
 from .microbatch import as_tuple
 from .recompute import keep_nothing, replay_rng, rng_state
@@ -194,7 +195,8 @@ class Executor:
     def _r(self, instr):
         s, mb, st = instr.stage, instr.microbatch, self.step
         inputs, is_tuple = st.inputs[(s, mb)]
-        with replay_rng(st.rng.pop((s, mb)), self.device), torch.enable_grad(), self.counter.track():
+        # the stage input is already held (counted at F): count only what the recompute adds
+        with replay_rng(st.rng.pop((s, mb)), self.device), torch.enable_grad(), self.counter.track(inputs):
             out = self.stages[s](inputs if is_tuple else inputs[0])
             loss = self._loss(out, mb) if s == self.last else None
         st.roots[(s, mb)] = (loss,) if loss is not None else as_tuple(out)[0]
@@ -302,5 +304,9 @@ class Executor:
     def _all_reduce(self, instr):
         grads = [p.grad for p in self.params[instr.stage] if p.grad is not None]
         if grads and self.dp_group is not None:
-            flat = _flatten_dense_tensors(grads)
-            self.step.reductions.append((self.dp_group.allreduce([flat]), flat, grads))
+            flat = _flatten_dense_tensors(grads)  # (sum of numels,)
+            try:
+                work = self.dp_group.allreduce([flat])
+            except RuntimeError as exc:
+                raise CommError(f"the data-parallel all-reduce of stage {instr.stage}", exc) from None
+            self.step.reductions.append((work, flat, grads))

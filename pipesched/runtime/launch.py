@@ -65,6 +65,8 @@ def _collect(procs, results, timeout: float, grace: float) -> list:
     while len(outcome) < len(procs):
         now = time.monotonic()
         if now >= deadline:
+            if errors:
+                break  # the grace for the others is over
             running = [r for r in range(len(procs)) if r not in outcome]
             raise TimeoutError(f"launch: ranks {running} did not finish within {timeout} s")
         try:

@@ -253,7 +253,7 @@ class Pipeline:
         info = None
         if isinstance(exc, CommError):
             note = f"while waiting for {exc.what}"
-            info = self._failures.lookup(wait_s=2.0)
+            info = self._failures.lookup(wait_s=1.0)
         if info is None:
             info = failure_info(me, instr, exc)
         self._failures.publish(info)

@@ -28,21 +28,23 @@ class Transport:
         """Start sending ``tensors`` (packed, see :func:`~pipesched.runtime.comm.pack`); returns
         ``(work, buffer)`` — keep both until the work is waited for."""
         buf = pack(tensors)
-        return self.group.send([buf], peer, tag), buf
+        try:
+            return self.group.send([buf], peer, tag), buf
+        except RuntimeError as exc:
+            raise CommError(f"a send to pipeline rank {peer}", exc) from None
 
     def send_act(self, tensors, meta, peer: int, stage: int, microbatch: int, learning: bool) -> list:
         """Send the output of (stage, microbatch); a meta header first while learning. Returns the works."""
         pending = []
         if learning:
             header = encode_meta(meta)
-            pending.append((self.group.send([header], peer, tag_of("act_header", stage, microbatch, self.num_stages)), header))
+            pending.append(self.send((header,), peer, tag_of("act_header", stage, microbatch, self.num_stages)))
         pending.append(self.send(tensors, peer, tag_of("act", stage, microbatch, self.num_stages)))
         return pending
 
     def post(self, specs, peer: int, tag: int, what: str) -> Pending:
         """Post the receive of a message of ``specs`` ((shape, dtype) per tensor)."""
-        buf = empty_for(specs, self.device)
-        return Pending(self.group.recv([buf], peer, tag), buf, specs, peer, tag, what)
+        return self._recv(empty_for(specs, self.device), specs, peer, tag, tag, what)
 
     def post_act(self, meta, peer: int, stage: int, microbatch: int, what: str) -> Pending:
         """Post the receive of stage ``stage``'s output: its payload if ``meta`` is known, else its header."""
@@ -51,7 +53,13 @@ class Transport:
             return self.post([(s, d) for s, d, _ in meta[1]], peer, tag, what)
         header = torch.empty(HEADER_LEN, dtype=torch.int64)
         header_tag = tag_of("act_header", stage, microbatch, self.num_stages)
-        return Pending(self.group.recv([header], peer, header_tag), header, None, peer, tag, what)
+        return self._recv(header, None, peer, header_tag, tag, what)
+
+    def _recv(self, buf, specs, peer, recv_tag, payload_tag, what) -> Pending:
+        try:
+            return Pending(self.group.recv([buf], peer, recv_tag), buf, specs, peer, payload_tag, what)
+        except RuntimeError as exc:
+            raise CommError(what, exc) from None
 
     def wait(self, pending: Pending):
         """Wait for a posted receive; returns ``(tensors, meta or None)`` (the meta when a header came).

@@ -1,0 +1,215 @@
+"""Per-rank bodies of the multi-process runtime tests: each runs many cases on one set of spawned ranks
+and returns plain results that the tests assert on in the parent process."""
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.nn.functional as F
+
+import pipesched
+from pipesched.memory import peak_activation_bytes
+from pipesched.runtime import Pipeline, PipelineError, stage_activation_bytes
+
+from rt_cases import (SCHEDULES, grad_report, pair, params_equal, reference_forward, reference_step, seq_model,
+                      tuple_model, mlp)
+
+
+def _data(seed, n=8, width=8):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)
+
+
+def transparency(rank, schedule, v, m=4, n=8, steps=3, layers=8, balance=None):
+    """Several optimizer steps; per step: loss equal, grads bitwise; at the end params bitwise."""
+    model, ref = pair(num_layers=layers)
+    pipe = Pipeline(model, schedule=schedule, num_microbatches=m, loss_fn=F.mse_loss, virtual_stages=v,
+                    balance=balance)
+    opt, ref_opt = torch.optim.AdamW(pipe.parameters(), lr=0.01), torch.optim.AdamW(ref.parameters(), lr=0.01)
+    out = []
+    for step in range(steps):
+        x, y = _data(step, n)
+        loss = pipe.step(x, target=y)
+        ref_loss = reference_step(ref, x, y, m)
+        count, equal, worst = grad_report(pipe, model, ref)
+        out.append({"loss_equal": bool(torch.equal(loss, ref_loss)), "loss": float(loss), "grads": count,
+                    "bitwise": equal, "worst": worst})
+        opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
+    return {"steps": out, "params_equal": params_equal(pipe, model, ref),
+            "events": len(pipe.timeline().events), "stream": len(pipe.program.ranks[pipe.pp_rank])}
+
+
+def tuple_flow(rank):
+    model = tuple_model()
+    ref = copy.deepcopy(model)
+    pipe = Pipeline(model, schedule="interleaved-1f1b", num_microbatches=4, loss_fn=F.mse_loss,
+                    virtual_stages=2, balance=[2, 1, 1, 1])
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(8, 3, 8, generator=g), torch.randint(0, 11, (8, 3), generator=g),
+         torch.rand(8, 3, generator=g) > 0.3)
+    y = torch.randn(8, 3, 8, generator=g)
+    loss = pipe.step(x, target=y)
+    ref_loss = reference_step(ref, x, y, 4)
+    count, equal, _ = grad_report(pipe, model, ref)
+    return {"stages": pipe.stage_ids, "loss_equal": bool(torch.equal(loss, ref_loss)), "grads": count, "bitwise": equal}
+
+
+def seq_lengths(rank):
+    """Forward before, between and after steps, with the sequence length changing (5, 7, 6, 5)."""
+    model = seq_model()
+    ref = copy.deepcopy(model)
+    pipe = Pipeline(model, schedule="1f1b", num_microbatches=4, loss_fn=F.mse_loss)
+    g = torch.Generator().manual_seed(7)
+    results = []
+    for kind, length in (("forward", 5), ("step", 5), ("forward", 6), ("step", 7), ("step", 5), ("forward", 7)):
+        x, y = torch.randn(8, length, 8, generator=g), torch.randn(8, length, 8, generator=g)
+        if kind == "forward":
+            out = pipe.forward(x)
+            expect = reference_forward(ref, x, 4)
+            results.append((kind, length, out is None if rank == 0 else bool(torch.equal(out, expect))))
+            continue
+        loss = pipe.step(x, target=y)
+        ref_loss = reference_step(ref, x, y, 4)
+        _, equal, _ = grad_report(pipe, model, ref)
+        results.append((kind, length, equal and bool(torch.equal(loss, ref_loss))))
+        for p in model.parameters():
+            p.grad = None
+        for p in ref.parameters():
+            p.grad = None
+    return {"results": results, "signatures": len(pipe._metas)}
+
+
+def recompute_bitwise(rank, schedule, v):
+    """Dropout model: grads with recompute == grads without, bitwise, over two steps."""
+    grads = {}
+    for flag in (False, True):
+        model = mlp(dropout=0.25)
+        pipe = Pipeline(model, schedule=schedule, num_microbatches=4, loss_fn=F.mse_loss, virtual_stages=v,
+                        recompute=flag)
+        for step in range(2):
+            x, y = _data(step)
+            torch.manual_seed(100 + rank + step)
+            loss = pipe.step(x, target=y)
+        grads[flag] = ([p.grad.clone() for p in pipe.parameters()], float(loss),
+                       any(i.op is pipesched.Op.R for i in pipe.program.ranks[pipe.pp_rank]))
+    same = all(torch.equal(a, b) for a, b in zip(grads[False][0], grads[True][0]))
+    return {"bitwise": same, "count": len(grads[True][0]), "loss_equal": grads[False][1] == grads[True][1],
+            "has_r": grads[True][2]}
+
+
+def memory(rank, schedule, v, tanh_first):
+    """Measured peak activation bytes with and without recompute, next to the prediction and the stage
+    input bytes: ``{recompute: (measured, predicted, timeline's value, input bytes of this rank's stages)}``."""
+    out = {"inflight": None}
+    for flag in (False, True):
+        model = mlp(num_layers=8, width=16, tanh_first=tanh_first)
+        pipe = Pipeline(model, schedule=schedule, num_microbatches=4, loss_fn=F.mse_loss, virtual_stages=v,
+                        recompute=flag)
+        x, y = _data(0, n=16, width=16)
+        pipe.step(x, target=y)
+        sizes = stage_activation_bytes(model, x[:4], pipe.program.num_stages, loss_fn=F.mse_loss, target=y[:4])
+        predicted = peak_activation_bytes(pipe.program, pipesched.CostModel(**sizes))
+        inputs = max(sizes["input_bytes"][s] for s in pipe.stage_ids)
+        out[flag] = (pipe.peak_activation_bytes, predicted[pipe.pp_rank], pipe.timeline().peak_activation_bytes[rank],
+                     inputs)
+        out["inflight"] = pipe.timeline().peak_inflight[pipe.pp_rank]
+    return out
+
+
+def two_rank_suite(rank):
+    results = {}
+    for schedule, v in SCHEDULES:
+        results[("transparency", schedule)] = transparency(rank, schedule, v)
+    results["uneven"] = transparency(rank, "1f1b", 1, m=4, n=10, steps=1)
+    results["tuple"] = tuple_flow(rank)
+    results["seq"] = seq_lengths(rank)
+    for schedule, v in SCHEDULES:
+        results[("recompute", schedule)] = recompute_bitwise(rank, schedule, v)
+        results[("memory", schedule)] = memory(rank, schedule, v, tanh_first=False)
+        results[("memory-tanh-first", schedule)] = memory(rank, schedule, v, tanh_first=True)
+    pipe = Pipeline(mlp(), schedule="1f1b", num_microbatches=4, loss_fn=F.mse_loss)
+    pipe.step(*_data(0))
+    results["gathered"] = pipe.gather_timeline()
+    return results
+
+
+def dp_case(rank, schedule, v):
+    """DP x PP = 2 x 2: replica k trains on shard k; grads = mean of the shards' reference grads."""
+    model, ref = pair()
+    pipe = Pipeline(model, schedule=schedule, num_microbatches=4, loss_fn=F.mse_loss, virtual_stages=v, dp_size=2)
+    x, y = _data(3, n=16)
+    shard = pipe.grid.dp_rank
+    loss = pipe.step(x[shard * 8:(shard + 1) * 8], target=y[shard * 8:(shard + 1) * 8])
+    ref_losses = []
+    ref_grads = []
+    for k in range(2):
+        ref.zero_grad(set_to_none=True)
+        ref_losses.append(reference_step(ref, x[k * 8:(k + 1) * 8], y[k * 8:(k + 1) * 8], 4))
+        ref_grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+    for n, p in ref.named_parameters():
+        p.grad = (ref_grads[0][n] + ref_grads[1][n]) / 2
+    count, _, worst = grad_report(pipe, model, ref)
+    return {"loss_equal": bool(torch.equal(loss, ref_losses[shard])), "grads": count, "worst": worst,
+            "pp_rank": pipe.pp_rank, "dp_rank": shard}
+
+
+def failing_case(rank, fail_rank, fail_mb, world, timeout=30.0, linger=4.0):
+    """A layer on ``fail_rank`` raises at microbatch ``fail_mb``; every rank reports what it raised and when."""
+    model = mlp(num_layers=world)
+    calls = {"n": 0}
+
+    def hook(module, args):
+        calls["n"] += 1
+        if calls["n"] == fail_mb + 1:
+            raise ValueError(f"boom at microbatch {fail_mb}")
+
+    if rank == fail_rank:
+        model[fail_rank].register_forward_pre_hook(hook)
+    pipe = Pipeline(model, schedule="1f1b", num_microbatches=4, loss_fn=F.mse_loss, timeout=timeout)
+    start = time.monotonic()
+    try:
+        pipe.step(*_data(0))
+    except PipelineError as exc:
+        elapsed = time.monotonic() - start
+        if rank == fail_rank:
+            time.sleep(linger)  # the peers must not need this process to exit
+        again = None
+        try:
+            pipe.step(*_data(0))
+        except PipelineError as second:
+            again = str(second)
+        return {"type": "PipelineError", "rank": exc.rank, "instr": exc.instr, "op": exc.op, "stage": exc.stage,
+                "microbatch": exc.microbatch, "cause": exc.cause, "message": str(exc), "elapsed": elapsed,
+                "again": again, "cause_type": type(exc.__cause__).__name__}
+    return {"type": None}
+
+
+def four_rank_suite(rank):
+    results = {}
+    for schedule, v in SCHEDULES:
+        results[("transparency", schedule)] = transparency(rank, schedule, v, steps=2)
+    results["m<p"] = transparency(rank, "1f1b", 1, m=2, n=8, steps=2)
+    for schedule, v in SCHEDULES:
+        results[("dp", schedule)] = dp_case(rank, schedule, v)
+    results["failure"] = failing_case(rank, fail_rank=2, fail_mb=1, world=4)
+    return results
+
+
+def hang_case(rank, timeout):
+    """Rank 1's layer stalls longer than the timeout on its first call: rank 0 must give up in time."""
+    model = mlp(num_layers=2)
+    if rank == 1:
+        model[1].register_forward_pre_hook(lambda m, a: time.sleep(3 * timeout))
+    pipe = Pipeline(model, schedule="gpipe", num_microbatches=2, loss_fn=F.mse_loss, timeout=timeout)
+    start = time.monotonic()
+    try:
+        pipe.step(*_data(0))
+    except PipelineError as exc:
+        return {"type": "PipelineError", "rank": exc.rank, "message": str(exc), "elapsed": time.monotonic() - start}
+    return {"type": None}
+
+
+def failure_suite(rank):
+    hang = hang_case(rank, timeout=3.0)  # first: its stalled rank arrives late at the next group creation
+    return {"hang": hang, "raise": failing_case(rank, fail_rank=1, fail_mb=2, world=2)}

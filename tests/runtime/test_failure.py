@@ -1,0 +1,61 @@
+"""A failing rank ends every rank, within the timeout, with an error naming it, the instruction and the cause."""
+import time
+
+import pytest
+
+from pipesched.runtime import ChildTraceback, launch
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_raising_layer_ends_both_ranks_with_that_ranks_error(failures):
+    for rank, results in enumerate(failures):
+        err = results["raise"]
+        assert err["type"] == "PipelineError", (rank, err)
+        assert (err["rank"], err["instr"], err["op"], err["stage"], err["microbatch"]) == (1, "F1.2", "F", 1, 2)
+        assert err["cause"] == "ValueError: boom at microbatch 2"
+        assert "rank 1 failed at instruction F1.2 (kind F, stage 1, microbatch 2)" in err["message"]
+        # rank 1 lingers 4 s after failing: rank 0 must not need that process to exit (timeout is 30 s)
+        assert err["elapsed"] < 3.0, (rank, err)
+        assert "rank 1 failed" in err["again"]  # the pipeline refuses further steps
+    assert failures[1]["raise"]["cause_type"] == "ValueError"  # the failing rank chains the original
+
+
+def test_a_stalled_rank_ends_the_others_after_the_timeout(failures):
+    waiting = failures[0]["hang"]
+    assert waiting["type"] == "PipelineError"
+    assert waiting["rank"] == 0 and "Timed out" in waiting["message"] and "pipeline rank 1" in waiting["message"]
+    assert 3.0 <= waiting["elapsed"] < 3.0 + 4.0  # timeout=3 s, plus at most 1 s looking for a remote record
+    stalled = failures[1]["hang"]  # wakes after 9 s, finds its peer gone and the record of rank 0
+    assert stalled["type"] == "PipelineError" and stalled["rank"] == 0
+
+
+def test_failure_deep_in_four_ranks_reaches_every_rank(four_ranks):
+    for rank, results in enumerate(four_ranks):
+        err = results["failure"]
+        assert (err["type"], err["rank"], err["instr"]) == ("PipelineError", 2, "F2.1"), (rank, err)
+        assert err["cause"] == "ValueError: boom at microbatch 1"
+        assert err["elapsed"] < 3.0, (rank, err)
+
+
+def _child_fails(rank):
+    if rank == 1:
+        raise KeyError("child 1 broke")
+    time.sleep(600)
+
+
+def test_launch_reraises_the_child_error_and_ends_the_others():
+    start = time.monotonic()
+    with pytest.raises(KeyError, match="child 1 broke") as info:
+        launch(_child_fails, 2, grace=1.0, timeout=120)
+    assert time.monotonic() - start < 30
+    assert isinstance(info.value.__cause__, ChildTraceback)
+    assert "in rank 1" in str(info.value.__cause__)
+
+
+def _child_returns(rank, base):
+    return base + rank
+
+
+def test_launch_returns_values_by_rank():
+    assert launch(_child_returns, 2, 10) == [10, 11]

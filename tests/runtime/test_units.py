@@ -1,0 +1,108 @@
+"""Single-process pieces: microbatch splitting, stage balance, wire metas and packing, argument checks."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipesched.errors import ScheduleArgumentError, UnknownScheduleError
+from pipesched.runtime import Pipeline, stage_activation_bytes
+from pipesched.runtime.comm import decode_meta, encode_meta, make_grid, meta_of, pack, unpack
+from pipesched.runtime.microbatch import merge, split, split_sizes
+from pipesched.runtime.stage import min_max_partition, resolve_balance
+
+from rt_cases import mlp
+
+
+def test_split_sizes_uneven_larger_first():
+    assert split_sizes(10, 4) == [3, 3, 2, 2]
+    assert split_sizes(8, 4) == [2, 2, 2, 2]
+    assert split_sizes(4, 4) == [1, 1, 1, 1]
+
+
+def test_batch_smaller_than_microbatches_is_a_value_error():
+    with pytest.raises(ValueError, match="batch size 3 is smaller than num_microbatches=4"):
+        split(torch.zeros(3, 2), 4)
+
+
+def test_split_and_merge_tuples_are_views_and_round_trip():
+    x = (torch.arange(20.).view(10, 2), torch.arange(10), torch.arange(10) % 2 == 0)
+    parts, is_tuple = split(x, 4)
+    assert is_tuple and [p[0].shape[0] for p in parts] == [3, 3, 2, 2]
+    assert parts[1][0].data_ptr() == x[0][3:].data_ptr()  # a view, not a copy
+    back = merge(parts, is_tuple)
+    assert all(torch.equal(a, b) for a, b in zip(back, x))
+
+
+def test_split_rejects_mismatched_batch_sizes_and_non_tensors():
+    with pytest.raises(ValueError, match=r"different batch sizes \(dim 0\): \[4, 5\]"):
+        split((torch.zeros(4), torch.zeros(5)), 2)
+    with pytest.raises(TypeError, match=r"x\[1\] must be a torch.Tensor, got int"):
+        split((torch.zeros(4), 3), 2, "x")
+
+
+def test_balance_even_list_and_params():
+    layers = list(mlp(num_layers=5))
+    assert resolve_balance(layers, 2) == (3, 2)
+    assert resolve_balance(layers, 2, [1, 4]) == (1, 4)
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 40)]  # 20, 20, 200 parameters
+    assert resolve_balance(layers, 2, "params") == (2, 1)  # 40 | 200, not 20 | 220
+    assert min_max_partition([1, 1, 1, 10, 1, 1], 3) == (3, 1, 2)
+
+
+@pytest.mark.parametrize("balance, message", [
+    ([2, 2], "balance=[2, 2] sums to 4 but the model has 5 layers"),
+    ([5], "balance has 1 entries but the pipeline has 2 stages"),
+    ([0, 5], "every stage needs at least one layer"),
+    ("flops", "valid values are None, 'params' or a list of layer counts"),
+])
+def test_bad_balance_names_the_numbers(balance, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        resolve_balance(list(mlp(num_layers=5)), 2, balance)
+
+
+def test_too_few_layers_for_the_stages():
+    with pytest.raises(ValueError, match="the model has 3 layers but the pipeline needs 4 stages"):
+        resolve_balance(list(mlp(num_layers=3)), 4)
+
+
+def test_meta_round_trip_and_packing_is_bit_exact():
+    tensors = (torch.randn(3, 4, requires_grad=True), torch.tensor([2**62, -5]), torch.tensor([True, False]),
+               torch.randn(5, dtype=torch.float64))
+    meta = meta_of(tensors, True)
+    assert decode_meta(encode_meta(meta)) == meta
+    out = unpack(pack(tensors), [(s, d) for s, d, _ in meta[1]])
+    assert [o.dtype for o in out] == [torch.float32, torch.int64, torch.bool, torch.float64]
+    assert all(torch.equal(a.detach(), b) for a, b in zip(tensors, out))
+
+
+def test_grid_layout():
+    grid = make_grid(world_rank=5, world_size=6, dp_size=2)
+    assert (grid.pp_size, grid.pp_rank, grid.dp_rank) == (3, 2, 1)
+    assert grid.pipeline_ranks(1) == (3, 4, 5) and grid.dp_ranks(2) == (2, 5)
+    with pytest.raises(ValueError, match="dp_size=4 does not divide the world size 6"):
+        make_grid(0, 6, 4)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"num_microbatches": 0}, ValueError, "num_microbatches must be an integer >= 1, got 0"),
+    ({"schedule": "zigzag"}, UnknownScheduleError, "unknown schedule 'zigzag'; valid names: 1f1b, gpipe"),
+    ({"dp_size": 2}, ValueError, "dp_size=2 does not divide the world size 1"),
+    ({"balance": [4, 4]}, ValueError, r"balance has 2 entries but the pipeline has 1 stages"),
+    ({"timeout": 0}, ValueError, "timeout must be a number of seconds > 0, got 0"),
+    ({"recompute": [True, False]}, ScheduleArgumentError, "recompute="),
+    ({"loss_fn": "mse"}, TypeError, "loss_fn must be callable, got str"),
+])
+def test_bad_arguments_fail_before_any_communication(kwargs, error, message):
+    args = {"schedule": "1f1b", "num_microbatches": 2, "loss_fn": nn.functional.mse_loss, **kwargs}
+    with pytest.raises(error, match=message):
+        Pipeline(mlp(num_layers=4), **args)
+    assert not dist.is_initialized()
+
+
+def test_stage_activation_bytes_of_linear_tanh_blocks():
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+    sizes = stage_activation_bytes(model, torch.randn(4, 16), 2, loss_fn=nn.functional.mse_loss,
+                                   target=torch.randn(4, 16))
+    row = 4 * 16 * 4  # one (4, 16) float32 tensor
+    # stage 0: its input + 2 Tanh outputs (each also the next Linear's input); stage 1: the same + the target
+    assert sizes == {"stash_bytes": (3 * row, 4 * row), "input_bytes": (row, row)}
