@@ -131,7 +131,10 @@ def draw_rows(ax, timeline: Timeline, offset: float = 0.0, height: float = 0.8, 
 
 def title_text(timeline: Timeline, title: str | None = None) -> str:
     """Two title lines: schedule and sizes (or ``title``), then the overall bubble fraction and the costs."""
-    meta = timeline.meta
+    meta = dict(timeline.meta)
+    microbatches = {e.instr.microbatch for e in timeline.events if e.instr.microbatch is not None}
+    meta.setdefault("microbatches", len(microbatches) if microbatches else "?")
+    meta.setdefault("virtual_stages", max(_chunk_counts(stage_chunks(timeline)).values(), default=1))
     first = title or SEP.join(
         [f"{meta.get('schedule', 'custom')}", f"p={meta.get('ranks', timeline.num_ranks)} ranks",
          f"m={meta.get('microbatches', '?')} microbatches", f"v={meta.get('virtual_stages', '?')}"]

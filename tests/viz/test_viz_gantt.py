@@ -139,3 +139,5 @@ def test_split_backward_and_recompute_kinds_get_their_own_colours_and_legend_ent
     assert len({tuple(c) for c in colours.values()}) == 4  # F, R, I, W all different
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert labels == ["forward F", "input grad I", "weight grad W", "recompute R", "idle (bubble)"]
+    # no labels in meta: sizes are read off the events
+    assert "custom  ·  p=2 ranks  ·  m=1 microbatches  ·  v=1  ·  measured" in fig.axes[0].get_title(loc="left")
