@@ -11,7 +11,7 @@ import time
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..ir import Op
+from ..ir import RECV_OPS, Op
 from .accounting import SavedBytes, tensor_bytes
 from .failure import CommError
 from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, meta_of, tag_of
@@ -20,6 +20,17 @@ from .recompute import keep_nothing, replay_rng, rng_state
 from .transport import Transport, wait
 
 FORWARD_OPS = (Op.F, Op.SEND_F, Op.RECV_F)
+RECV_AHEAD = 16  # stream positions a receive is posted ahead of where the program places it
+
+
+def _hoist_recvs(stream, ahead: int) -> list:
+    """The stream with every RECV moved up to ``ahead`` positions earlier (receives in the same relative
+    order). Posting a receive early never blocks and the peer's sends are unchanged, so the validator's
+    deadlock-freedom still holds; the transfer then overlaps this rank's compute. Costs at most ``ahead``
+    positions' worth of receive buffers allocated early."""
+    keyed = [((pos - ahead if instr.op in RECV_OPS else pos), 0 if instr.op in RECV_OPS else 1, pos, instr)
+             for pos, instr in enumerate(stream)]
+    return [item[3] for item in sorted(keyed)]
 
 
 class StepInputs:
@@ -65,12 +76,14 @@ class Executor:
                  Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b,
                  Op.RECV_B: self._recv_b, Op.ALL_REDUCE: self._all_reduce}
         stream = program.ranks[pp_rank]
-        self.train_plan = [(table[i.op], i) for i in stream]
-        self.forward_plan = [(table[i.op], i) for i in stream if i.op in FORWARD_OPS]
+        forward = [i for i in stream if i.op in FORWARD_OPS]
+        self.plans = {(train, hoist): [(table[i.op], i) for i in (_hoist_recvs(st, RECV_AHEAD) if hoist else st)]
+                      for train, st in ((True, stream), (False, forward)) for hoist in (False, True)}
         self.current = None  # the instruction running now (for error reports)
         self.events: list = []
         self.step = None
         self._step_t0 = 0.0
+        self.waited = 0.0
 
     # ---- the loop ---------------------------------------------------------------------------------
 
@@ -84,11 +97,12 @@ class Executor:
         self.events = events = []
         self._step_t0 = t0
         clock = time.perf_counter
-        for handler, instr in (self.train_plan if inputs.train else self.forward_plan):
+        # receives are posted early once the message shapes are known (not while learning them)
+        for handler, instr in self.plans[(inputs.train, not inputs.learning)]:
             self.current = instr
-            start = clock() - t0
+            self.waited = start = clock()
             handler(instr)
-            events.append([instr, start, clock() - t0])
+            events.append([instr, max(start, self.waited) - t0, clock() - t0])  # compute starts after its waits
         self.current = None
         loss = self._finish(loss_recv)
         self.step = None
@@ -122,7 +136,8 @@ class Executor:
             outs, is_tuple = st.fwd_out.pop((s - 1, mb))
             return tuple(o.detach().requires_grad_(o.requires_grad) for o in outs), is_tuple
         tensors, meta = self.transport.wait(st.pending.pop(("act", s, mb)))
-        self.events[st.recv_event.pop(("act", s, mb))][2] = time.perf_counter() - self._step_t0
+        self.waited = time.perf_counter()
+        self.events[st.recv_event.pop(("act", s, mb))][2] = self.waited - self._step_t0
         if meta is not None:
             st.io.metas[("in", s, mb)] = meta
         meta = st.io.metas[("in", s, mb)]
@@ -220,7 +235,8 @@ class Executor:
         if pending is None:
             return ()
         tensors, _ = self.transport.wait(pending)
-        self.events[st.recv_event.pop(("grad", s, mb))][2] = time.perf_counter() - self._step_t0
+        self.waited = time.perf_counter()
+        self.events[st.recv_event.pop(("grad", s, mb))][2] = self.waited - self._step_t0
         return tensors
 
     def _backward_roots(self, s, mb):
