@@ -11,12 +11,18 @@ else which instruction waits on which. Data items are small tuples:
 
 The rules: F(s) needs act(s-1); B/I(s) need fwd(s) and grad(s+1); W needs igrad; R needs F's
 stage input (modelled as the ``F`` having run); ALL_REDUCE(s) needs every wgrad(s, ·).
+
+Fast passes over large programs use :class:`RuleTable`: the same rules, read off :func:`needs` and
+:func:`produces` once per (kind, stage), with every item numbered by an integer.
 """
 from __future__ import annotations
 
 from .ir import Instr, Op
 
 Item = tuple  # ("act" | "grad" | "fwd" | "igrad" | "wgrad" | "ran", stage, microbatch)
+
+KINDS = ("act", "grad", "fwd", "rec", "igrad", "wgrad")  # every item kind, in the order RuleTable numbers them
+REMOTE_KINDS = ("act", "grad")  # the only items that can cross ranks (through SEND/RECV)
 
 
 def needs(instr: Instr, num_stages: int, num_microbatches: int, recomputed: bool = False) -> tuple[Item, ...]:
@@ -77,3 +83,56 @@ def consumer_stage(item: Item) -> int:
     """The stage whose compute consumes a communicated item."""
     kind, s, _ = item
     return s + 1 if kind == "act" else s - 1
+
+
+class RuleTable:
+    """:func:`needs` and :func:`produces` for one program's sizes, as integers, for passes over large programs.
+
+    Item ``(kind, s, mb)`` is numbered ``item_id(kind, s, mb)``; stages -1 and ``S`` (the items an ill-formed
+    instruction at the pipeline's ends would name) get numbers of their own, so ids never collide.
+    Every instruction ``(op, s, mb)`` maps to a *rule* ``rule(op, s, recomputed)``, an index into tuples of
+    per-rule facts; an item id is a rule's base plus the microbatch (``ALL_REDUCE`` bases are complete ids).
+
+    Attributes, indexed by rule:
+        op, stage: what the rule is for.
+        need: base ids of the items consumed (``needs``).
+        made: base ids of the items produced (``produces``).
+    """
+
+    def __init__(self, num_stages: int, num_microbatches: int, ops=tuple(Op)) -> None:
+        self.S, self.M = num_stages, num_microbatches
+        self.num_items = len(KINDS) * (num_stages + 2) * num_microbatches
+        self.op: list[Op] = []
+        self.stage: list[int] = []
+        self.need: list[tuple[int, ...]] = []
+        self.made: list[tuple[int, ...]] = []
+        self._index: dict[tuple[Op, int, bool], int] = {}
+        #: ``by_op[op][s]``: the rule of ``op`` (one of ``ops``) at stage ``s``, not recomputed
+        self.by_op = {op: [self.rule(op, s) for s in range(num_stages)] for op in ops}
+
+    def item_id(self, kind: str, stage: int, microbatch: int) -> int:
+        """The number of item ``(kind, stage, microbatch)``."""
+        return (KINDS.index(kind) * (self.S + 2) + stage + 1) * self.M + microbatch
+
+    def item(self, item_id: int) -> Item:
+        """The item numbered ``item_id`` (the inverse of :meth:`item_id`)."""
+        rest, mb = divmod(item_id, self.M)
+        kind, stage = divmod(rest, self.S + 2)
+        return (KINDS[kind], stage - 1, mb)
+
+    def rule(self, op: Op, stage: int, recomputed: bool = False) -> int:
+        """The rule of ``op`` at ``stage`` (``recomputed``: its (stage, mb) has an R), made on first use."""
+        key = (op, stage, recomputed)
+        index = self._index.get(key)
+        if index is None:
+            index = self._index[key] = len(self.op)
+            probe = Instr(op, stage) if op is Op.ALL_REDUCE else Instr(op, stage, 0, 0 if _is_comm(op) else None)
+            self.op.append(op)
+            self.stage.append(stage)
+            self.need.append(tuple(self.item_id(*it) for it in needs(probe, self.S, self.M, recomputed)))
+            self.made.append(tuple(self.item_id(*it) for it in produces(probe)))
+        return index
+
+
+def _is_comm(op: Op) -> bool:
+    return op in (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B)

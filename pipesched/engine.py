@@ -13,23 +13,32 @@ Messages between two ranks match first in, first out, whatever their kind, as NC
 point-to-point messages. This system is confluent — running one enabled instruction never disables
 another — so one complete run proves every run completes. :func:`execute` finds that run or raises
 :class:`~pipesched.errors.DeadlockError`.
+
+Passes over large programs (hundreds of thousands of instructions) work on a :class:`Plan`: the
+program numbered flat, with the rules of :mod:`pipesched.deps` as integer tables, so that each
+instruction costs a few list lookups. A complete :class:`Run` is remembered for the program it proves
+(:func:`remember`), so that simulating a validated program does not execute it again.
 """
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable
+from operator import attrgetter
 
-from .deps import needs, produces
+from .deps import REMOTE_KINDS, RuleTable, needs
 from .errors import DeadlockError, render_grid
 from .ir import COMM_OPS, RECV_OPS, SEND_OPS, Op, Program
 
 # on_fire(rank, position, partner): partner is (rank, position) of the matched RECV for a SEND, else None
 FireFn = Callable[[int, int, tuple[int, int] | None], None]
 
+COMPUTE, RECV, SEND = 0, 1, 2  # how the engine treats a rule's instructions (ALL_REDUCE counts as compute)
+
 
 def has_comm(program: Program) -> bool:
     """Whether the program carries SEND/RECV (lowered) or leaves cross-rank edges implicit (compute-only)."""
-    return any(instr.op in COMM_OPS for stream in program.ranks for instr in stream)
+    return any(instr.peer is not None for stream in program.ranks for instr in stream)
 
 
 def remote_needs(program: Program) -> list[list[tuple]]:
@@ -44,7 +53,7 @@ def remote_needs(program: Program) -> list[list[tuple]]:
                 per_pos.append(())
                 continue
             items = needs(instr, S, M, (instr.stage, instr.microbatch) in recomputed)
-            per_pos.append(tuple(it for it in items if it[0] in ("act", "grad") and s2r[it[1]] != rank))
+            per_pos.append(tuple(it for it in items if it[0] in REMOTE_KINDS and s2r[it[1]] != rank))
         result.append(per_pos)
     return result
 
@@ -52,6 +61,119 @@ def remote_needs(program: Program) -> list[list[tuple]]:
 def sent_item(instr) -> tuple:
     """The data item a SEND carries."""
     return ("act" if instr.op is Op.SEND_F else "grad", instr.stage, instr.microbatch)
+
+
+class NoSuchStage(ValueError):
+    """An instruction names a stage the program does not have (:class:`Plan` needs every stage to exist)."""
+
+
+class Plan:
+    """A program numbered flat for fast passes: instruction ``g`` of the whole program is position
+    ``g - first[r]`` of rank ``r``'s stream, for ``first[r] <= g < first[r + 1]``.
+
+    Raises :class:`NoSuchStage` for an instruction of a stage that does not exist; the rest of the
+    structure check of :mod:`pipesched.validate` is assumed.
+
+    Attributes:
+        program: the program (held weakly; see :func:`remember`).
+        rules: its :class:`~pipesched.deps.RuleTable`.
+        instrs, rule, mb, peer: per instruction: itself, its rule, microbatch (0 for ALL_REDUCE), peer.
+        first: where each rank's instructions start; ``first[-1]`` is the number of instructions.
+        lowered: the program carries SEND/RECV.
+        kind, wait, give: per rule: ``COMPUTE``/``RECV``/``SEND``; the base id of the item it must
+            receive from another rank first (-1: none); the base id of the item it hands to another rank
+            (a SEND's message, or in a compute-only program the act/grad a compute makes; -1: none).
+    """
+
+    def __init__(self, program: Program) -> None:
+        self._program = weakref.ref(program)
+        self.instrs = [instr for stream in program.ranks for instr in stream]
+        self.first = [0]
+        for stream in program.ranks:
+            self.first.append(self.first[-1] + len(stream))
+        ops = list(map(attrgetter("op"), self.instrs))
+        stages = list(map(attrgetter("stage"), self.instrs))
+        if max(stages, default=0) >= program.num_stages:
+            raise NoSuchStage(f"stage {max(stages)} does not exist (stages 0..{program.num_stages - 1})")
+        present = set(ops)
+        self.rules = rules = RuleTable(program.num_stages, program.num_microbatches, present)
+        by_op = rules.by_op
+        self.rule = [by_op[op][stage] for op, stage in zip(ops, stages)]
+        self.mb = list(map(attrgetter("microbatch"), self.instrs))
+        if Op.ALL_REDUCE in present:
+            self.mb = [0 if mb is None else mb for mb in self.mb]
+        self.peer = list(map(attrgetter("peer"), self.instrs))
+        self.lowered = not present.isdisjoint(COMM_OPS)
+        if Op.R in present:
+            self._mark_recomputed()
+        self.kind, self.wait, self.give = [], [], []
+        for t in range(len(rules.op)):
+            self._add_engine_facts(program.stage_to_rank, t)
+
+    @property
+    def program(self) -> Program:
+        return self._program()
+
+    def rank_of(self) -> list[int]:
+        """Per instruction (flat number), its rank."""
+        ranks: list[int] = []
+        for rank in range(len(self.first) - 1):
+            ranks += [rank] * (self.first[rank + 1] - self.first[rank])
+        return ranks
+
+    def _mark_recomputed(self) -> None:
+        """Give the B/I of each (stage, microbatch) that has an R the rule that needs the recompute."""
+        recomputed = {(i.stage, i.microbatch) for i in self.instrs if i.op is Op.R}
+        for g, instr in enumerate(self.instrs):
+            if instr.op in (Op.B, Op.I) and (instr.stage, instr.microbatch) in recomputed:
+                self.rule[g] = self.rules.rule(instr.op, instr.stage, True)
+
+    def _add_engine_facts(self, s2r, t: int) -> None:
+        """How :func:`fire_all` treats the instructions of rule ``t``."""
+        rules = self.rules
+        op = rules.op[t]
+        if op in RECV_OPS:
+            self.kind.append(RECV)
+            self.wait.append(-1)
+            self.give.append(-1)
+        elif op in SEND_OPS:
+            self.kind.append(SEND)
+            self.wait.append(-1)
+            self.give.append(rules.need[t][0])  # the message is what the SEND needs
+        else:
+            items = [] if op is Op.ALL_REDUCE else [(base, rules.item(base)) for base in rules.need[t]]
+            here = s2r[rules.stage[t]]
+            remote = [base for base, (kind, s, _) in items if kind in REMOTE_KINDS and s2r[s] != here]
+            assert len(remote) <= 1, f"the rules give {op} more than one item from another rank"
+            handed = [base for base in rules.made[t] if rules.item(base)[0] in REMOTE_KINDS]
+            self.kind.append(COMPUTE)
+            self.wait.append(remote[0] if remote else -1)
+            self.give.append(handed[0] if handed and not self.lowered else -1)
+
+
+class Run:
+    """What one execution of a :class:`Plan` did.
+
+    Attributes:
+        plan: what ran.
+        order: the instructions (flat numbers) in the order they fired.
+        partner: per instruction, the RECV a SEND matched (its flat number); -1 for everything else.
+        heads: per rank, the flat number of the first instruction that did not fire.
+    """
+
+    def __init__(self, plan: Plan, order: list[int], partner: list[int], heads: list[int]) -> None:
+        self.plan, self.order, self.partner, self.heads = plan, order, partner, heads
+
+    def raise_if_stuck(self) -> "Run":
+        """Return self if every instruction fired.
+
+        Raises:
+            DeadlockError: naming each rank's blocked instruction.
+        """
+        first = self.plan.first
+        if self.heads != first[1:]:
+            raise _deadlock(self.plan.program, [h - f for h, f in zip(self.heads, first)])
+        return self
 
 
 def execute(program: Program, on_fire: FireFn | None = None) -> None:
@@ -62,53 +184,94 @@ def execute(program: Program, on_fire: FireFn | None = None) -> None:
     Raises:
         DeadlockError: no rank can move and work remains; names each rank's blocked instruction.
     """
-    streams = program.ranks
-    heads = [0] * len(streams)
-    lowered = has_comm(program)
-    remote = remote_needs(program)
-    arrived: set = set()
-    waiters: dict = defaultdict(list)
-    posted: dict = defaultdict(deque)  # (src, dst) -> positions of posted, unmatched RECVs on dst
-    blocked_send: dict = {}  # (src, dst) -> src, while src waits for dst to post
-    ready = deque(range(len(streams)))
-    fire = on_fire or (lambda rank, pos, partner: None)
+    plan = Plan(program)
+    done = fire_all(plan)
+    if on_fire is not None:
+        first, peer, rank_of = plan.first, plan.peer, plan.rank_of()
+        for g in done.order:
+            rank, matched = rank_of[g], done.partner[g]
+            on_fire(rank, g - first[rank], None if matched < 0 else (peer[g], matched - first[peer[g]]))
+    done.raise_if_stuck()
 
-    def deliver(item) -> None:
-        arrived.add(item)
-        ready.extend(waiters.pop(item, ()))
 
+def run(plan: Plan) -> Run:
+    """Execute ``plan`` to the end.
+
+    Raises:
+        DeadlockError: no rank can move and work remains; names each rank's blocked instruction.
+    """
+    return fire_all(plan).raise_if_stuck()
+
+
+def fire_all(plan: Plan) -> Run:
+    """Fire instructions until every rank is done or blocked (the model of the module docstring).
+
+    Ranks take turns from a queue; each runs until it ends or blocks, and a rank that unblocks
+    another puts it back on the queue. Items are numbered by the plan's rule table.
+    """
+    first, rule, mb, peer = plan.first, plan.rule, plan.mb, plan.peer
+    kind, wait, give = plan.kind, plan.wait, plan.give
+    num_ranks = len(first) - 1
+    heads, ends = first[:-1], first[1:]
+    arrived = bytearray(plan.rules.num_items)
+    waiters: dict[int, list[int]] = {}  # item -> ranks waiting for it
+    posted: dict = defaultdict(deque)  # src * num_ranks + dst -> posted, unmatched RECVs on dst
+    blocked_send: dict = {}  # channel -> src, while src waits for dst to post
+    ready = deque(range(num_ranks))
+    order: list[int] = []
+    fired = order.append
+    partner = [-1] * first[-1]
     while ready:
         rank = ready.popleft()
-        stream, pos = streams[rank], heads[rank]
-        while pos < len(stream):
-            instr = stream[pos]
-            op = instr.op
-            if op in RECV_OPS:
-                channel = (instr.peer, rank)
-                posted[channel].append(pos)
-                fire(rank, pos, None)
+        g, end = heads[rank], ends[rank]
+        while g < end:
+            t = rule[g]
+            k = kind[t]
+            if k == COMPUTE:
+                if wait[t] >= 0 and not arrived[wait[t] + mb[g]]:
+                    waiters.setdefault(wait[t] + mb[g], []).append(rank)
+                    break
+                item = give[t] + mb[g] if give[t] >= 0 else -1
+            elif k == RECV:
+                channel = peer[g] * num_ranks + rank
+                posted[channel].append(g)
                 if channel in blocked_send:
                     ready.append(blocked_send.pop(channel))
-            elif op in SEND_OPS:
-                channel = (rank, instr.peer)
-                if not posted[channel]:
-                    blocked_send[channel] = rank
-                    break
-                fire(rank, pos, (instr.peer, posted[channel].popleft()))
-                deliver(sent_item(instr))
+                item = -1
             else:
-                missing = [it for it in remote[rank][pos] if it not in arrived]
-                if missing:
-                    waiters[missing[0]].append(rank)
+                queue = posted[rank * num_ranks + peer[g]]
+                if not queue:
+                    blocked_send[rank * num_ranks + peer[g]] = rank
                     break
-                fire(rank, pos, None)
-                if not lowered:
-                    for item in produces(instr):
-                        deliver(item)
-            pos += 1
-        heads[rank] = pos
-    if any(heads[r] < len(s) for r, s in enumerate(streams)):
-        raise _deadlock(program, heads)
+                partner[g] = queue.popleft()
+                item = give[t] + mb[g]
+            fired(g)
+            if item >= 0:  # deliver it
+                arrived[item] = 1
+                if item in waiters:
+                    ready.extend(waiters.pop(item))
+            g += 1
+        heads[rank] = g
+    return Run(plan, order, partner, heads)
+
+
+_PROVEN: dict[int, Run] = {}  # id(program) -> its complete run, while the program lives
+
+
+def remember(program: Program, done: Run) -> None:
+    """Remember that ``done`` is a complete run of ``program`` (which :func:`validate` passed).
+
+    Programs are immutable, so the proof holds for the program's lifetime; the entry goes with it.
+    """
+    if id(program) not in _PROVEN:
+        weakref.finalize(program, _PROVEN.pop, id(program), None)
+    _PROVEN[id(program)] = done
+
+
+def proven_run(program: Program) -> Run | None:
+    """The complete run remembered for ``program`` by :func:`remember`, or ``None``."""
+    done = _PROVEN.get(id(program))
+    return done if done is not None and done.plan.program is program else None
 
 
 def _deadlock(program: Program, heads: list[int]) -> DeadlockError:

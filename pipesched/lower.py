@@ -5,6 +5,8 @@ instructions go. :func:`compile_program` in :mod:`pipesched.api` chains them.
 """
 from __future__ import annotations
 
+from operator import itemgetter
+
 from .cost import CostModel
 from .deps import comm_for, consumer_stage, produces
 from .engine import has_comm
@@ -72,29 +74,44 @@ def add_send_recv(program: Program, cost: CostModel = REFERENCE_COST) -> Program
     Raises:
         ValueError: the program already has SEND/RECV.
     """
-    from .sim import simulate  # the simulator needs validation, which needs nothing from here
+    from .sim import simulate_plan  # the simulator needs validation, which needs nothing from here
 
     if has_comm(program):
         raise ValueError("add_send_recv takes a compute-only program; this one already has SEND/RECV")
-    timeline = simulate(program, cost)
+    plan, starts, ends = simulate_plan(program, cost)
+    routes = _routes(plan)
     keyed: list[list] = [[] for _ in program.ranks]
-    s2r = program.stage_to_rank
-    for event in timeline.events:
-        rank, instr = event.rank, event.instr
-        keyed[rank].append(((event.start, 1, rank, event.start), instr))
-        for item in produces(instr):
-            route = comm_for(item)
-            if route is None or not 0 <= consumer_stage(item) < program.num_stages:
+    for rank, stream in enumerate(program.ranks):
+        lo, hi = plan.first[rank], plan.first[rank + 1]
+        for g in sorted(range(lo, hi), key=dict(zip(range(lo, hi), zip(starts[lo:hi], ends[lo:hi]))).__getitem__):
+            instr, start = plan.instrs[g], starts[g]
+            keyed[rank].append(((start, 1, rank, start), instr))
+            route = routes[plan.rule[g]]
+            if route is None:
                 continue
-            peer = s2r[consumer_stage(item)]
-            if peer == rank:
-                continue
-            send_op, send_stage, recv_op, recv_stage = route
-            key = (event.end, 0, rank, event.start, send_op.value)
+            send_op, send_stage, recv_op, recv_stage, peer = route
+            key = (ends[g], 0, rank, start, send_op.value)
             keyed[rank].append((key, Instr(send_op, send_stage, instr.microbatch, peer)))
             keyed[peer].append((key, Instr(recv_op, recv_stage, instr.microbatch, rank)))
-    streams = [tuple(instr for _, instr in sorted(items, key=lambda pair: pair[0])) for items in keyed]
+    streams = [tuple(map(itemgetter(1), sorted(items, key=itemgetter(0)))) for items in keyed]
     return program.replace(streams)
+
+
+def _routes(plan) -> list:
+    """Per rule of ``plan``: (send op, its stage, recv op, its stage, receiving rank) if another rank
+    consumes what its instructions produce (:func:`~pipesched.deps.produces`, :func:`~pipesched.deps.comm_for`),
+    else ``None``."""
+    s2r, S = plan.program.stage_to_rank, plan.program.num_stages
+    routes = []
+    for op, stage in zip(plan.rules.op, plan.rules.stage):
+        probe = Instr(op, stage) if op is Op.ALL_REDUCE else Instr(op, stage, 0)
+        found = None
+        for item in produces(probe):
+            route, consumer = comm_for(item), consumer_stage(item)
+            if route is not None and 0 <= consumer < S and s2r[consumer] != s2r[stage]:
+                found = (*route, s2r[consumer])
+        routes.append(found)
+    return routes
 
 
 def add_all_reduce(program: Program, dp_size: int) -> Program:

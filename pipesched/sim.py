@@ -11,11 +11,12 @@ A compute-only program (no SEND/RECV) is simulated with the same message delay o
 from __future__ import annotations
 
 from .cost import CostModel
-from .engine import execute, has_comm, remote_needs, sent_item
-from .ir import RECV_OPS, SEND_OPS, Op, Program
+from . import engine
+from .engine import COMPUTE, RECV
+from .ir import Op, Program
 from .memory import peak_activation_bytes
 from .timeline import Event, Timeline, peak_inflight
-from .validate import validate
+from .validate import check_static
 
 _COST_FIELD = {Op.F: "forward", Op.B: "backward", Op.I: "input_grad", Op.W: "weight_grad", Op.R: "recompute"}
 
@@ -36,12 +37,8 @@ def simulate(program: Program, cost: CostModel | None = None, check: bool = True
         ValueError: a cost does not fit the program (wrong length, negative).
     """
     cost = cost or CostModel()
-    if check:
-        validate(program)
-    times = _run(program, cost)
-    events = tuple(
-        Event(rank, program.ranks[rank][pos], start, end) for (rank, pos), (start, end) in times.items()
-    )
+    plan, starts, ends = simulate_plan(program, cost, check)
+    events = list(map(Event, plan.rank_of(), plan.instrs, starts, ends))
     meta = {
         "schedule": program.schedule,
         "ranks": program.num_ranks,
@@ -51,7 +48,7 @@ def simulate(program: Program, cost: CostModel | None = None, check: bool = True
         "cost": cost.describe(),
     }
     return Timeline(
-        events=events,
+        events=tuple(events),
         num_ranks=program.num_ranks,
         source="simulated",
         meta=meta,
@@ -60,44 +57,67 @@ def simulate(program: Program, cost: CostModel | None = None, check: bool = True
     )
 
 
-def _run(program: Program, cost: CostModel) -> dict:
+def simulate_plan(program: Program, cost: CostModel, check: bool = True) -> tuple[engine.Plan, list, list]:
+    """The program's :class:`~pipesched.engine.Plan` and the start and end of every instruction, by flat number.
+
+    ``check``: validate first; the simulation's own execution is then the deadlock check, so the program
+    runs once, not twice. A program :func:`~pipesched.validate.validate` passed is not checked or run
+    again: its remembered execution is timed. Raises as :func:`simulate`.
+    """
+    done = engine.proven_run(program)
+    if done is None:
+        done = engine.run(check_static(program) if check else engine.Plan(program))
+    starts, ends = _times(done, cost)
+    return done.plan, starts, ends
+
+
+def _times(run: engine.Run, cost: CostModel) -> tuple[list[float], list[float]]:
+    """Time the instructions in the engine's firing order (any valid order gives the same times)."""
+    plan = run.plan
+    busy, lasts, delay = _rule_seconds(plan, cost)
+    rule, mb, kind, wait, give, partner = plan.rule, plan.mb, plan.kind, plan.wait, plan.give, run.partner
+    rank_of = plan.rank_of()
+    free = [0.0] * plan.program.num_ranks
+    starts, ends = [0.0] * len(rule), [0.0] * len(rule)
+    ready_at = [0.0] * plan.rules.num_items  # per item, when it lands on the rank that consumes it
+    for g in run.order:
+        t, rank = rule[g], rank_of[g]
+        start = free[rank]
+        k = kind[t]
+        if k == COMPUTE:
+            if busy[t] is None:  # ALL_REDUCE: asynchronous, the rank moves on
+                starts[g], ends[g] = start, start + lasts[t]
+                continue
+            if wait[t] >= 0:
+                start = max(start, ready_at[wait[t] + mb[g]])
+            free[rank] = end = start + busy[t]
+            starts[g], ends[g] = start, end
+            if give[t] >= 0 and delay[t] is not None:
+                ready_at[give[t] + mb[g]] = end + delay[t]
+        elif k == RECV:
+            starts[g] = ends[g] = start  # posted now; its end is set when the message lands
+        else:
+            starts[g] = ends[g] = start
+            arrival = start + delay[t]
+            recv = partner[g]
+            ends[recv] = max(starts[recv], arrival)
+            ready_at[give[t] + mb[g]] = arrival
+    return starts, ends
+
+
+def _rule_seconds(plan: engine.Plan, cost: CostModel) -> tuple[list, list, list]:
+    """Per rule: seconds of rank time it takes (None: none), seconds it lasts without taking rank time
+    (ALL_REDUCE), and the delay of the message it sends (None: none)."""
+    program, rules = plan.program, plan.rules
     S = program.num_stages
     dur = {op: cost.per_stage(name, S) for op, name in _COST_FIELD.items()}
     msg = [cost.message_seconds(b) for b in cost.per_stage("activation_bytes", S)]
     ring = 2 * (program.dp_size - 1) / program.dp_size
     allreduce = [cost.message_seconds(ring * b) for b in cost.per_stage("grad_bytes", S)]
-    free = [0.0] * program.num_ranks
-    times: dict = {}
-    ready_at: dict = {}  # item -> time it lands on the rank that consumes it
-    remote = remote_needs(program)
-    lowered = has_comm(program)
-
-    def on_fire(rank: int, pos: int, partner) -> None:
-        instr = program.ranks[rank][pos]
-        start = free[rank]
-        if instr.op in RECV_OPS:
-            times[(rank, pos)] = (start, start)  # posted now; its end is set when the message lands
-            return
-        if instr.op in SEND_OPS:
-            arrival = start + msg[instr.stage if instr.op is Op.SEND_F else instr.stage - 1]
-            times[(rank, pos)] = (start, start)
-            recv_rank, recv_pos = partner
-            posted_at = times[(recv_rank, recv_pos)][0]
-            times[(recv_rank, recv_pos)] = (posted_at, max(posted_at, arrival))
-            ready_at[sent_item(instr)] = arrival
-            return
-        if instr.op is Op.ALL_REDUCE:
-            times[(rank, pos)] = (start, start + allreduce[instr.stage])
-            return
-        start = max([start] + [ready_at[item] for item in remote[rank][pos]])
-        end = start + dur[instr.op][instr.stage]
-        times[(rank, pos)] = (start, end)
-        free[rank] = end
-        if not lowered and instr.op in (Op.F, Op.B, Op.I):
-            boundary = instr.stage if instr.op is Op.F else instr.stage - 1
-            kind = "act" if instr.op is Op.F else "grad"
-            if boundary >= 0:
-                ready_at[(kind, instr.stage, instr.microbatch)] = end + msg[boundary]
-
-    execute(program, on_fire)
-    return times
+    busy, lasts, delay = [], [], []
+    for op, stage in zip(rules.op, rules.stage):
+        busy.append(dur[op][stage] if op in dur else None)
+        lasts.append(allreduce[stage] if op is Op.ALL_REDUCE else 0.0)
+        boundary = stage if op in (Op.F, Op.SEND_F) else stage - 1
+        delay.append(msg[boundary] if boundary >= 0 else None)
+    return busy, lasts, delay

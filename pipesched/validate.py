@@ -16,15 +16,19 @@ the reason, and showing the grid with the spot marked.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from operator import attrgetter
 
 from . import engine
-from .deps import needs, produces
+from .deps import REMOTE_KINDS, needs, produces
 from .errors import DependencyError, InvalidProgramError, PairingError, render_grid
 from .ir import COMM_OPS, RECV_OPS, SEND_OPS, Instr, Op, Program
 
 
 def validate(program: Program) -> Program:
     """Check ``program``; return it unchanged if it is valid.
+
+    The complete execution that proves it deadlock-free is remembered for the program
+    (:func:`pipesched.engine.remember`), so validating or simulating it again does not repeat it.
 
     Raises:
         InvalidProgramError: bad sizes, stage, microbatch or peer, instruction on the wrong rank, missing or
@@ -33,12 +37,22 @@ def validate(program: Program) -> Program:
         PairingError: a send without its receive (or the reverse), or receives out of the sends' order.
         DeadlockError: no rank can progress under rendezvous semantics.
     """
-    check_structure(program)
-    check_complete(program)
-    check_order(program)
-    check_pairing(program)
-    engine.execute(program)
+    if engine.proven_run(program) is None:
+        engine.remember(program, engine.run(check_static(program)))
     return program
+
+
+def check_static(program: Program) -> engine.Plan:
+    """Every check but the deadlock check (which needs an execution), cheapest first.
+
+    Returns the program's :class:`~pipesched.engine.Plan`, ready for that execution.
+    Raises as :func:`validate`.
+    """
+    plan = check_structure(program)
+    check_complete(program, plan)
+    check_order(program, plan)
+    check_pairing(program, plan)
+    return plan
 
 
 def _fail(cls, program: Program, rank: int, pos: int, reason: str):
@@ -46,8 +60,8 @@ def _fail(cls, program: Program, rank: int, pos: int, reason: str):
     return cls(reason, rank, instr, render_grid(program.ranks, {rank: pos}))
 
 
-def check_structure(program: Program) -> None:
-    """Sizes, stage/microbatch ranges, placement and peers."""
+def check_structure(program: Program) -> engine.Plan:
+    """Sizes, stage/microbatch ranges, placement and peers. Returns the program's plan."""
     p, S, M = program.num_ranks, program.num_stages, program.num_microbatches
     if p < 1 or S < 1 or M < 1 or program.dp_size < 1:
         raise InvalidProgramError(
@@ -57,12 +71,51 @@ def check_structure(program: Program) -> None:
     bad = [r for r in program.stage_to_rank if not 0 <= r < p]
     if bad:
         raise InvalidProgramError(f"stage_to_rank names rank {bad[0]}, but the program has ranks 0..{p - 1}")
-    s2r = program.stage_to_rank
+    try:
+        plan = engine.Plan(program)
+    except engine.NoSuchStage:
+        plan = None
+    if plan is None or _has_structure_problem(plan):
+        _explain_structure(program)
+    return plan
+
+
+def _has_structure_problem(plan: engine.Plan) -> bool:
+    """Whether :func:`_explain_structure` finds a problem, checked once per rule of each rank (and one
+    comparison of all peers with the expected ones) instead of once per instruction."""
+    program, rules = plan.program, plan.rules
+    s2r, M, dp_size = program.stage_to_rank, program.num_microbatches, program.dp_size
+    if max(plan.mb, default=0) >= M:
+        return True
+    expected = [_expected_peer(op, stage, s2r) for op, stage in zip(rules.op, rules.stage)]
+    if list(map(expected.__getitem__, plan.rule)) != plan.peer:
+        return True
+    for rank in range(program.num_ranks):
+        for t in set(plan.rule[plan.first[rank]:plan.first[rank + 1]]):
+            op, stage = rules.op[t], rules.stage[t]
+            probe = Instr(op, stage, None if op is Op.ALL_REDUCE else 0, expected[t])
+            if _structure_problem(probe, rank, s2r, M, dp_size):
+                return True
+    return False
+
+
+def _expected_peer(op: Op, stage: int, s2r) -> int | None:
+    """The peer a SEND/RECV of ``op`` at ``stage`` must name (0 when it has no neighbour stage), else None."""
+    if op not in COMM_OPS:
+        return None
+    neighbour = stage + 1 if op in (Op.SEND_F, Op.RECV_B) else stage - 1
+    return s2r[neighbour] if 0 <= neighbour < len(s2r) else 0
+
+
+def _explain_structure(program: Program) -> None:
+    """Raise the error :func:`check_structure` reports for the first ill-formed instruction."""
     for rank, stream in enumerate(program.ranks):
         for pos, instr in enumerate(stream):
-            reason = _structure_problem(instr, rank, s2r, M, program.dp_size)
+            reason = _structure_problem(instr, rank, program.stage_to_rank, program.num_microbatches,
+                                        program.dp_size)
             if reason:
                 raise _fail(InvalidProgramError, program, rank, pos, reason)
+    raise AssertionError("the quick check found a problem that this exact one does not")  # a bug in pipesched
 
 
 def _structure_problem(instr: Instr, rank: int, s2r, M: int, dp_size: int) -> str | None:
@@ -87,8 +140,32 @@ def _structure_problem(instr: Instr, rank: int, s2r, M: int, dp_size: int) -> st
     return None
 
 
-def check_complete(program: Program) -> None:
-    """One F and one B (or one I and one W) per (stage, microbatch); at most one R; ALL_REDUCE per stage."""
+def check_complete(program: Program, plan: engine.Plan | None = None) -> None:
+    """One F and one B (or one I and one W) per (stage, microbatch); at most one R; ALL_REDUCE per stage.
+    ``plan``: the program's plan, if already made (it assumes :func:`check_structure` passed)."""
+    if not _is_complete(plan or check_structure(program)):
+        _explain_incomplete(program)
+
+
+def _is_complete(plan: engine.Plan) -> bool:
+    """Whether :func:`check_complete` passes, from counts: with every stage and microbatch in range and
+    nothing twice, S * M forwards are all of them."""
+    program, rules = plan.program, plan.rules
+    M, cells = program.num_microbatches, program.num_stages * program.num_microbatches
+    work = [t * M + mb for t, mb, peer in zip(plan.rule, plan.mb, plan.peer) if peer is None]
+    if len(set(work)) != len(work):
+        return False  # some (op, stage, microbatch) appears twice
+    count = Counter(map(rules.op.__getitem__, plan.rule))
+    if count[Op.F] != cells or (program.dp_size > 1 and count[Op.ALL_REDUCE] != program.num_stages):
+        return False
+    if not (count[Op.I] or count[Op.W]):
+        return count[Op.B] == cells
+    full, inp, wgt = ({(i.stage, i.microbatch) for i in plan.instrs if i.op is op} for op in (Op.B, Op.I, Op.W))
+    return not (full & inp) and not (full & wgt) and inp == wgt and len(full) + len(inp) == cells
+
+
+def _explain_incomplete(program: Program) -> None:
+    """Raise the error :func:`check_complete` reports: the first duplicate, else the first missing work."""
     counts: Counter = Counter()
     for rank, stream in enumerate(program.ranks):
         for pos, instr in enumerate(stream):
@@ -106,6 +183,7 @@ def check_complete(program: Program) -> None:
                 )
         if program.dp_size > 1 and counts[(Op.ALL_REDUCE, s, None)] == 0:
             raise InvalidProgramError(f"dp_size={program.dp_size} but stage {s} has no ALL_REDUCE")
+    raise AssertionError("the quick check found a problem that this exact one does not")  # a bug in pipesched
 
 
 def _missing_work(counts: Counter, s: int, mb: int) -> tuple[Op, str] | None:
@@ -123,9 +201,36 @@ def _missing_work(counts: Counter, s: int, mb: int) -> tuple[Op, str] | None:
     return None
 
 
-def check_order(program: Program) -> None:
+def check_order(program: Program, plan: engine.Plan | None = None) -> None:
     """On each rank, what an instruction needs comes earlier in the stream (or, in a compute-only
-    program, is made by another rank)."""
+    program, is made by another rank). ``plan``: the program's plan, if already made."""
+    plan = plan or check_structure(program)
+    rules, s2r = plan.rules, program.stage_to_rank
+    # per rule, the items that must be made earlier on the same rank: all it needs, but in a
+    # compute-only program not what it gets from another rank
+    local = [
+        tuple(base for base in need if plan.lowered or not _made_elsewhere(rules.item(base), s2r[stage], s2r))
+        for need, stage in zip(rules.need, rules.stage)
+    ]
+    made, rule, mb, first = rules.made, plan.rule, plan.mb, plan.first
+    for rank in range(program.num_ranks):
+        have = bytearray(rules.num_items)
+        for t, m in zip(rule[first[rank]:first[rank + 1]], mb[first[rank]:first[rank + 1]]):
+            for base in local[t]:
+                if not have[base + m]:
+                    _explain_order(program)
+            for base in made[t]:
+                have[base + m] = 1
+
+
+def _made_elsewhere(item, rank: int, s2r) -> bool:
+    """Whether ``rank`` gets ``item`` from another rank."""
+    kind, stage, _ = item
+    return kind in REMOTE_KINDS and s2r[stage] != rank
+
+
+def _explain_order(program: Program) -> None:
+    """Raise the error :func:`check_order` reports for the first instruction that comes too early."""
     lowered = engine.has_comm(program)
     S, M, s2r = program.num_stages, program.num_microbatches, program.stage_to_rank
     recomputed = {(i.stage, i.microbatch) for st in program.ranks for i in st if i.op is Op.R}
@@ -138,6 +243,7 @@ def check_order(program: Program) -> None:
                     continue
                 raise _fail(DependencyError, program, rank, pos, _order_reason(item, remote, stream, pos))
             have.update(produces(instr))
+    raise AssertionError("the quick check found a problem that this exact one does not")  # a bug in pipesched
 
 
 def _order_reason(item, remote: bool, stream, pos: int) -> str:
@@ -157,8 +263,33 @@ def _order_reason(item, remote: bool, stream, pos: int) -> str:
     return f"needs {what}, which comes {'later in this stream' if later else 'nowhere before it on this rank'}"
 
 
-def check_pairing(program: Program) -> None:
-    """Every send has its receive, and between two ranks receives are posted in the order of the sends."""
+def check_pairing(program: Program, plan: engine.Plan | None = None) -> None:
+    """Every send has its receive, and between two ranks receives are posted in the order of the sends.
+    ``plan``: the program's plan, if already made."""
+    plan = plan or check_structure(program)
+    if not plan.lowered:
+        return
+    rules, p = plan.rules, program.num_ranks
+    # per rule, the message a SEND or RECV carries (base id), as in _message
+    message = [(need if op in SEND_OPS else made)[0] if op in COMM_OPS else -1
+               for op, need, made in zip(rules.op, rules.need, rules.made)]
+    sends: dict = defaultdict(list)  # src * p + dst -> messages in the order of the sends
+    recvs: dict = defaultdict(list)  # src * p + dst -> messages in the order the receives are posted
+    rule, mb, peer, first = plan.rule, plan.mb, plan.peer, plan.first
+    for rank in range(p):
+        for g in range(first[rank], first[rank + 1]):
+            if peer[g] is not None:
+                t = rule[g]
+                if rules.op[t] in SEND_OPS:
+                    sends[rank * p + peer[g]].append(message[t] + mb[g])
+                else:
+                    recvs[peer[g] * p + rank].append(message[t] + mb[g])
+    if sends != recvs:
+        _explain_pairing(program)
+
+
+def _explain_pairing(program: Program) -> None:
+    """Raise the error :func:`check_pairing` reports: the first channel whose sends and receives differ."""
     sends: dict = defaultdict(list)
     recvs: dict = defaultdict(list)
     for rank, stream in enumerate(program.ranks):
@@ -184,6 +315,7 @@ def check_pairing(program: Program) -> None:
         if len(inn) > len(out):
             pos = inn[len(out)][0]
             raise _fail(PairingError, program, dst, pos, f"has no matching send on rank {src}")
+    raise AssertionError("the quick check found a problem that this exact one does not")  # a bug in pipesched
 
 
 def _message(instr: Instr) -> tuple:
