@@ -11,7 +11,7 @@ import time
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..ir import RECV_OPS, Op
+from ..ir import RECV_OPS, SEND_OPS, Op
 from .accounting import SavedBytes, tensor_bytes
 from .failure import CommError
 from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, meta_of, tag_of
@@ -30,7 +30,18 @@ def _hoist_recvs(stream, ahead: int) -> list:
     positions' worth of receive buffers allocated early."""
     keyed = [((pos - ahead if instr.op in RECV_OPS else pos), 0 if instr.op in RECV_OPS else 1, pos, instr)
              for pos, instr in enumerate(stream)]
-    return [item[3] for item in sorted(keyed)]
+    hoisted = [item[3] for item in sorted(keyed)]
+    # within a run of communication, sends first: a send is on a peer's critical path, a post is not
+    out, run = [], []
+    for instr in hoisted + [None]:
+        if instr is not None and (instr.op in RECV_OPS or instr.op in SEND_OPS):
+            run.append(instr)
+            continue
+        out.extend([i for i in run if i.op in SEND_OPS] + [i for i in run if i.op in RECV_OPS])
+        run = []
+        if instr is not None:
+            out.append(instr)
+    return out
 
 
 class StepInputs:

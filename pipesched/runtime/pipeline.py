@@ -108,14 +108,15 @@ class Pipeline:
 
         Args:
             x: the batch, a tensor or tuple of tensors with batch dim 0, ``(N, ...)``. Needed on the rank of
-                stage 0; other ranks may pass it (then it is checked locally, before any communication) or None.
+                stage 0 (which checks it and tells the others its shapes); other ranks ignore it (may pass None).
             target: ``(N, ...)`` tensor or tuple, needed on the rank of the last stage; others may pass None.
         Returns:
             The loss, a 0-dim tensor of the loss dtype, the same on every rank of this pipeline:
             ``sum_i loss_fn(out_i, target_i) * n_i / N`` over microbatches ``i`` of ``n_i`` samples
             (the full-batch mean loss for a mean ``loss_fn``). With ``dp_size > 1`` it is this replica's loss.
         Raises:
-            ValueError: ``N < num_microbatches``, mismatched batch sizes, no ``loss_fn``; the pipeline stays usable.
+            ValueError: no ``loss_fn``, or the first stage's rank rejects ``x`` (``N < num_microbatches``, tensors
+                of different batch sizes, not tensors, missing): raised on every rank; the pipeline stays usable.
             PipelineError: any rank failed during the step (names the rank, the instruction and the cause);
                 the pipeline is unusable afterwards.
         """
@@ -154,15 +155,10 @@ class Pipeline:
     # ---- step machinery --------------------------------------------------------------------------------
 
     def _check_local(self, x, target) -> None:
+        """Only what every rank decides alike; the input itself is checked by the first stage's rank,
+        which tells the others (see :meth:`_signature`), so all ranks raise the same ValueError."""
         if self._broken is not None:
             raise PipelineError(self._broken.info, self.grid.world_rank, "this Pipeline failed in an earlier step")
-        if x is not None:
-            split(x, self.program.num_microbatches, "x")
-            if target is not None and batch_size(target, "target") != batch_size(x, "x"):
-                raise ValueError(f"target has batch size {batch_size(target, 'target')} but x has {batch_size(x, 'x')}")
-        elif self.pp_rank == self.program.stage_to_rank[0]:
-            raise ValueError("x is required on the rank of the first stage (pipeline rank "
-                             f"{self.program.stage_to_rank[0]})")
 
     def _guarded(self, run):
         try:
@@ -229,6 +225,8 @@ class Pipeline:
                                 f"batch size {words[3]}, num_microbatches {words[2]} (see that rank's error)")
             return words, None, False
         try:
+            if x is None:
+                raise ValueError(f"x is required on the rank of the first stage (pipeline rank {first})")
             micro, is_tuple = split(_to(x, self.device), self.program.num_microbatches, "x")
             words = _encode_signature(train, self.program.num_microbatches, micro, is_tuple)
         except (TypeError, ValueError) as exc:

@@ -117,8 +117,26 @@ def memory(rank, schedule, v, tanh_first):
     return out
 
 
+def small_batches(rank):
+    """Batch 3 < m=4: a ValueError before any communication when every rank passes x, and from the
+    first stage's rank (relayed to the others) when only it does; the pipeline stays usable."""
+    model, ref = pair()
+    pipe = Pipeline(model, schedule="1f1b", num_microbatches=4, loss_fn=F.mse_loss)
+    x, y = _data(0)
+    errors = []
+    for x_here in (x[:3], x[:3] if rank == 0 else None):
+        try:
+            pipe.step(x_here, target=y[:3])
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    loss = pipe.step(x, target=y)
+    ref_loss = reference_step(ref, x, y, 4)
+    return {"errors": errors, "then_ok": bool(torch.equal(loss, ref_loss)) and grad_report(pipe, model, ref)[1]}
+
+
 def two_rank_suite(rank):
-    results = {}
+    results = {"small": small_batches(rank)}
     for schedule, v in SCHEDULES:
         results[("transparency", schedule)] = transparency(rank, schedule, v)
     results["uneven"] = transparency(rank, "1f1b", 1, m=4, n=10, steps=1)

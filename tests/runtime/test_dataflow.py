@@ -1,6 +1,8 @@
 """Shapes learned per input signature: changing sequence lengths, forward-only calls between steps."""
 import math
 
+import torch
+
 import pytest
 
 pytestmark = pytest.mark.multiprocess
@@ -27,3 +29,31 @@ def test_gathered_timeline_has_every_instruction_of_both_ranks(two_ranks):
     assert all(b > 0 and not math.isnan(b) for b in tl.peak_activation_bytes)
     # the same timeline on both ranks
     assert two_ranks[1]["gathered"].events == tl.events
+
+
+def test_batch_smaller_than_microbatches_is_a_value_error_and_the_pipeline_survives(two_ranks):
+    local = "batch size 3 is smaller than num_microbatches=4"
+    assert two_ranks[0]["small"]["errors"] == [local.join(["", ""]) + "; every microbatch needs at least one sample "
+                                               "(use a batch of >= 4)"] * 2
+    relayed = two_ranks[1]["small"]["errors"]  # rank 1 ignores its x: rank 0 tells it
+    assert relayed == 2 * [("the rank of the first stage (pipeline rank 0) rejected the step input: batch size 3, "
+                          "num_microbatches 4 (see that rank's error)")]
+    assert [r["small"]["then_ok"] for r in two_ranks] == [True, True]
+
+
+def _single(rank):
+    import torch.nn.functional as F
+
+    from rt_cases import pair, reference_step, grad_report
+    from pipesched.runtime import Pipeline
+    model, ref = pair(num_layers=3)
+    pipe = Pipeline(model, schedule="gpipe", num_microbatches=3, loss_fn=F.mse_loss)
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    loss = pipe.step(x, target=y)
+    return bool(torch.equal(loss, reference_step(ref, x, y, 3))), grad_report(pipe, model, ref)
+
+
+def test_one_process_pipeline_equals_the_model():
+    from pipesched.runtime import launch
+    (loss_equal, (count, bitwise, _)), = launch(_single, 1)
+    assert (loss_equal, count, bitwise) == (True, 6, True)
