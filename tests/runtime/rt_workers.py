@@ -172,9 +172,10 @@ def dp_case(rank, schedule, v):
             "pp_rank": pipe.pp_rank, "dp_rank": shard}
 
 
-def failing_case(rank, fail_rank, fail_mb, world, timeout=30.0, linger=4.0):
+def failing_case(rank, fail_rank, fail_mb, world, timeout=30.0, linger=4.0, dp_size=1):
     """A layer on ``fail_rank`` raises at microbatch ``fail_mb``; every rank reports what it raised and when."""
-    model = mlp(num_layers=world)
+    pp = world // dp_size
+    model = mlp(num_layers=pp)
     calls = {"n": 0}
 
     def hook(module, args):
@@ -183,8 +184,8 @@ def failing_case(rank, fail_rank, fail_mb, world, timeout=30.0, linger=4.0):
             raise ValueError(f"boom at microbatch {fail_mb}")
 
     if rank == fail_rank:
-        model[fail_rank].register_forward_pre_hook(hook)
-    pipe = Pipeline(model, schedule="1f1b", num_microbatches=4, loss_fn=F.mse_loss, timeout=timeout)
+        model[fail_rank % pp].register_forward_pre_hook(hook)
+    pipe = Pipeline(model, schedule="1f1b", num_microbatches=4, loss_fn=F.mse_loss, timeout=timeout, dp_size=dp_size)
     start = time.monotonic()
     try:
         pipe.step(*_data(0))
@@ -210,7 +211,9 @@ def four_rank_suite(rank):
     results["m<p"] = transparency(rank, "1f1b", 1, m=2, n=8, steps=2)
     for schedule, v in SCHEDULES:
         results[("dp", schedule)] = dp_case(rank, schedule, v)
-    results["failure"] = failing_case(rank, fail_rank=2, fail_mb=1, world=4)
+    results["failure"] = failing_case(rank, fail_rank=2, fail_mb=1, world=4, linger=1.0)
+    # DP x PP = 2 x 2: world rank 1 (replica 0, stage 1) fails; replica 1 learns it at its all-reduce
+    results["dp_failure"] = failing_case(rank, fail_rank=1, fail_mb=1, world=4, dp_size=2)
     return results
 
 

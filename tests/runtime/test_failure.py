@@ -38,6 +38,13 @@ def test_failure_deep_in_four_ranks_reaches_every_rank(four_ranks):
         assert err["elapsed"] < 3.0, (rank, err)
 
 
+def test_failure_in_one_replica_reaches_the_other_replica(four_ranks):
+    for rank, results in enumerate(four_ranks):
+        err = results["dp_failure"]
+        assert (err["type"], err["rank"], err["instr"]) == ("PipelineError", 1, "F1.1"), (rank, err)
+        assert err["elapsed"] < 3.0, (rank, err)
+
+
 def _child_fails(rank):
     if rank == 1:
         raise KeyError("child 1 broke")
