@@ -187,7 +187,10 @@ def _add_optional_commands(sub) -> None:
 
 def main(argv=None) -> int:
     parser = make_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passes_options", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     try:
         return args.func(args)
     except ScheduleError as exc:
