@@ -135,8 +135,19 @@ def small_batches(rank):
     return {"errors": errors, "then_ok": bool(torch.equal(loss, ref_loss)) and grad_report(pipe, model, ref)[1]}
 
 
+def accumulate(rank):
+    """Two steps without zeroing: .grad holds the sum, like two backward passes of the plain model."""
+    model, ref = pair()
+    pipe = Pipeline(model, schedule="interleaved-1f1b", num_microbatches=4, loss_fn=F.mse_loss, virtual_stages=2)
+    for step in range(2):
+        x, y = _data(10 + step)
+        pipe.step(x, target=y)
+        reference_step(ref, x, y, 4)
+    return grad_report(pipe, model, ref)
+
+
 def two_rank_suite(rank):
-    results = {"small": small_batches(rank)}
+    results = {"small": small_batches(rank), "accumulate": accumulate(rank)}
     for schedule, v in SCHEDULES:
         results[("transparency", schedule)] = transparency(rank, schedule, v)
     results["uneven"] = transparency(rank, "1f1b", 1, m=4, n=10, steps=1)

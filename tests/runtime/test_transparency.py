@@ -57,3 +57,7 @@ def test_tuple_of_float_int64_bool_through_four_stages(two_ranks):
         assert results["tuple"] == {**results["tuple"], "bitwise": True, "loss_equal": True}
     # balance [2, 1, 1, 1]: rank 0 holds Mix, Mix | Mix (3 tensors each), rank 1 Mix | Head (2 tensors)
     assert [r["tuple"]["grads"] for r in two_ranks] == [9, 5]
+
+
+def test_gradients_accumulate_across_steps_like_plain_pytorch(two_ranks):
+    assert [r["accumulate"][:2] for r in two_ranks] == [(8, True), (8, True)]
