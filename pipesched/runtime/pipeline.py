@@ -232,6 +232,8 @@ class Pipeline:
         except (TypeError, ValueError) as exc:
             size = batch_size(x, "x") if isinstance(x, torch.Tensor) and x.dim() else -1
             self._broadcast([1, int(train), self.program.num_microbatches, size] + [0] * (SIG_LEN - 4))
+            for work, _ in self._signature_sends:  # a dropped gloo send is cancelled: see it delivered
+                wait(work, "the step rejection send")
             raise _Rejected(str(exc)) from None
         self._broadcast(words)
         return words, micro, is_tuple
