@@ -4,7 +4,7 @@ Model 8 x (Linear(512, 512) + Tanh), batch 128, 8 microbatches, MSE, float32, on
 p=2 ranks on gloo (127.0.0.1). Prints the median step time (forward + backward of every microbatch) of
 ours and torch's for gpipe / 1f1b / interleaved-1f1b, their ratio, and single-process references.
 
-    python benchmarks/bench_runtime.py [--steps 40] [--warmup 8] [--profile]
+    python benchmarks/bench_runtime.py [--rounds 6] [--block 10] [--warmup 5] [--profile]
 """
 from __future__ import annotations
 
@@ -44,46 +44,33 @@ def _time(fn, steps: int, warmup: int, zero) -> list[float]:
     return times
 
 
-def ours(rank, schedule, v, steps, warmup, profile=False):
-    net = model()
-    pipe = Pipeline(net, schedule=schedule, num_microbatches=M, loss_fn=F.mse_loss, virtual_stages=v)
+def ours(rank, schedule, v):
+    """(step function, zero_grad function, pipeline) of our Pipeline on this rank."""
+    pipe = Pipeline(model(), schedule=schedule, num_microbatches=M, loss_fn=F.mse_loss, virtual_stages=v)
     x, y = data()
 
     def zero():
         for p in pipe.parameters():
             p.grad = None
 
-    if profile and rank == 0:
-        import cProfile
-        import pstats
-        _time(lambda: pipe.step(x, target=y), 0, warmup, zero)
-        prof = cProfile.Profile()
-        prof.enable()
-        _time(lambda: pipe.step(x, target=y), steps, 0, zero)
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
-    times = _time(lambda: pipe.step(x, target=y), steps, warmup, zero)
-    return times, pipe.gather_timeline().bubble_fraction
+    return (lambda: pipe.step(x, target=y)), zero, pipe
 
 
-def theirs(rank, schedule_name, v, steps, warmup):
-    import torch.distributed as dist
+def theirs(rank, schedule_name, v):
+    """(step function, zero_grad function) of torch.distributed.pipelining on the same split."""
     from torch.distributed import pipelining
 
-    net = model()
-    blocks = list(net)
+    blocks = list(model())
     per = LAYERS // (P * v)
-    stage_ids = [rank + k * P for k in range(v)]
     stages = [pipelining.PipelineStage(nn.Sequential(*blocks[s * per:(s + 1) * per]), s, P * v, torch.device("cpu"))
-              for s in stage_ids]
-    cls = getattr(pipelining, schedule_name)
-    sched = cls(stages if v > 1 else stages[0], n_microbatches=M, loss_fn=F.mse_loss)
+              for s in (rank + k * P for k in range(v))]
+    sched = getattr(pipelining, schedule_name)(stages if v > 1 else stages[0], n_microbatches=M, loss_fn=F.mse_loss)
     x, y = data()
     last = rank == P - 1
 
     def step():
         if rank == 0:
-            sched.step(x, target=y) if last else sched.step(x)
+            sched.step(x)
         elif last:
             sched.step(target=y, losses=[])
         else:
@@ -94,16 +81,42 @@ def theirs(rank, schedule_name, v, steps, warmup):
             for p in st.submod.parameters():
                 p.grad = None
 
-    times = _time(step, steps, warmup, zero)
-    dist.barrier()
-    return times
+    return step, zero
 
 
-def worker(rank, steps, warmup, profile):
+def _profile(step, zero, steps: int) -> None:
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    _time(step, steps, 0, zero)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+
+
+def worker(rank, rounds, block, warmup, profile):
+    """Ours and torch's alternate in blocks of ``block`` steps, ``rounds`` times, so both see the same
+    machine noise. Returns per schedule the step times of each and our measured bubble fraction."""
+    import torch.distributed as dist
+
     results = {}
     for name, v, torch_name in SCHEDULES:
-        results[(name, "ours")] = ours(rank, name, v, steps, warmup, profile and name == "1f1b")
-        results[(name, "torch")] = theirs(rank, torch_name, v, steps, warmup)
+        our_step, our_zero, pipe = ours(rank, name, v)
+        their_step, their_zero = theirs(rank, torch_name, v)
+        _time(our_step, 0, warmup, our_zero)
+        _time(their_step, 0, warmup, their_zero)
+        mine, other = [], []
+        for _ in range(rounds):
+            mine += _time(our_step, block, 0, our_zero)
+            dist.barrier()
+            other += _time(their_step, block, 0, their_zero)
+            dist.barrier()
+        if profile and rank == 0 and name == "1f1b":
+            _profile(our_step, our_zero, rounds * block)
+        elif profile and name == "1f1b":
+            _time(our_step, rounds * block, 0, our_zero)
+        results[name] = (mine, other, pipe.gather_timeline().bubble_fraction)
     return results
 
 
@@ -126,22 +139,24 @@ def single_process(steps: int, warmup: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=6, help="alternations of ours and torch's")
+    parser.add_argument("--block", type=int, default=10, help="steps per block")
+    parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="cProfile our 1f1b steps on rank 0")
     args = parser.parse_args()
-    seq, full = single_process(args.steps, args.warmup)
-    results = launch(worker, P, args.steps, args.warmup, args.profile, timeout=1200)
+    steps = args.rounds * args.block
+    seq, full = single_process(steps, args.warmup)
+    results = launch(worker, P, args.rounds, args.block, args.warmup, args.profile, timeout=1800)
     limit = seq / P * (M + P - 1) / M
     print(f"\nmodel {LAYERS} x (Linear({WIDTH}, {WIDTH}) + Tanh), batch {BATCH}, m={M}, p={P} gloo, 1 thread/process, "
-          f"median of {args.steps} steps (ms)")
+          f"median of {steps} steps, alternating blocks of {args.block} (ms)")
     print(f"single process: {M} microbatches one after another {seq * 1e3:.1f} ms, one full batch {full * 1e3:.1f} ms; "
           f"2-rank limit {seq * 1e3:.1f}/2 x (m+p-1)/m = {limit * 1e3:.1f} ms")
     print(f"{'schedule':<18}{'ours':>8}{'torch':>8}{'ours/torch':>12}{'ours/limit':>12}{'bubble':>8}")
     for name, _, _ in SCHEDULES:
-        ours_t = statistics.median(max(r[(name, 'ours')][0][i] for r in results) for i in range(args.steps))
-        torch_t = statistics.median(max(r[(name, 'torch')][i] for r in results) for i in range(args.steps))
-        bubble = results[0][(name, "ours")][1]
+        ours_t = statistics.median(max(r[name][0][i] for r in results) for i in range(steps))
+        torch_t = statistics.median(max(r[name][1][i] for r in results) for i in range(steps))
+        bubble = results[0][name][2]
         print(f"{name:<18}{ours_t * 1e3:>8.1f}{torch_t * 1e3:>8.1f}{ours_t / torch_t:>12.2f}{ours_t / limit:>12.2f}"
               f"{bubble:>8.2f}")
 
