@@ -99,7 +99,7 @@ class RuleTable:
         made: base ids of the items produced (``produces``).
     """
 
-    def __init__(self, num_stages: int, num_microbatches: int, ops=tuple(Op)) -> None:
+    def __init__(self, num_stages: int, num_microbatches: int) -> None:
         self.S, self.M = num_stages, num_microbatches
         self.num_items = len(KINDS) * (num_stages + 2) * num_microbatches
         self.op: list[Op] = []
@@ -107,8 +107,8 @@ class RuleTable:
         self.need: list[tuple[int, ...]] = []
         self.made: list[tuple[int, ...]] = []
         self._index: dict[tuple[Op, int, bool], int] = {}
-        #: ``by_op[op][s]``: the rule of ``op`` (one of ``ops``) at stage ``s``, not recomputed
-        self.by_op = {op: [self.rule(op, s) for s in range(num_stages)] for op in ops}
+        #: ``by_op[op][s]``: the rule of ``op`` at stage ``s``, not recomputed (made for an op on first use)
+        self.by_op = _RulesByOp(self)
 
     def item_id(self, kind: str, stage: int, microbatch: int) -> int:
         """The number of item ``(kind, stage, microbatch)``."""
@@ -132,6 +132,18 @@ class RuleTable:
             self.need.append(tuple(self.item_id(*it) for it in needs(probe, self.S, self.M, recomputed)))
             self.made.append(tuple(self.item_id(*it) for it in produces(probe)))
         return index
+
+
+class _RulesByOp(dict):
+    """op -> [the rule of op at each stage], filled in on first use."""
+
+    def __init__(self, table: RuleTable) -> None:
+        super().__init__()
+        self.table = table
+
+    def __missing__(self, op: Op) -> list[int]:
+        rules = self[op] = [self.table.rule(op, s) for s in range(self.table.S)]
+        return rules
 
 
 def _is_comm(op: Op) -> bool:

@@ -21,10 +21,12 @@ instruction costs a few list lookups. A complete :class:`Run` is remembered for 
 """
 from __future__ import annotations
 
+import gc
 import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable
-from operator import attrgetter
+from contextlib import contextmanager
+from itertools import chain
 
 from .deps import REMOTE_KINDS, RuleTable, needs
 from .errors import DeadlockError, render_grid
@@ -34,6 +36,25 @@ from .ir import COMM_OPS, RECV_OPS, SEND_OPS, Op, Program
 FireFn = Callable[[int, int, tuple[int, int] | None], None]
 
 COMPUTE, RECV, SEND = 0, 1, 2  # how the engine treats a rule's instructions (ALL_REDUCE counts as compute)
+
+
+@contextmanager
+def paused_gc():
+    """Pause the cyclic garbage collector for a pass over a large program (also usable as a decorator).
+
+    Building, lowering, validating and simulating a program allocate an object or two per instruction
+    (instructions, events, tuples), none of them in a reference cycle. With hundreds of thousands of
+    them alive, each full collection the allocations trigger walks every live object, finds nothing to
+    free, and costs more than the pass itself. Reference counting still frees everything; the collector
+    resumes (if it was running) when the pass ends, however it ends.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def has_comm(program: Program) -> bool:
@@ -87,24 +108,22 @@ class Plan:
 
     def __init__(self, program: Program) -> None:
         self._program = weakref.ref(program)
-        self.instrs = [instr for stream in program.ranks for instr in stream]
+        self.instrs = list(chain.from_iterable(program.ranks))
         self.first = [0]
         for stream in program.ranks:
             self.first.append(self.first[-1] + len(stream))
-        ops = list(map(attrgetter("op"), self.instrs))
-        stages = list(map(attrgetter("stage"), self.instrs))
-        if max(stages, default=0) >= program.num_stages:
-            raise NoSuchStage(f"stage {max(stages)} does not exist (stages 0..{program.num_stages - 1})")
-        present = set(ops)
-        self.rules = rules = RuleTable(program.num_stages, program.num_microbatches, present)
+        self.rules = rules = RuleTable(program.num_stages, program.num_microbatches)
         by_op = rules.by_op
-        self.rule = [by_op[op][stage] for op, stage in zip(ops, stages)]
-        self.mb = list(map(attrgetter("microbatch"), self.instrs))
-        if Op.ALL_REDUCE in present:
+        try:
+            self.rule = [by_op[i.op][i.stage] for i in self.instrs]
+        except IndexError:
+            raise NoSuchStage(f"an instruction names a stage >= {program.num_stages}") from None
+        self.mb = [i.microbatch for i in self.instrs]
+        if Op.ALL_REDUCE in by_op:
             self.mb = [0 if mb is None else mb for mb in self.mb]
-        self.peer = list(map(attrgetter("peer"), self.instrs))
-        self.lowered = not present.isdisjoint(COMM_OPS)
-        if Op.R in present:
+        self.peer = [i.peer for i in self.instrs]
+        self.lowered = not COMM_OPS.isdisjoint(by_op)
+        if Op.R in by_op:
             self._mark_recomputed()
         self.kind, self.wait, self.give = [], [], []
         for t in range(len(rules.op)):

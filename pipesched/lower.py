@@ -5,12 +5,14 @@ instructions go. :func:`compile_program` in :mod:`pipesched.api` chains them.
 """
 from __future__ import annotations
 
+from itertools import repeat
 from operator import itemgetter
 
 from .cost import CostModel
 from .deps import comm_for, consumer_stage, produces
-from .engine import has_comm
+from .engine import has_comm, paused_gc
 from .ir import Instr, Op, Program
+from .timeline import timeline_order
 
 #: The cost model that orders communication: the usual backward = 2 x forward, free messages.
 REFERENCE_COST = CostModel(forward=1.0, backward=2.0)
@@ -52,6 +54,7 @@ def _stage_flags(stages, num_stages: int) -> list[bool]:
     return flags
 
 
+@paused_gc()
 def add_send_recv(program: Program, cost: CostModel = REFERENCE_COST) -> Program:
     """Add a SEND on the producer's rank and a RECV on the consumer's rank for every cross-rank edge.
 
@@ -80,27 +83,26 @@ def add_send_recv(program: Program, cost: CostModel = REFERENCE_COST) -> Program
         raise ValueError("add_send_recv takes a compute-only program; this one already has SEND/RECV")
     plan, starts, ends = simulate_plan(program, cost)
     routes = _routes(plan)
+    instrs, rule, mb = plan.instrs, plan.rule, plan.mb
     keyed: list[list] = [[] for _ in program.ranks]
-    for rank, stream in enumerate(program.ranks):
-        lo, hi = plan.first[rank], plan.first[rank + 1]
-        for g in sorted(range(lo, hi), key=dict(zip(range(lo, hi), zip(starts[lo:hi], ends[lo:hi]))).__getitem__):
-            instr, start = plan.instrs[g], starts[g]
-            keyed[rank].append(((start, 1, rank, start), instr))
-            route = routes[plan.rule[g]]
-            if route is None:
-                continue
-            send_op, send_stage, recv_op, recv_stage, peer = route
-            key = (ends[g], 0, rank, start, send_op.value)
-            keyed[rank].append((key, Instr(send_op, send_stage, instr.microbatch, peer)))
-            keyed[peer].append((key, Instr(recv_op, recv_stage, instr.microbatch, rank)))
+    for rank, mine in enumerate(keyed):
+        by_time = timeline_order(starts, ends, plan.first[rank], plan.first[rank + 1])
+        at = list(map(starts.__getitem__, by_time))
+        mine += zip(zip(at, repeat(1), repeat(rank), at), map(instrs.__getitem__, by_time))
+        for g in by_time:
+            if routes[rule[g]] is not None:
+                send_op, send_stage, recv_op, recv_stage, peer, kind = routes[rule[g]]
+                key = (ends[g], 0, rank, starts[g], kind)
+                mine.append((key, Instr(send_op, send_stage, mb[g], peer)))
+                keyed[peer].append((key, Instr(recv_op, recv_stage, mb[g], rank)))
     streams = [tuple(map(itemgetter(1), sorted(items, key=itemgetter(0)))) for items in keyed]
     return program.replace(streams)
 
 
 def _routes(plan) -> list:
-    """Per rule of ``plan``: (send op, its stage, recv op, its stage, receiving rank) if another rank
-    consumes what its instructions produce (:func:`~pipesched.deps.produces`, :func:`~pipesched.deps.comm_for`),
-    else ``None``."""
+    """Per rule of ``plan``: (send op, its stage, recv op, its stage, receiving rank, send op's name) if
+    another rank consumes what its instructions produce (:func:`~pipesched.deps.produces`,
+    :func:`~pipesched.deps.comm_for`), else ``None``."""
     s2r, S = plan.program.stage_to_rank, plan.program.num_stages
     routes = []
     for op, stage in zip(plan.rules.op, plan.rules.stage):
@@ -109,7 +111,7 @@ def _routes(plan) -> list:
         for item in produces(probe):
             route, consumer = comm_for(item), consumer_stage(item)
             if route is not None and 0 <= consumer < S and s2r[consumer] != s2r[stage]:
-                found = (*route, s2r[consumer])
+                found = (*route, s2r[consumer], route[0].value)
         routes.append(found)
     return routes
 

@@ -15,12 +15,13 @@ from . import engine
 from .engine import COMPUTE, RECV
 from .ir import Op, Program
 from .memory import peak_activation_bytes
-from .timeline import Event, Timeline, peak_inflight
+from .timeline import InTimelineOrder, Timeline, events_from_columns, in_timeline_order, peak_of
 from .validate import check_static
 
 _COST_FIELD = {Op.F: "forward", Op.B: "backward", Op.I: "input_grad", Op.W: "weight_grad", Op.R: "recompute"}
 
 
+@engine.paused_gc()
 def simulate(program: Program, cost: CostModel | None = None, check: bool = True) -> Timeline:
     """Simulate one training step of ``program``.
 
@@ -38,7 +39,9 @@ def simulate(program: Program, cost: CostModel | None = None, check: bool = True
     """
     cost = cost or CostModel()
     plan, starts, ends = simulate_plan(program, cost, check)
-    events = list(map(Event, plan.rank_of(), plan.instrs, starts, ends))
+    events = events_from_columns(plan.rank_of(), plan.instrs, starts, ends)
+    if all(in_timeline_order(starts, ends, lo, hi) for lo, hi in zip(plan.first, plan.first[1:])):
+        events = InTimelineOrder(events)  # the usual case: the Timeline need not sort them
     meta = {
         "schedule": program.schedule,
         "ranks": program.num_ranks,
@@ -48,11 +51,11 @@ def simulate(program: Program, cost: CostModel | None = None, check: bool = True
         "cost": cost.describe(),
     }
     return Timeline(
-        events=tuple(events),
+        events=events,
         num_ranks=program.num_ranks,
         source="simulated",
         meta=meta,
-        peak_inflight=peak_inflight(program.ranks),
+        peak_inflight=_peak_inflight(plan),
         peak_activation_bytes=peak_activation_bytes(program, cost),
     )
 
@@ -74,35 +77,41 @@ def simulate_plan(program: Program, cost: CostModel, check: bool = True) -> tupl
 def _times(run: engine.Run, cost: CostModel) -> tuple[list[float], list[float]]:
     """Time the instructions in the engine's firing order (any valid order gives the same times)."""
     plan = run.plan
-    busy, lasts, delay = _rule_seconds(plan, cost)
-    rule, mb, kind, wait, give, partner = plan.rule, plan.mb, plan.kind, plan.wait, plan.give, run.partner
-    rank_of = plan.rank_of()
+    # per rule: how the engine treats it, its seconds of rank time, how long it lasts without taking
+    # rank time, the item it waits for, the item it hands over, the delay of its message
+    facts = list(zip(plan.kind, *_rule_seconds(plan, cost), plan.wait, plan.give))
+    rule, mb, partner, rank_of = plan.rule, plan.mb, run.partner, plan.rank_of()
     free = [0.0] * plan.program.num_ranks
     starts, ends = [0.0] * len(rule), [0.0] * len(rule)
     ready_at = [0.0] * plan.rules.num_items  # per item, when it lands on the rank that consumes it
     for g in run.order:
-        t, rank = rule[g], rank_of[g]
+        kind, busy, lasts, delay, wait, give = facts[rule[g]]
+        rank = rank_of[g]
         start = free[rank]
-        k = kind[t]
-        if k == COMPUTE:
-            if busy[t] is None:  # ALL_REDUCE: asynchronous, the rank moves on
-                starts[g], ends[g] = start, start + lasts[t]
+        if kind == COMPUTE:
+            if busy is None:  # ALL_REDUCE: asynchronous, the rank moves on
+                starts[g], ends[g] = start, start + lasts
                 continue
-            if wait[t] >= 0:
-                start = max(start, ready_at[wait[t] + mb[g]])
-            free[rank] = end = start + busy[t]
+            if wait >= 0 and ready_at[wait + mb[g]] > start:
+                start = ready_at[wait + mb[g]]
+            free[rank] = end = start + busy
             starts[g], ends[g] = start, end
-            if give[t] >= 0 and delay[t] is not None:
-                ready_at[give[t] + mb[g]] = end + delay[t]
-        elif k == RECV:
+            if give >= 0 and delay is not None:
+                ready_at[give + mb[g]] = end + delay
+        elif kind == RECV:
             starts[g] = ends[g] = start  # posted now; its end is set when the message lands
         else:
             starts[g] = ends[g] = start
-            arrival = start + delay[t]
+            ready_at[give + mb[g]] = arrival = start + delay
             recv = partner[g]
             ends[recv] = max(starts[recv], arrival)
-            ready_at[give[t] + mb[g]] = arrival
     return starts, ends
+
+
+def _peak_inflight(plan: engine.Plan) -> tuple[int, ...]:
+    """:func:`~pipesched.timeline.peak_inflight` of the plan's program, from its rules."""
+    op_of = plan.rules.op
+    return tuple(peak_of(map(op_of.__getitem__, plan.rule[lo:hi])) for lo, hi in zip(plan.first, plan.first[1:]))
 
 
 def _rule_seconds(plan: engine.Plan, cost: CostModel) -> tuple[list, list, list]:

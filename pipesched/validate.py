@@ -24,6 +24,7 @@ from .errors import DependencyError, InvalidProgramError, PairingError, render_g
 from .ir import COMM_OPS, RECV_OPS, SEND_OPS, Instr, Op, Program
 
 
+@engine.paused_gc()
 def validate(program: Program) -> Program:
     """Check ``program``; return it unchanged if it is valid.
 

@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 from .. import placement
-from ._common import backward, check_positive, forward, program
+from ..engine import paused_gc
+from ..ir import Instr, Op
+from ._common import check_positive, program
+
+F, B = Op.F, Op.B
 
 
+@paused_gc()
 def build_interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int = 2):
     """Interleaved 1F1B (Megatron-LM, arXiv:2104.04473, section 2.2.2).
 
@@ -41,24 +46,20 @@ def _round_sizes(p: int, m: int) -> list[int]:
     return [base + 1 if i < extra else base for i in range(count)]
 
 
-def _orders(rank: int, p: int, v: int, rounds: list[int]):
-    """The rank's forward order and backward order as (stage, microbatch) lists."""
+def _orders(rank: int, p: int, v: int, rounds: list[int]) -> tuple[list[Instr], list[Instr]]:
+    """The rank's forwards and its backwards, each in the order the rank runs them."""
     fwd, bwd, first = [], [], 0
     for size in rounds:
         mbs = range(first, first + size)
-        fwd += [(c * p + rank, mb) for c in range(v) for mb in mbs]
-        bwd += [(c * p + rank, mb) for c in reversed(range(v)) for mb in mbs]
+        fwd += [Instr(F, c * p + rank, mb) for c in range(v) for mb in mbs]
+        bwd += [Instr(B, c * p + rank, mb) for c in reversed(range(v)) for mb in mbs]
         first += size
     return fwd, bwd
 
 
-def _rank_stream(rank: int, p: int, v: int, m: int, rounds: list[int]) -> list:
+def _rank_stream(rank: int, p: int, v: int, m: int, rounds: list[int]) -> list[Instr]:
     fwd, bwd = _orders(rank, p, v, rounds)
     total = len(fwd)
     warmup = min((v - 1) * rounds[0] + 2 * (p - 1 - rank), total)
-    stream = [forward(*fwd[i]) for i in range(warmup)]
-    for i in range(total - warmup):
-        stream.append(forward(*fwd[warmup + i]))
-        stream.append(backward(*bwd[i]))
-    stream.extend(backward(*bwd[i]) for i in range(total - warmup, total))
-    return stream
+    steady = [instr for pair in zip(fwd[warmup:], bwd) for instr in pair]  # F, B, F, B, ...
+    return fwd[:warmup] + steady + bwd[total - warmup:]
