@@ -135,7 +135,7 @@ class Executor:
             return self._total_loss()
         tensors, _ = self.transport.wait(loss_recv)
         value, code = tensors[0].tolist()
-        return torch.tensor(value, dtype=DTYPES[int(code)])
+        return torch.tensor(value, dtype=DTYPES[int(code)], device=self.device)
 
     # ---- forward ------------------------------------------------------------------------------------
 
@@ -213,7 +213,7 @@ class Executor:
 
     def _send_loss(self):
         total = self._total_loss()
-        msg = torch.tensor([float(total), float(DTYPE_CODE[total.dtype])], dtype=torch.float64)
+        msg = torch.tensor([float(total), float(DTYPE_CODE[total.dtype])], dtype=torch.float64, device=self.device)
         for peer in range(self.program.num_ranks):
             if peer != self.pp_rank:
                 self.step.other_sends.append(self.transport.send((msg,), peer, TAG_LOSS))

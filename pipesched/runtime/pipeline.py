@@ -85,6 +85,7 @@ class Pipeline:
         self._metas: OrderedDict = OrderedDict()  # signature -> {("in"|"out", stage, mb): meta}
         self._record = None
         self._broken: PipelineError | None = None
+        self._closed = False
 
     # ---- public ----------------------------------------------------------------------------------------
 
@@ -147,6 +148,12 @@ class Pipeline:
             raise RuntimeError("gather_timeline() needs a finished step()")
         return gather_timeline(self._record, self.program, self.pp_rank, self._pp_group)
 
+    def close(self) -> None:
+        """Destroy this pipeline's process groups (collective: call it on every rank); the Pipeline is
+        unusable afterwards. The default process group is left alone."""
+        self._teardown()
+        self._closed = True
+
     @property
     def peak_activation_bytes(self) -> int | None:
         """Bytes of activations this rank held for backward at the peak of the last step (``None`` before)."""
@@ -157,6 +164,8 @@ class Pipeline:
     def _check_local(self, x, target) -> None:
         """Only what every rank decides alike; the input itself is checked by the first stage's rank,
         which tells the others (see :meth:`_signature`), so all ranks raise the same ValueError."""
+        if self._closed:
+            raise RuntimeError("this Pipeline was closed; create a new one")
         if self._broken is not None:
             raise PipelineError(self._broken.info, self.grid.world_rank, "this Pipeline failed in an earlier step")
 
@@ -239,7 +248,7 @@ class Pipeline:
         return words, micro, is_tuple
 
     def _broadcast(self, words) -> None:
-        message = torch.tensor(words, dtype=torch.int64)
+        message = torch.tensor(words, dtype=torch.int64, device=self.device)
         for peer in range(self.program.num_ranks):
             if peer != self.pp_rank:
                 self._signature_sends.append(self._executor.transport.send((message,), peer, TAG_SIGNATURE))

@@ -37,7 +37,7 @@ class Transport:
         """Send the output of (stage, microbatch); a meta header first while learning. Returns the works."""
         pending = []
         if learning:
-            header = encode_meta(meta)
+            header = encode_meta(meta).to(self.device)
             pending.append(self.send((header,), peer, tag_of("act_header", stage, microbatch, self.num_stages)))
         pending.append(self.send(tensors, peer, tag_of("act", stage, microbatch, self.num_stages)))
         return pending
@@ -51,7 +51,7 @@ class Transport:
         tag = tag_of("act", stage, microbatch, self.num_stages)
         if meta is not None:
             return self.post([(s, d) for s, d, _ in meta[1]], peer, tag, what)
-        header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         header_tag = tag_of("act_header", stage, microbatch, self.num_stages)
         return self._recv(header, None, peer, header_tag, tag, what)
 

@@ -160,6 +160,11 @@ def two_rank_suite(rank):
     pipe = Pipeline(mlp(), schedule="1f1b", num_microbatches=4, loss_fn=F.mse_loss)
     pipe.step(*_data(0))
     results["gathered"] = pipe.gather_timeline()
+    pipe.close()
+    try:
+        pipe.step(*_data(0))
+    except RuntimeError as exc:
+        results["closed"] = str(exc)
     return results
 
 

@@ -31,6 +31,10 @@ def test_gathered_timeline_has_every_instruction_of_both_ranks(two_ranks):
     assert two_ranks[1]["gathered"].events == tl.events
 
 
+def test_a_closed_pipeline_refuses_steps(two_ranks):
+    assert [r["closed"] for r in two_ranks] == ["this Pipeline was closed; create a new one"] * 2
+
+
 def test_batch_smaller_than_microbatches_is_a_value_error_and_the_pipeline_survives(two_ranks):
     local = "batch size 3 is smaller than num_microbatches=4"
     assert two_ranks[0]["small"]["errors"] == [local.join(["", ""]) + "; every microbatch needs at least one sample "
