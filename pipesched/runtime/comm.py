@@ -9,6 +9,8 @@ A message is a tensor or a tuple of tensors. A tuple travels as one packed ``uin
 shape, dtype, requires_grad, plus whether it was a tuple); while a rank is learning the metas of a new
 input signature it sends a fixed-size ``int64`` header before each activation, afterwards none.
 Gradient messages never need a header: their shapes are those of the activations they answer.
+Every message of a step has its own tag (kind, stage, microbatch), so a receive matches exactly one send
+whatever order the receives are posted in; with gloo a send completes only once its receive is posted.
 """
 from __future__ import annotations
 
