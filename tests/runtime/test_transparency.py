@@ -61,3 +61,9 @@ def test_tuple_of_float_int64_bool_through_four_stages(two_ranks):
 
 def test_gradients_accumulate_across_steps_like_plain_pytorch(two_ranks):
     assert [r["accumulate"][:2] for r in two_ranks] == [(8, True), (8, True)]
+
+
+def test_split_backward_input_then_weight_gradients_bitwise(two_ranks):
+    rank_ops = [["F", "I", "SEND_F", "RECV_B", "W"], ["F", "I", "RECV_F", "SEND_B", "W"]]
+    for results, ops in zip(two_ranks, rank_ops):
+        assert results["split"] == {"loss_equal": True, "grads": (8, True), "ops": sorted(ops)}
