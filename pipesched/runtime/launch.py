@@ -21,12 +21,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20.0, threads: int = 1) -> list:
-    """Run ``fn(rank, *args)`` on ``world_size`` spawned processes that share a gloo default process group.
+def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20.0, threads: int = 1,
+           start_method: str = "spawn") -> list:
+    """Run ``fn(rank, *args)`` on ``world_size`` local processes that share a gloo default process group.
 
     Each child gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1`` and a free
-    ``MASTER_PORT``, sets ``torch.set_num_threads(threads)``, and calls ``fn`` (which must be picklable,
-    i.e. defined at module level) after ``init_process_group("gloo")``.
+    ``MASTER_PORT``, sets ``torch.set_num_threads(threads)``, and calls ``fn`` after
+    ``init_process_group("gloo")``. With ``start_method="spawn"`` (default) ``fn`` must be importable
+    (defined at module level of a file); in a notebook, define it in a module or use ``"fork"`` (CPU only).
+
+    Args:
+        timeout: seconds for the whole run; grace: seconds the others get to end after one child fails.
 
     Returns:
         The return values of ``fn``, by rank (they must be picklable).
@@ -39,7 +44,7 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(rank, world_size, port, threads, fn, args, results), daemon=True)
