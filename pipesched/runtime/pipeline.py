@@ -232,6 +232,10 @@ class Pipeline:
             if words[0]:
                 raise _Rejected(f"the rank of the first stage (pipeline rank {first}) rejected the step input: "
                                 f"batch size {words[3]}, num_microbatches {words[2]} (see that rank's error)")
+            if words[1] != int(train):
+                calls = ("forward()", "step()")
+                raise RuntimeError(f"pipeline rank {first} called {calls[words[1]]} while this rank called "
+                                   f"{calls[int(train)]}; every rank must make the same calls")
             return words, None, False
         try:
             if x is None:
