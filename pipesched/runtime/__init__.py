@@ -14,6 +14,7 @@ Example (``torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 295
     opt.step(); opt.zero_grad()
     out = pipe.forward(x)                                  # (128, 512) on the last stage's rank, else None
     timeline = pipe.gather_timeline()                      # measured Timeline of the last step, all ranks
+    torch.distributed.destroy_process_group()              # before exit, as with any torch.distributed job
 
 Without torchrun, ``launch(fn, world_size, *args)`` runs ``fn(rank, *args)`` on local processes.
 """
