@@ -63,7 +63,8 @@ def has_comm(program: Program) -> bool:
 
 
 def remote_needs(program: Program) -> list[list[tuple]]:
-    """Per rank and position, the items an instruction needs that another rank produces."""
+    """Per rank and position, the items an instruction needs that another rank produces (the engine
+    itself reads them from :class:`Plan`)."""
     s2r, S, M = program.stage_to_rank, program.num_stages, program.num_microbatches
     recomputed = {(i.stage, i.microbatch) for st in program.ranks for i in st if i.op is Op.R}
     result = []
@@ -84,7 +85,7 @@ def sent_item(instr) -> tuple:
     return ("act" if instr.op is Op.SEND_F else "grad", instr.stage, instr.microbatch)
 
 
-class NoSuchStage(ValueError):
+class NoSuchStage(IndexError):
     """An instruction names a stage the program does not have (:class:`Plan` needs every stage to exist)."""
 
 

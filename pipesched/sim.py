@@ -65,21 +65,26 @@ def simulate_plan(program: Program, cost: CostModel, check: bool = True) -> tupl
 
     ``check``: validate first; the simulation's own execution is then the deadlock check, so the program
     runs once, not twice. A program :func:`~pipesched.validate.validate` passed is not checked or run
-    again: its remembered execution is timed. Raises as :func:`simulate`.
+    again: its remembered execution is timed. Raises as :func:`simulate` (an invalid program before a
+    bad cost with ``check``, a bad cost before a deadlock without).
     """
     done = engine.proven_run(program)
-    if done is None:
-        done = engine.run(check_static(program) if check else engine.Plan(program))
-    starts, ends = _times(done, cost)
-    return done.plan, starts, ends
+    if done is not None:
+        return done.plan, *_times(done, _rule_seconds(done.plan, cost))
+    if check:
+        done = engine.run(check_static(program))
+        return done.plan, *_times(done, _rule_seconds(done.plan, cost))
+    plan = engine.Plan(program)
+    seconds = _rule_seconds(plan, cost)
+    return plan, *_times(engine.run(plan), seconds)
 
 
-def _times(run: engine.Run, cost: CostModel) -> tuple[list[float], list[float]]:
+def _times(run: engine.Run, seconds: tuple[list, list, list]) -> tuple[list[float], list[float]]:
     """Time the instructions in the engine's firing order (any valid order gives the same times)."""
     plan = run.plan
     # per rule: how the engine treats it, its seconds of rank time, how long it lasts without taking
-    # rank time, the item it waits for, the item it hands over, the delay of its message
-    facts = list(zip(plan.kind, *_rule_seconds(plan, cost), plan.wait, plan.give))
+    # rank time, the delay of its message, the item it waits for, the item it hands over
+    facts = list(zip(plan.kind, *seconds, plan.wait, plan.give))
     rule, mb, partner, rank_of = plan.rule, plan.mb, run.partner, plan.rank_of()
     free = [0.0] * plan.program.num_ranks
     starts, ends = [0.0] * len(rule), [0.0] * len(rule)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 from functools import partial
 from itertools import accumulate, islice
-from operator import attrgetter, itemgetter, le
+from operator import and_, attrgetter, eq, gt, itemgetter, le
 
 from .ir import COMPUTE_OPS, Instr, Op
 
@@ -50,9 +50,13 @@ def timeline_order(starts, ends, lo: int, hi: int) -> list[int]:
 
 
 def in_timeline_order(starts, ends, lo: int, hi: int) -> bool:
-    """Whether numbers ``lo``..``hi - 1`` are already in :func:`timeline_order`."""
-    times = list(zip(starts[lo:hi], ends[lo:hi]))
-    return all(map(le, times, islice(times, 1, None)))
+    """Whether numbers ``lo``..``hi - 1`` are already in :func:`timeline_order`: starts never decrease,
+    and where two neighbours start together, ends do not decrease either."""
+    s, e = starts[lo:hi], ends[lo:hi]
+    later_s, later_e = islice(s, 1, None), islice(e, 1, None)
+    if not all(map(le, s, islice(s, 1, None))):
+        return False
+    return not any(map(and_, map(eq, s, later_s), map(gt, e, later_e)))
 
 
 def events_from_columns(ranks, instrs, starts, ends) -> list[Event]:
@@ -84,7 +88,9 @@ class Timeline:
     peak_activation_bytes: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        events = self.events if isinstance(self.events, InTimelineOrder) else sorted(self.events, key=_BY_RANK_AND_TIME)
+        events = self.events
+        if not isinstance(events, InTimelineOrder):
+            events = sorted(events, key=_BY_RANK_AND_TIME)
         object.__setattr__(self, "events", tuple(events))
 
     @property

@@ -12,6 +12,11 @@
 
 Each failure raises a :class:`~pipesched.errors.ScheduleError` subclass naming the rank, the instruction,
 the reason, and showing the grid with the spot marked.
+
+Speed: checks 1-3 and pairing first decide *whether* the program passes from the integer tables of
+:class:`~pipesched.engine.Plan` (once per rule, counts, list comparisons: a few list operations per
+instruction); only when one does not pass does its exact scan (``_explain_*``) run to find and explain
+the first failure, so the error is the one a plain scan reports.
 """
 from __future__ import annotations
 
