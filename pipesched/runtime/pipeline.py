@@ -279,6 +279,8 @@ class Pipeline:
     def _teardown(self) -> None:
         """Destroy this rank's groups so peers blocked on it see a closed connection at once."""
         self._executor.step = None
+        if self._executor.transport.sender is not None:
+            self._executor.transport.sender.close()
         self._executor.transport.group = None
         self._executor.dp_group = None
         self._signature_sends = []
