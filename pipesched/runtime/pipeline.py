@@ -80,7 +80,7 @@ class Pipeline:
         self._failures = FailureChannel(dist.distributed_c10d._get_default_store(), names)
         flags = _recompute_flags(self.program)
         self._executor = Executor(self.program, grid.pp_rank, self.stages,
-                                  Transport(self._pp_group, self.program.num_stages, self.device),
+                                  Transport(self._pp_group, self.program.num_stages, self.device, self.timeout),
                                   self._dp_group, loss_fn, flags, self.device)
         self._metas: OrderedDict = OrderedDict()  # signature -> {("in"|"out", stage, mb): meta}
         self._record = None

@@ -9,16 +9,17 @@ import threading
 class Ticket:
     """A send handed to the :class:`Sender`; ``wait()`` waits for it to be issued, then for the send."""
 
-    __slots__ = ("group", "buf", "peer", "tag", "work", "error", "done")
+    __slots__ = ("group", "buf", "peer", "tag", "work", "error", "done", "timeout")
 
-    def __init__(self, group, buf, peer, tag):
-        self.group, self.buf, self.peer, self.tag = group, buf, peer, tag
+    def __init__(self, group, buf, peer, tag, timeout):
+        self.group, self.buf, self.peer, self.tag, self.timeout = group, buf, peer, tag, timeout
         self.work = self.error = None
         self.done = threading.Event()
 
     def wait(self) -> bool:
-        """Raises RuntimeError if issuing or completing the send failed."""
-        self.done.wait()
+        """Raises RuntimeError if issuing or completing the send failed, or issuing took over ``timeout`` s."""
+        if not self.done.wait(self.timeout):
+            raise RuntimeError(f"the send to pipeline rank {self.peer} was not issued within {self.timeout} s")
         if self.error is not None:
             raise RuntimeError(f"{type(self.error).__name__}: {self.error}")
         return self.work.wait()
@@ -27,7 +28,8 @@ class Ticket:
 class Sender:
     """One daemon thread per transport, started on first use; ``close()`` stops it."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = None
 
@@ -35,7 +37,7 @@ class Sender:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="pipesched-sender", daemon=True)
             self._thread.start()
-        ticket = Ticket(group, buf, peer, tag)
+        ticket = Ticket(group, buf, peer, tag, self.timeout)
         self._queue.put(ticket)
         return ticket
 

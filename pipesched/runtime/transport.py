@@ -20,11 +20,12 @@ class Pending:
 class Transport:
     """Messages between the ranks of one pipeline group (group-local ranks)."""
 
-    def __init__(self, group, num_stages: int, device: torch.device, background_sends: bool = True) -> None:
+    def __init__(self, group, num_stages: int, device: torch.device, timeout: float = 300.0,
+                 background_sends: bool = True) -> None:
         self.group = group
         self.num_stages = num_stages
         self.device = device
-        self.sender = Sender() if background_sends else None
+        self.sender = Sender(timeout) if background_sends else None
 
     def send(self, tensors, peer: int, tag: int):
         """Start sending ``tensors`` (packed, see :func:`~pipesched.runtime.comm.pack`); returns
