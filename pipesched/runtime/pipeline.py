@@ -80,7 +80,7 @@ class Pipeline:
         self._failures = FailureChannel(dist.distributed_c10d._get_default_store(), names)
         flags = _recompute_flags(self.program)
         self._executor = Executor(self.program, grid.pp_rank, self.stages,
-                                  Transport(self._pp_group, self.program.num_stages, self.device, self.timeout),
+                                  Transport(self._pp_group, self.program.num_stages, self.device),
                                   self._dp_group, loss_fn, flags, self.device)
         self._metas: OrderedDict = OrderedDict()  # signature -> {("in"|"out", stage, mb): meta}
         self._record = None
@@ -279,8 +279,6 @@ class Pipeline:
     def _teardown(self) -> None:
         """Destroy this rank's groups so peers blocked on it see a closed connection at once."""
         self._executor.step = None
-        if self._executor.transport.sender is not None:
-            self._executor.transport.sender.close()
         self._executor.transport.group = None
         self._executor.dp_group = None
         self._signature_sends = []

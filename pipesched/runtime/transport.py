@@ -5,7 +5,6 @@ import torch
 
 from .comm import HEADER_LEN, decode_meta, empty_for, encode_meta, pack, tag_of, unpack
 from .failure import CommError
-from .sender import Sender
 
 
 class Pending:
@@ -20,19 +19,15 @@ class Pending:
 class Transport:
     """Messages between the ranks of one pipeline group (group-local ranks)."""
 
-    def __init__(self, group, num_stages: int, device: torch.device, timeout: float = 300.0,
-                 background_sends: bool = True) -> None:
+    def __init__(self, group, num_stages: int, device: torch.device) -> None:
         self.group = group
         self.num_stages = num_stages
         self.device = device
-        self.sender = Sender(timeout) if background_sends else None
 
     def send(self, tensors, peer: int, tag: int):
         """Start sending ``tensors`` (packed, see :func:`~pipesched.runtime.comm.pack`); returns
         ``(work, buffer)`` — keep both until the work is waited for."""
         buf = pack(tensors)
-        if self.sender is not None:
-            return self.sender.submit(self.group, buf, peer, tag), buf
         try:
             return self.group.send([buf], peer, tag), buf
         except RuntimeError as exc:
