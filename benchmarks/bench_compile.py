@@ -2,8 +2,9 @@
 
 For interleaved 1F1B at growing sizes it times, in one process:
 
-- ours: ``pipesched.build`` (compute-only program), ``pipesched.lower.add_send_recv`` (sends and
-  receives; it simulates the compute-only program internally to place them), ``pipesched.validate``
+- ours: what ``pipesched.compile_program`` runs, then ``pipesched.simulate``: ``pipesched.build``
+  (compute-only program), ``pipesched.lower.add_send_recv(check=False)`` (sends and receives; it
+  simulates the compute-only program internally to place them), ``pipesched.validate``
   (structure, completeness, order, pairing and the deadlock-freedom execution) and
   ``pipesched.simulate(check=False)`` (the timeline of every instruction, bubble, in-flight peaks);
 - torch: ``ScheduleInterleaved1F1B``'s compute-only ``pipeline_order`` (``_calculate_single_rank_operations``
@@ -25,7 +26,7 @@ import sys
 import time
 
 import pipesched
-from pipesched.lower import add_send_recv
+from pipesched.lower import REFERENCE_COST, add_send_recv
 
 SIZES = {
     "small": [(8, 32, 2), (32, 128, 2)],
@@ -42,7 +43,7 @@ def _timed(fn, *args):
 def ours(p: int, m: int, v: int) -> dict:
     """Seconds of each pipesched step and the number of instructions of the lowered program."""
     compute, build_s = _timed(pipesched.build, "interleaved-1f1b", p, m, v)
-    program, lower_s = _timed(add_send_recv, compute)
+    program, lower_s = _timed(add_send_recv, compute, REFERENCE_COST, False)  # as compile_program
     _, validate_s = _timed(pipesched.validate, program)
     timeline, simulate_s = _timed(pipesched.simulate, program, pipesched.CostModel(), False)
     assert len(timeline.events) == len(program)

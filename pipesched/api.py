@@ -36,7 +36,8 @@ def compile_program(
     """Build, lower and validate: the program an executor runs.
 
     Passes, in order: :func:`~pipesched.lower.add_recompute` (if ``recompute``),
-    :func:`~pipesched.lower.add_send_recv`, :func:`~pipesched.lower.add_all_reduce` (if ``dp_size > 1``),
+    :func:`~pipesched.lower.add_send_recv` (``check=False``: the builder's program is not validated on
+    its own, the lowered one is), :func:`~pipesched.lower.add_all_reduce` (if ``dp_size > 1``),
     then :func:`~pipesched.validate.validate`.
 
     Args:
@@ -54,5 +55,5 @@ def compile_program(
             program = add_recompute(program, recompute)
         except ValueError as exc:
             raise ScheduleArgumentError(f"recompute={recompute!r}: {exc}") from None
-    program = add_all_reduce(add_send_recv(program), dp_size)
+    program = add_all_reduce(add_send_recv(program, check=False), dp_size)  # validated as a whole below
     return validate(program)

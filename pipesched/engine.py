@@ -26,7 +26,8 @@ import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable
 from contextlib import contextmanager
-from itertools import chain
+from itertools import chain, repeat
+from operator import add, is_, itemgetter
 
 from .deps import REMOTE_KINDS, RuleTable, needs
 from .errors import DeadlockError, render_grid
@@ -34,6 +35,8 @@ from .ir import COMM_OPS, RECV_OPS, SEND_OPS, Op, Program
 
 # on_fire(rank, position, partner): partner is (rank, position) of the matched RECV for a SEND, else None
 FireFn = Callable[[int, int, tuple[int, int] | None], None]
+
+_OP, _STAGE, _MICROBATCH, _PEER = (itemgetter(k) for k in range(4))  # the fields of an Instr
 
 COMPUTE, RECV, SEND = 0, 1, 2  # how the engine treats a rule's instructions (ALL_REDUCE counts as compute)
 
@@ -47,6 +50,12 @@ def paused_gc():
     them alive, each full collection the allocations trigger walks every live object, finds nothing to
     free, and costs more than the pass itself. Reference counting still frees everything; the collector
     resumes (if it was running) when the pass ends, however it ends.
+
+    When it resumes, the objects made during the pass (the program or timeline it returns: one or two
+    per instruction) would be walked by the next young collections, only to survive them. Instead every
+    tracked object is moved to the oldest generation unwalked (``gc.freeze()`` then ``gc.unfreeze()``),
+    which the collector visits only in its rare full collections; nothing is exempt from collection.
+    This is skipped if the caller keeps frozen objects of its own (``gc.get_freeze_count() > 0``).
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -54,12 +63,16 @@ def paused_gc():
         yield
     finally:
         if was_enabled:
+            if gc.get_freeze_count() == 0:
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 
 def has_comm(program: Program) -> bool:
     """Whether the program carries SEND/RECV (lowered) or leaves cross-rank edges implicit (compute-only)."""
-    return any(instr.peer is not None for stream in program.ranks for instr in stream)
+    peers = map(_PEER, chain.from_iterable(program.ranks))
+    return not all(map(is_, peers, repeat(None)))
 
 
 def remote_needs(program: Program) -> list[list[tuple]]:
@@ -109,26 +122,35 @@ class Plan:
 
     def __init__(self, program: Program) -> None:
         self._program = weakref.ref(program)
-        self.instrs = list(chain.from_iterable(program.ranks))
+        self.instrs = instrs = list(chain.from_iterable(program.ranks))
         self.first = [0]
         for stream in program.ranks:
             self.first.append(self.first[-1] + len(stream))
         self.rules = rules = RuleTable(program.num_stages, program.num_microbatches)
-        by_op = rules.by_op
-        try:
-            self.rule = [by_op[i.op][i.stage] for i in self.instrs]
-        except IndexError:
-            raise NoSuchStage(f"an instruction names a stage >= {program.num_stages}") from None
-        self.mb = [i.microbatch for i in self.instrs]
-        if Op.ALL_REDUCE in by_op:
+        self.rule = self._number_rules(list(map(_OP, instrs)), list(map(_STAGE, instrs)))
+        self.mb = list(map(_MICROBATCH, instrs))
+        if Op.ALL_REDUCE in rules.by_op:
             self.mb = [0 if mb is None else mb for mb in self.mb]
-        self.peer = [i.peer for i in self.instrs]
-        self.lowered = not COMM_OPS.isdisjoint(by_op)
-        if Op.R in by_op:
+        self.peer = list(map(_PEER, instrs))
+        self.lowered = not COMM_OPS.isdisjoint(rules.by_op)
+        if Op.R in rules.by_op:
             self._mark_recomputed()
         self.kind, self.wait, self.give = [], [], []
         for t in range(len(rules.op)):
             self._add_engine_facts(program.stage_to_rank, t)
+
+    def _number_rules(self, ops: list, stages: list) -> list[int]:
+        """Per instruction, its rule ``rules.by_op[op][stage]``, read from one flat table in C-level passes.
+
+        Raises :class:`NoSuchStage` for a stage >= the number of stages."""
+        num_stages = self.rules.S
+        if max(stages, default=0) >= num_stages:
+            raise NoSuchStage(f"an instruction names a stage >= {num_stages}")
+        table, offset = [], {}
+        for op in dict.fromkeys(ops):
+            offset[op] = len(table)
+            table += self.rules.by_op[op]
+        return list(map(table.__getitem__, map(add, map(offset.__getitem__, ops), stages)))
 
     @property
     def program(self) -> Program:
@@ -230,7 +252,7 @@ def fire_all(plan: Plan) -> Run:
     another puts it back on the queue. Items are numbered by the plan's rule table.
     """
     first, rule, mb, peer = plan.first, plan.rule, plan.mb, plan.peer
-    kind, wait, give = plan.kind, plan.wait, plan.give
+    facts = list(zip(plan.kind, plan.wait, plan.give))  # per rule
     num_ranks = len(first) - 1
     heads, ends = first[:-1], first[1:]
     arrived = bytearray(plan.rules.num_items)
@@ -245,26 +267,27 @@ def fire_all(plan: Plan) -> Run:
         rank = ready.popleft()
         g, end = heads[rank], ends[rank]
         while g < end:
-            t = rule[g]
-            k = kind[t]
-            if k == COMPUTE:
-                if wait[t] >= 0 and not arrived[wait[t] + mb[g]]:
-                    waiters.setdefault(wait[t] + mb[g], []).append(rank)
+            kind, item, give = facts[rule[g]]
+            if kind == COMPUTE:
+                if item >= 0 and not arrived[item + mb[g]]:  # waits for an item from another rank
+                    waiters.setdefault(item + mb[g], []).append(rank)
                     break
-                item = give[t] + mb[g] if give[t] >= 0 else -1
-            elif k == RECV:
+                item = give + mb[g] if give >= 0 else -1
+            elif kind == RECV:
                 channel = peer[g] * num_ranks + rank
                 posted[channel].append(g)
                 if channel in blocked_send:
                     ready.append(blocked_send.pop(channel))
-                item = -1
+                fired(g)
+                g += 1
+                continue
             else:
                 queue = posted[rank * num_ranks + peer[g]]
                 if not queue:
                     blocked_send[rank * num_ranks + peer[g]] = rank
                     break
                 partner[g] = queue.popleft()
-                item = give[t] + mb[g]
+                item = give + mb[g]
             fired(g)
             if item >= 0:  # deliver it
                 arrived[item] = 1

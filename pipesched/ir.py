@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
+from functools import partial
+from typing import NamedTuple
 
 
 class Op(str, enum.Enum):
@@ -56,9 +58,15 @@ BACKWARD_OPS = frozenset({Op.B, Op.I})  # the ops that consume the output gradie
 _TOKEN = re.compile(r"^(?P<op>[A-Z_]+?)(?P<stage>\d+)(?:\.(?P<mb>\d+))?(?:(?P<dir>[<>])(?P<peer>\d+))?$")
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class Instr:
-    """One instruction of a rank's stream.
+class _Fields(NamedTuple):
+    op: Op
+    stage: int
+    microbatch: int | None = None
+    peer: int | None = None
+
+
+class Instr(_Fields):
+    """One instruction of a rank's stream: an immutable, hashable, ordered value.
 
     Attributes:
         op: the kind (see :class:`Op`).
@@ -68,33 +76,39 @@ class Instr:
 
     Text form: ``F0.3`` (forward, stage 0, microbatch 3), ``SEND_F0.3>1`` (to rank 1),
     ``RECV_B2.0<3`` (from rank 3), ``ALL_REDUCE1``. ``Instr.parse(str(i)) == i``.
+
+    A named tuple rather than a frozen dataclass (same fields, order, hash and repr) because a large
+    program holds hundreds of thousands of them: passes that make instructions they know to be valid
+    use :func:`trusted_instr`, a C-level constructor that skips the checks of ``Instr(...)``.
+
+    Raises:
+        ValueError: ``Instr(...)`` with a negative stage, a missing or negative microbatch, a peer on
+            a non-SEND/RECV (or none on a SEND/RECV), or a microbatch or peer on ``ALL_REDUCE``.
     """
 
-    op: Op
-    stage: int
-    microbatch: int | None = None
-    peer: int | None = None
+    __slots__ = ()
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.op, Op):
-            object.__setattr__(self, "op", Op(self.op))
-        if self.stage < 0:
-            raise ValueError(f"stage must be >= 0, got {self.stage}")
-        if self.op is Op.ALL_REDUCE:
-            if self.microbatch is not None or self.peer is not None:
-                raise ValueError(f"ALL_REDUCE takes no microbatch or peer, got {self.microbatch}, {self.peer}")
-            return
-        if self.microbatch is None or self.microbatch < 0:
-            raise ValueError(f"{self.op} needs a microbatch >= 0, got {self.microbatch}")
-        if (self.op in COMM_OPS) != (self.peer is not None):
-            raise ValueError(f"{self.op}: peer must be given exactly for SEND/RECV, got peer={self.peer}")
+    def __new__(cls, op: Op | str, stage: int, microbatch: int | None = None, peer: int | None = None) -> "Instr":
+        if not isinstance(op, Op):
+            op = Op(op)
+        if stage < 0:
+            raise ValueError(f"stage must be >= 0, got {stage}")
+        if op is Op.ALL_REDUCE:
+            if microbatch is not None or peer is not None:
+                raise ValueError(f"ALL_REDUCE takes no microbatch or peer, got {microbatch}, {peer}")
+        elif microbatch is None or microbatch < 0:
+            raise ValueError(f"{op} needs a microbatch >= 0, got {microbatch}")
+        elif (op in COMM_OPS) != (peer is not None):
+            raise ValueError(f"{op}: peer must be given exactly for SEND/RECV, got peer={peer}")
+        return tuple.__new__(cls, (op, stage, microbatch, peer))
 
     def __str__(self) -> str:
-        text = f"{self.op.value}{self.stage}"
-        if self.microbatch is not None:
-            text += f".{self.microbatch}"
-        if self.peer is not None:
-            text += (">" if self.op in SEND_OPS else "<") + str(self.peer)
+        op, stage, microbatch, peer = self
+        text = f"{op.value}{stage}"
+        if microbatch is not None:
+            text += f".{microbatch}"
+        if peer is not None:
+            text += (">" if op in SEND_OPS else "<") + str(peer)
         return text
 
     @classmethod
@@ -116,7 +130,13 @@ class Instr:
     @property
     def key(self) -> tuple[Op, int, int | None]:
         """(op, stage, microbatch): what the instruction computes, without the peer."""
-        return (self.op, self.stage, self.microbatch)
+        return self[:3]
+
+
+#: ``trusted_instr((op, stage, microbatch, peer))`` is ``Instr(op, stage, microbatch, peer)`` without its
+#: checks, as one C-level call (usable with ``map``): only for fields known to be valid, ``op`` an
+#: :class:`Op` member. Builders and lowering passes make most instructions of a program with it.
+trusted_instr = partial(tuple.__new__, Instr)
 
 
 @dataclass(frozen=True)

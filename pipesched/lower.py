@@ -5,13 +5,14 @@ instructions go. :func:`compile_program` in :mod:`pipesched.api` chains them.
 """
 from __future__ import annotations
 
-from itertools import repeat
+from itertools import compress, repeat
 from operator import itemgetter
 
 from .cost import CostModel
 from .deps import comm_for, consumer_stage, produces
 from .engine import has_comm, paused_gc
-from .ir import Instr, Op, Program
+from .sim import COST_FIELD, simulate_plan
+from .ir import Instr, Op, Program, trusted_instr
 from .timeline import timeline_order
 
 #: The cost model that orders communication: the usual backward = 2 x forward, free messages.
@@ -39,7 +40,7 @@ def add_recompute(program: Program, stages=True) -> Program:
         out = []
         for instr in stream:
             if instr.op in (Op.B, Op.I) and flags[instr.stage]:
-                out.append(Instr(Op.R, instr.stage, instr.microbatch))
+                out.append(trusted_instr((Op.R, instr.stage, instr.microbatch, None)))
             out.append(instr)
         streams.append(tuple(out))
     return program.replace(streams)
@@ -55,15 +56,19 @@ def _stage_flags(stages, num_stages: int) -> list[bool]:
 
 
 @paused_gc()
-def add_send_recv(program: Program, cost: CostModel = REFERENCE_COST) -> Program:
+def add_send_recv(program: Program, cost: CostModel = REFERENCE_COST, check: bool = True) -> Program:
     """Add a SEND on the producer's rank and a RECV on the consumer's rank for every cross-rank edge.
 
     Placement: simulate the compute-only program under ``cost``; every compute instruction gets the key
-    (start, 1, rank, position) and every message the key (time its producer ends, 0, producer rank,
-    position, kind). The SEND goes right after its producer; the RECV is posted before the first compute
-    of the consumer's rank that starts at or after that time. Posting never blocks (the consumer waits
-    for the data, not the RECV), so an early post costs no time under any costs: simulated timelines of
-    the lowered program equal those of the compute-only one plus message delays.
+    (start, 1, rank) and every message the key (time its producer ends, 0, producer rank). The SEND goes
+    right after its producer; the RECV is posted before the first compute of the consumer's rank that
+    starts at or after that time. Posting never blocks (the consumer waits for the data, not the RECV),
+    so an early post costs no time under any costs: simulated timelines of the lowered program equal
+    those of the compute-only one plus message delays.
+
+    Every compute takes time (> 0 seconds), so the keys of one rank's list are distinct: its computes
+    start at distinct times, and each of its compute ends at a distinct time and sends at most one message.
+    (With a zero-length producer, its message key (end, 0, ...) would sort before its own (start, 1, ...).)
 
     Deadlock freedom: sort all compute instructions and messages of all ranks by key into one global
     sequence in which each SEND and its RECV form a single step. Each rank's new stream is that sequence
@@ -74,46 +79,86 @@ def add_send_recv(program: Program, cost: CostModel = REFERENCE_COST) -> Program
     The execution model is confluent (:mod:`pipesched.engine`), so one complete execution means every
     execution completes, whatever the timing.
 
+    Args:
+        check: validate ``program`` first. ``False`` skips the static checks (for a program from a
+            builder, whose lowered result is validated anyway); a deadlock still raises.
     Raises:
-        ValueError: the program already has SEND/RECV.
+        ValueError: the program already has SEND/RECV, or a compute it runs costs 0 seconds.
+        ScheduleError: ``check`` and the program is invalid (see :func:`pipesched.validate.validate`).
+        DeadlockError: the program cannot complete.
     """
-    from .sim import simulate_plan  # the simulator needs validation, which needs nothing from here
-
     if has_comm(program):
         raise ValueError("add_send_recv takes a compute-only program; this one already has SEND/RECV")
-    plan, starts, ends = simulate_plan(program, cost)
-    routes = _routes(plan)
-    instrs, rule, mb = plan.instrs, plan.rule, plan.mb
+    plan, starts, ends = simulate_plan(program, cost, check)
+    _check_durations(plan, cost)
+    routes = _Routes(plan)
     keyed: list[list] = [[] for _ in program.ranks]
     for rank, mine in enumerate(keyed):
-        by_time = timeline_order(starts, ends, plan.first[rank], plan.first[rank + 1])
-        at = list(map(starts.__getitem__, by_time))
-        mine += zip(zip(at, repeat(1), repeat(rank), at), map(instrs.__getitem__, by_time))
-        for g in by_time:
-            if routes[rule[g]] is not None:
-                send_op, send_stage, recv_op, recv_stage, peer, kind = routes[rule[g]]
-                key = (ends[g], 0, rank, starts[g], kind)
-                mine.append((key, Instr(send_op, send_stage, mb[g], peer)))
-                keyed[peer].append((key, Instr(recv_op, recv_stage, mb[g], rank)))
+        lo, hi = plan.first[rank], plan.first[rank + 1]
+        by_time = timeline_order(starts, ends, lo, hi)  # keeps an ALL_REDUCE's tie with a compute as before
+        mine += zip(zip(map(starts.__getitem__, by_time), repeat(1), repeat(rank)), map(plan.instrs.__getitem__, by_time))
+        _add_messages(plan, routes, ends, rank, keyed)
     streams = [tuple(map(itemgetter(1), sorted(items, key=itemgetter(0)))) for items in keyed]
     return program.replace(streams)
 
 
-def _routes(plan) -> list:
-    """Per rule of ``plan``: (send op, its stage, recv op, its stage, receiving rank, send op's name) if
-    another rank consumes what its instructions produce (:func:`~pipesched.deps.produces`,
-    :func:`~pipesched.deps.comm_for`), else ``None``."""
-    s2r, S = plan.program.stage_to_rank, plan.program.num_stages
-    routes = []
-    for op, stage in zip(plan.rules.op, plan.rules.stage):
-        probe = Instr(op, stage) if op is Op.ALL_REDUCE else Instr(op, stage, 0)
-        found = None
-        for item in produces(probe):
-            route, consumer = comm_for(item), consumer_stage(item)
-            if route is not None and 0 <= consumer < S and s2r[consumer] != s2r[stage]:
-                found = (*route, s2r[consumer], route[0].value)
-        routes.append(found)
-    return routes
+def _add_messages(plan, routes: "_Routes", ends: list, rank: int, keyed: list[list]) -> None:
+    """Append (key, SEND) to ``rank``'s list and (key, RECV) to the receiver's for each message ``rank``
+    sends, column by column (one C-level pass per field rather than Python code per message)."""
+    lo, hi = plan.first[rank], plan.first[rank + 1]
+    senders = list(compress(range(lo, hi), map(routes.sends.__getitem__, plan.rule[lo:hi])))
+    rules = list(map(plan.rule.__getitem__, senders))
+    keys = list(zip(map(ends.__getitem__, senders), repeat(0), repeat(rank)))
+    mbs = list(map(plan.mb.__getitem__, senders))
+    dests = list(map(routes.dest.__getitem__, rules))
+    sends = zip(map(routes.send_op.__getitem__, rules), map(routes.send_stage.__getitem__, rules), mbs, dests)
+    recvs = zip(map(routes.recv_op.__getitem__, rules), map(routes.recv_stage.__getitem__, rules), mbs, repeat(rank))
+    keyed[rank] += zip(keys, map(trusted_instr, sends))
+    received = list(zip(keys, map(trusted_instr, recvs)))
+    receivers = set(dests)
+    if len(receivers) <= 4:  # the usual case (2 with the built-in placements): a pass per receiver
+        for dest in receivers:
+            keyed[dest] += compress(received, map(dest.__eq__, dests))
+    else:  # linear whatever the placement
+        for entry, dest in zip(received, dests):
+            keyed[dest].append(entry)
+
+
+class _Routes:
+    """Per rule of a plan, whether its instructions send a message to another rank
+    (:func:`~pipesched.deps.produces`, :func:`~pipesched.deps.comm_for`), and if so the SEND's op and
+    stage, the receiving rank, and the RECV's op and stage (unused entries of non-senders are None)."""
+
+    def __init__(self, plan) -> None:
+        s2r, num_stages = plan.program.stage_to_rank, plan.program.num_stages
+        self.sends, self.send_op, self.send_stage, self.dest, self.recv_op, self.recv_stage = ([] for _ in range(6))
+        for op, stage in zip(plan.rules.op, plan.rules.stage):
+            probe = trusted_instr((op, stage, None if op is Op.ALL_REDUCE else 0, None))
+            found = (None,) * 5
+            for item in produces(probe):
+                route, consumer = comm_for(item), consumer_stage(item)
+                if route is not None and 0 <= consumer < num_stages and s2r[consumer] != s2r[stage]:
+                    send_op, send_stage, recv_op, recv_stage = route
+                    found = (send_op, send_stage, s2r[consumer], recv_op, recv_stage)
+            self.sends.append(found[0] is not None)
+            for column, value in zip((self.send_op, self.send_stage, self.dest, self.recv_op, self.recv_stage), found):
+                column.append(value)
+
+
+def _check_durations(plan, cost: CostModel) -> None:
+    """Raise ``ValueError`` if a compute kind the plan runs costs 0 seconds at some stage (see
+    :func:`add_send_recv` for why placement needs every compute to take time)."""
+    num_stages = plan.program.num_stages
+    for op in dict.fromkeys(plan.rules.op):
+        name = COST_FIELD.get(op)
+        if name is None:
+            continue
+        for stage, seconds in enumerate(cost.per_stage(name, num_stages)):
+            if seconds <= 0:
+                raise ValueError(
+                    f"add_send_recv places each message after the end of the compute that makes it, so every "
+                    f"compute must take time; cost {name} is {seconds:g} seconds at stage {stage} (give it > 0)"
+                )
 
 
 def add_all_reduce(program: Program, dp_size: int) -> Program:
@@ -144,7 +189,7 @@ def add_all_reduce(program: Program, dp_size: int) -> Program:
         out = []
         for pos, instr in enumerate(stream):
             out.append(instr)
-            out.extend(Instr(Op.ALL_REDUCE, s) for s in sorted(after.get(pos, ())))
+            out.extend(trusted_instr((Op.ALL_REDUCE, s, None, None)) for s in sorted(after.get(pos, ())))
         streams.append(tuple(out))
     return _with_dp(program, streams, dp_size)
 

@@ -10,15 +10,18 @@ A compute-only program (no SEND/RECV) is simulated with the same message delay o
 """
 from __future__ import annotations
 
+from itertools import accumulate
+
 from .cost import CostModel
 from . import engine
 from .engine import COMPUTE, RECV
 from .ir import Op, Program
 from .memory import peak_activation_bytes
-from .timeline import InTimelineOrder, Timeline, events_from_columns, in_timeline_order, peak_of
+from .timeline import INFLIGHT_CHANGE, InTimelineOrder, Timeline, events_from_columns, ties_in_order
 from .validate import check_static
 
-_COST_FIELD = {Op.F: "forward", Op.B: "backward", Op.I: "input_grad", Op.W: "weight_grad", Op.R: "recompute"}
+#: the cost model field that gives the seconds of each compute kind
+COST_FIELD = {Op.F: "forward", Op.B: "backward", Op.I: "input_grad", Op.W: "weight_grad", Op.R: "recompute"}
 
 
 @engine.paused_gc()
@@ -40,7 +43,7 @@ def simulate(program: Program, cost: CostModel | None = None, check: bool = True
     cost = cost or CostModel()
     plan, starts, ends = simulate_plan(program, cost, check)
     events = events_from_columns(plan.rank_of(), plan.instrs, starts, ends)
-    if all(in_timeline_order(starts, ends, lo, hi) for lo, hi in zip(plan.first, plan.first[1:])):
+    if all(ties_in_order(starts, ends, lo, hi) for lo, hi in zip(plan.first, plan.first[1:])):
         events = InTimelineOrder(events)  # the usual case: the Timeline need not sort them
     meta = {
         "schedule": program.schedule,
@@ -82,21 +85,16 @@ def simulate_plan(program: Program, cost: CostModel, check: bool = True) -> tupl
 def _times(run: engine.Run, seconds: tuple[list, list, list]) -> tuple[list[float], list[float]]:
     """Time the instructions in the engine's firing order (any valid order gives the same times)."""
     plan = run.plan
-    # per rule: how the engine treats it, its seconds of rank time, how long it lasts without taking
-    # rank time, the delay of its message, the item it waits for, the item it hands over
-    facts = list(zip(plan.kind, *seconds, plan.wait, plan.give))
+    facts = _timing_facts(plan, seconds)
     rule, mb, partner, rank_of = plan.rule, plan.mb, run.partner, plan.rank_of()
     free = [0.0] * plan.program.num_ranks
     starts, ends = [0.0] * len(rule), [0.0] * len(rule)
     ready_at = [0.0] * plan.rules.num_items  # per item, when it lands on the rank that consumes it
     for g in run.order:
-        kind, busy, lasts, delay, wait, give = facts[rule[g]]
+        kind, busy, delay, wait, give = facts[rule[g]]
         rank = rank_of[g]
         start = free[rank]
-        if kind == COMPUTE:
-            if busy is None:  # ALL_REDUCE: asynchronous, the rank moves on
-                starts[g], ends[g] = start, start + lasts
-                continue
+        if kind == _WORK:
             if wait >= 0 and ready_at[wait + mb[g]] > start:
                 start = ready_at[wait + mb[g]]
             free[rank] = end = start + busy
@@ -105,18 +103,39 @@ def _times(run: engine.Run, seconds: tuple[list, list, list]) -> tuple[list[floa
                 ready_at[give + mb[g]] = end + delay
         elif kind == RECV:
             starts[g] = ends[g] = start  # posted now; its end is set when the message lands
+        elif kind == _ASYNC:
+            starts[g], ends[g] = start, start + busy  # the rank moves on
         else:
             starts[g] = ends[g] = start
             ready_at[give + mb[g]] = arrival = start + delay
             recv = partner[g]
-            ends[recv] = max(starts[recv], arrival)
+            if arrival > starts[recv]:
+                ends[recv] = arrival
+            else:
+                ends[recv] = starts[recv]
     return starts, ends
+
+
+_WORK, _ASYNC = -1, -2  # how _times treats a compute that takes rank time, and an ALL_REDUCE
+
+
+def _timing_facts(plan: engine.Plan, seconds: tuple[list, list, list]) -> list[tuple]:
+    """Per rule: how :func:`_times` treats it (``_WORK``, ``_ASYNC``, ``RECV`` or ``SEND``), the seconds
+    it takes (of rank time, or for an ALL_REDUCE without it), the delay of its message, the item it
+    waits for and the item it hands over."""
+    facts = []
+    for kind, busy, lasts, delay, wait, give in zip(plan.kind, *seconds, plan.wait, plan.give):
+        if kind == COMPUTE:
+            kind, busy = (_ASYNC, lasts) if busy is None else (_WORK, busy)
+        facts.append((kind, busy, delay, wait, give))
+    return facts
 
 
 def _peak_inflight(plan: engine.Plan) -> tuple[int, ...]:
     """:func:`~pipesched.timeline.peak_inflight` of the plan's program, from its rules."""
-    op_of = plan.rules.op
-    return tuple(peak_of(map(op_of.__getitem__, plan.rule[lo:hi])) for lo, hi in zip(plan.first, plan.first[1:]))
+    change = [INFLIGHT_CHANGE[op] for op in plan.rules.op]  # per rule
+    return tuple(max(accumulate(map(change.__getitem__, plan.rule[lo:hi]), initial=0))
+                 for lo, hi in zip(plan.first, plan.first[1:]))
 
 
 def _rule_seconds(plan: engine.Plan, cost: CostModel) -> tuple[list, list, list]:
@@ -124,7 +143,7 @@ def _rule_seconds(plan: engine.Plan, cost: CostModel) -> tuple[list, list, list]
     (ALL_REDUCE), and the delay of the message it sends (None: none)."""
     program, rules = plan.program, plan.rules
     S = program.num_stages
-    dur = {op: cost.per_stage(name, S) for op, name in _COST_FIELD.items()}
+    dur = {op: cost.per_stage(name, S) for op, name in COST_FIELD.items()}
     msg = [cost.message_seconds(b) for b in cost.per_stage("activation_bytes", S)]
     ring = 2 * (program.dp_size - 1) / program.dp_size
     allreduce = [cost.message_seconds(ring * b) for b in cost.per_stage("grad_bytes", S)]

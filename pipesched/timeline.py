@@ -52,11 +52,15 @@ def timeline_order(starts, ends, lo: int, hi: int) -> list[int]:
 def in_timeline_order(starts, ends, lo: int, hi: int) -> bool:
     """Whether numbers ``lo``..``hi - 1`` are already in :func:`timeline_order`: starts never decrease,
     and where two neighbours start together, ends do not decrease either."""
+    s = starts[lo:hi]
+    return all(map(le, s, islice(s, 1, None))) and ties_in_order(starts, ends, lo, hi)
+
+
+def ties_in_order(starts, ends, lo: int, hi: int) -> bool:
+    """Whether, among numbers ``lo``..``hi - 1``, neighbours that start together have ends that do not
+    decrease: :func:`in_timeline_order` for starts known not to decrease (a simulated rank's)."""
     s, e = starts[lo:hi], ends[lo:hi]
-    later_s, later_e = islice(s, 1, None), islice(e, 1, None)
-    if not all(map(le, s, islice(s, 1, None))):
-        return False
-    return not any(map(and_, map(eq, s, later_s), map(gt, e, later_e)))
+    return not any(map(and_, map(eq, s, islice(s, 1, None)), map(gt, e, islice(e, 1, None))))
 
 
 def events_from_columns(ranks, instrs, starts, ends) -> list[Event]:
@@ -173,9 +177,10 @@ def peak_inflight(streams) -> tuple[int, ...]:
 
 def peak_of(ops) -> int:
     """The most microbatch-stages in flight along one rank's instruction kinds (see :func:`peak_inflight`)."""
-    return max(accumulate(map(_INFLIGHT_CHANGE.__getitem__, ops), initial=0))
+    return max(accumulate(map(INFLIGHT_CHANGE.__getitem__, ops), initial=0))
 
 
 _new_event = partial(tuple.__new__, Event)  # what Event(...) does, as a C-level call
 _OP = attrgetter("op")
-_INFLIGHT_CHANGE = {op: 1 if op is Op.F else -1 if op in (Op.B, Op.W) else 0 for op in Op}  # per instruction kind
+#: per instruction kind, how it changes the microbatch-stages in flight on its rank
+INFLIGHT_CHANGE = {op: 1 if op is Op.F else -1 if op in (Op.B, Op.W) else 0 for op in Op}  # per instruction kind

@@ -21,7 +21,8 @@ the first failure, so the error is the one a plain scan reports.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from operator import attrgetter
+from itertools import compress, repeat
+from operator import add, attrgetter, is_, mul
 
 from . import engine
 from .deps import REMOTE_KINDS, needs, produces
@@ -158,10 +159,15 @@ def _is_complete(plan: engine.Plan) -> bool:
     nothing twice, S * M forwards are all of them."""
     program, rules = plan.program, plan.rules
     M, cells = program.num_microbatches, program.num_stages * program.num_microbatches
-    work = [t * M + mb for t, mb, peer in zip(plan.rule, plan.mb, plan.peer) if peer is None]
+    work = map(add, map(mul, plan.rule, repeat(M)), plan.mb)  # (rule, microbatch) as one number
+    if plan.lowered:
+        work = compress(work, map(is_, plan.peer, repeat(None)))  # SEND/RECV may repeat a key
+    work = list(work)
     if len(set(work)) != len(work):
         return False  # some (op, stage, microbatch) appears twice
-    count = Counter(map(rules.op.__getitem__, plan.rule))
+    count: Counter = Counter()
+    for t, n in Counter(plan.rule).items():
+        count[rules.op[t]] += n
     if count[Op.F] != cells or (program.dp_size > 1 and count[Op.ALL_REDUCE] != program.num_stages):
         return False
     if not (count[Op.I] or count[Op.W]):

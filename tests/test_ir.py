@@ -33,3 +33,33 @@ def test_instructions_are_hashable_and_ordered():
     a, b = Instr(Op.F, 0, 0), Instr(Op.F, 0, 1)
     assert len({a, b, Instr.parse("F0.0")}) == 2
     assert a.key == (Op.F, 0, 0)
+
+
+def test_trusted_constructor_makes_the_same_value():
+    from pipesched.ir import trusted_instr
+
+    made = trusted_instr((Op.SEND_F, 0, 3, 1))
+    assert made == Instr(Op.SEND_F, 0, 3, 1) and type(made) is Instr
+    assert hash(made) == hash(Instr.parse("SEND_F0.3>1")) and str(made) == "SEND_F0.3>1"
+
+
+@pytest.mark.parametrize("args, message", [
+    ((Op.F, -1, 0), "stage must be >= 0"),
+    ((Op.F, 0), "needs a microbatch"),
+    ((Op.ALL_REDUCE, 0, 1), "ALL_REDUCE takes no microbatch"),
+    ((Op.F, 0, 0, 1), "peer must be given exactly"),
+])
+def test_checked_constructor_refuses_bad_fields(args, message):
+    with pytest.raises(ValueError, match=message):
+        Instr(*args)
+
+
+def test_instructions_are_immutable_values():
+    import pickle
+
+    a = Instr("B", 2, 1)  # the kind may be given by name
+    assert a.op is Op.B and sorted([a, Instr(Op.B, 1, 5), Instr(Op.B, 2, 0)])[0] == Instr(Op.B, 1, 5)
+    assert pickle.loads(pickle.dumps(a)) == a
+    assert repr(a) == "Instr(op=<Op.B: 'B'>, stage=2, microbatch=1, peer=None)"
+    with pytest.raises(AttributeError):
+        a.stage = 3

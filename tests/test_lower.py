@@ -1,7 +1,9 @@
 """Each lowering pass alone: what it inserts, where, and that its output validates."""
 import pytest
 
-from pipesched import Instr, Op, add_all_reduce, add_recompute, add_send_recv, build, validate
+from pipesched import (CostModel, DeadlockError, Instr, Op, add_all_reduce, add_recompute, add_send_recv, build,
+                       validate)
+from pipesched.ir import Program
 
 
 def _streams(program):
@@ -25,6 +27,34 @@ def test_no_messages_between_stages_on_the_same_rank():
 def test_send_recv_refuses_a_lowered_program():
     with pytest.raises(ValueError, match="already has SEND/RECV"):
         add_send_recv(add_send_recv(build("gpipe", 2, 1)))
+
+
+@pytest.mark.parametrize("cost, named", [
+    (CostModel(forward=0, backward=0), "cost forward is 0 seconds at stage 0"),
+    (CostModel(forward=[1.0, 0.0]), "cost forward is 0 seconds at stage 1"),
+    (CostModel(backward=[2.0, 0.0]), "cost backward is 0 seconds at stage 1"),
+])
+def test_send_recv_refuses_zero_length_computes(cost, named):
+    # a zero-length producer's message key (end, 0, ...) sorted before its own (start, 1, ...): the SEND
+    # went before the F that makes its data (reported bug)
+    with pytest.raises(ValueError, match=named):
+        add_send_recv(build("1f1b", 2, 2), cost)
+
+
+def test_send_recv_refuses_only_the_costs_the_program_uses():
+    program = add_send_recv(build("1f1b", 2, 2), CostModel(recompute=0.0, input_grad=0.0))
+    validate(program)
+    with pytest.raises(ValueError, match="cost recompute is 0 seconds at stage 0"):
+        add_send_recv(add_recompute(build("1f1b", 2, 2)), CostModel(recompute=0.0))
+
+
+def test_send_recv_unchecked_still_raises_a_deadlock():
+    # rank 1 starts with microbatch 1, whose input rank 0 makes only after B0.0, which needs B1.0
+    text = "F0.0 B0.0 F0.1 B0.1", "F1.1 B1.1 F1.0 B1.0"
+    stuck = Program([[Instr.parse(t) for t in stream.split()] for stream in text], (0, 1), 2)
+    for check in (True, False):
+        with pytest.raises(DeadlockError):
+            add_send_recv(stuck, check=check)
 
 
 def test_all_reduce_after_last_backward_and_its_send():

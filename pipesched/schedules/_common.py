@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..errors import ScheduleArgumentError
-from ..ir import Instr, Op, Program
+from ..ir import Instr, Op, Program, trusted_instr
 
 
 def check_positive(name: str, value, minimum: int = 1) -> int:
@@ -13,11 +13,13 @@ def check_positive(name: str, value, minimum: int = 1) -> int:
 
 
 def forward(stage: int, microbatch: int) -> Instr:
-    return Instr(Op.F, stage, microbatch)
+    """``F(stage, microbatch)``; the builders pass indices >= 0, so it skips the checks of ``Instr(...)``."""
+    return trusted_instr((Op.F, stage, microbatch, None))
 
 
 def backward(stage: int, microbatch: int) -> Instr:
-    return Instr(Op.B, stage, microbatch)
+    """``B(stage, microbatch)``, made like :func:`forward`."""
+    return trusted_instr((Op.B, stage, microbatch, None))
 
 
 def program(name: str, streams, stage_to_rank, num_microbatches: int, virtual_stages: int = 1) -> Program:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .. import placement
 from ..engine import paused_gc
-from ..ir import Instr, Op
+from ..ir import Instr, Op, trusted_instr
 from ._common import check_positive, program
 
 F, B = Op.F, Op.B
@@ -51,8 +51,8 @@ def _orders(rank: int, p: int, v: int, rounds: list[int]) -> tuple[list[Instr], 
     fwd, bwd, first = [], [], 0
     for size in rounds:
         mbs = range(first, first + size)
-        fwd += [Instr(F, c * p + rank, mb) for c in range(v) for mb in mbs]
-        bwd += [Instr(B, c * p + rank, mb) for c in reversed(range(v)) for mb in mbs]
+        fwd += [trusted_instr((F, c * p + rank, mb, None)) for c in range(v) for mb in mbs]
+        bwd += [trusted_instr((B, c * p + rank, mb, None)) for c in reversed(range(v)) for mb in mbs]
         first += size
     return fwd, bwd
 
