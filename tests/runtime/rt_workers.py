@@ -209,7 +209,7 @@ def dp_case(rank, schedule, v):
             "pp_rank": pipe.pp_rank, "dp_rank": shard}
 
 
-def failing_case(rank, fail_rank, fail_mb, world, timeout=30.0, linger=4.0, dp_size=1):
+def failing_case(rank, fail_rank, fail_mb, world, timeout=30.0, linger=10.0, dp_size=1):
     """A layer on ``fail_rank`` raises at microbatch ``fail_mb``; every rank reports what it raised and when."""
     pp = world // dp_size
     model = mlp(num_layers=pp)
@@ -250,7 +250,7 @@ def four_rank_suite(rank):
         results[("dp", schedule)] = dp_case(rank, schedule, v)
     results["failure"] = failing_case(rank, fail_rank=2, fail_mb=1, world=4, linger=1.0)
     # DP x PP = 2 x 2: world rank 1 (replica 0, stage 1) fails; replica 1 learns it at its all-reduce
-    results["dp_failure"] = failing_case(rank, fail_rank=1, fail_mb=1, world=4, dp_size=2)
+    results["dp_failure"] = failing_case(rank, fail_rank=1, fail_mb=1, world=4, dp_size=2, linger=1.0)
     return results
 
 
