@@ -27,7 +27,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from contextlib import contextmanager
 from itertools import chain, repeat
-from operator import add, is_, itemgetter
+from operator import is_, itemgetter
 
 from .deps import REMOTE_KINDS, RuleTable, needs
 from .errors import DeadlockError, render_grid
@@ -36,7 +36,7 @@ from .ir import COMM_OPS, RECV_OPS, SEND_OPS, Op, Program
 # on_fire(rank, position, partner): partner is (rank, position) of the matched RECV for a SEND, else None
 FireFn = Callable[[int, int, tuple[int, int] | None], None]
 
-_OP, _STAGE, _MICROBATCH, _PEER = (itemgetter(k) for k in range(4))  # the fields of an Instr
+_MICROBATCH, _PEER, _OP_STAGE = itemgetter(2), itemgetter(3), itemgetter(0, 1)  # fields of an Instr
 
 COMPUTE, RECV, SEND = 0, 1, 2  # how the engine treats a rule's instructions (ALL_REDUCE counts as compute)
 
@@ -102,6 +102,22 @@ class NoSuchStage(IndexError):
     """An instruction names a stage the program does not have (:class:`Plan` needs every stage to exist)."""
 
 
+class _RuleOf(dict):
+    """(op, stage) -> the rule ``rules.by_op[op][stage]``, each key filled on first use (a C-level lookup
+    after that). Raises :class:`NoSuchStage` for a stage the program does not have."""
+
+    def __init__(self, rules: RuleTable) -> None:
+        super().__init__()
+        self.rules = rules
+
+    def __missing__(self, key: tuple[Op, int]) -> int:
+        op, stage = key
+        if stage >= self.rules.S:
+            raise NoSuchStage(f"an instruction names a stage >= {self.rules.S}")
+        rule = self[key] = self.rules.by_op[op][stage]
+        return rule
+
+
 class Plan:
     """A program numbered flat for fast passes: instruction ``g`` of the whole program is position
     ``g - first[r]`` of rank ``r``'s stream, for ``first[r] <= g < first[r + 1]``.
@@ -127,7 +143,7 @@ class Plan:
         for stream in program.ranks:
             self.first.append(self.first[-1] + len(stream))
         self.rules = rules = RuleTable(program.num_stages, program.num_microbatches)
-        self.rule = self._number_rules(list(map(_OP, instrs)), list(map(_STAGE, instrs)))
+        self.rule = list(map(_RuleOf(rules).__getitem__, map(_OP_STAGE, instrs)))
         self.mb = list(map(_MICROBATCH, instrs))
         if Op.ALL_REDUCE in rules.by_op:
             self.mb = [0 if mb is None else mb for mb in self.mb]
@@ -138,19 +154,6 @@ class Plan:
         self.kind, self.wait, self.give = [], [], []
         for t in range(len(rules.op)):
             self._add_engine_facts(program.stage_to_rank, t)
-
-    def _number_rules(self, ops: list, stages: list) -> list[int]:
-        """Per instruction, its rule ``rules.by_op[op][stage]``, read from one flat table in C-level passes.
-
-        Raises :class:`NoSuchStage` for a stage >= the number of stages."""
-        num_stages = self.rules.S
-        if max(stages, default=0) >= num_stages:
-            raise NoSuchStage(f"an instruction names a stage >= {num_stages}")
-        table, offset = [], {}
-        for op in dict.fromkeys(ops):
-            offset[op] = len(table)
-            table += self.rules.by_op[op]
-        return list(map(table.__getitem__, map(add, map(offset.__getitem__, ops), stages)))
 
     @property
     def program(self) -> Program:

@@ -13,7 +13,7 @@ from .deps import comm_for, consumer_stage, produces
 from .engine import has_comm, paused_gc
 from .sim import COST_FIELD, simulate_plan
 from .ir import Instr, Op, Program, trusted_instr
-from .timeline import timeline_order
+from .timeline import ties_in_order, timeline_order
 
 #: The cost model that orders communication: the usual backward = 2 x forward, free messages.
 REFERENCE_COST = CostModel(forward=1.0, backward=2.0)
@@ -95,8 +95,12 @@ def add_send_recv(program: Program, cost: CostModel = REFERENCE_COST, check: boo
     keyed: list[list] = [[] for _ in program.ranks]
     for rank, mine in enumerate(keyed):
         lo, hi = plan.first[rank], plan.first[rank + 1]
-        by_time = timeline_order(starts, ends, lo, hi)  # keeps an ALL_REDUCE's tie with a compute as before
-        mine += zip(zip(map(starts.__getitem__, by_time), repeat(1), repeat(rank)), map(plan.instrs.__getitem__, by_time))
+        if ties_in_order(starts, ends, lo, hi):  # the usual case: the stream's order is the timeline's
+            at, computes = starts[lo:hi], plan.instrs[lo:hi]
+        else:  # an ALL_REDUCE outlasts the compute that starts with it: take a timeline's order
+            by_time = timeline_order(starts, ends, lo, hi)
+            at, computes = map(starts.__getitem__, by_time), map(plan.instrs.__getitem__, by_time)
+        mine += zip(zip(at, repeat(1), repeat(rank)), computes)
         _add_messages(plan, routes, ends, rank, keyed)
     streams = [tuple(map(itemgetter(1), sorted(items, key=itemgetter(0)))) for items in keyed]
     return program.replace(streams)

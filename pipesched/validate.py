@@ -21,8 +21,7 @@ the first failure, so the error is the one a plain scan reports.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from itertools import compress, repeat
-from operator import add, attrgetter, is_, mul
+from operator import attrgetter
 
 from . import engine
 from .deps import REMOTE_KINDS, needs, produces
@@ -159,10 +158,7 @@ def _is_complete(plan: engine.Plan) -> bool:
     nothing twice, S * M forwards are all of them."""
     program, rules = plan.program, plan.rules
     M, cells = program.num_microbatches, program.num_stages * program.num_microbatches
-    work = map(add, map(mul, plan.rule, repeat(M)), plan.mb)  # (rule, microbatch) as one number
-    if plan.lowered:
-        work = compress(work, map(is_, plan.peer, repeat(None)))  # SEND/RECV may repeat a key
-    work = list(work)
+    work = [t * M + mb for t, mb, peer in zip(plan.rule, plan.mb, plan.peer) if peer is None]
     if len(set(work)) != len(work):
         return False  # some (op, stage, microbatch) appears twice
     count: Counter = Counter()
