@@ -5,6 +5,7 @@ import enum
 import re
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import repeat
 from typing import NamedTuple
 
 
@@ -137,6 +138,11 @@ class Instr(_Fields):
 #: checks, as one C-level call (usable with ``map``): only for fields known to be valid, ``op`` an
 #: :class:`Op` member. Builders and lowering passes make most instructions of a program with it.
 trusted_instr = partial(tuple.__new__, Instr)
+
+
+def trusted_instrs(rows):
+    """``map(trusted_instr, rows)`` for an iterable of field tuples, a fifth faster (no partial call)."""
+    return map(tuple.__new__, repeat(Instr), rows)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from .cost import CostModel
 from .deps import comm_for, consumer_stage, produces
 from .engine import has_comm, paused_gc
 from .sim import COST_FIELD, simulate_plan
-from .ir import Instr, Op, Program, trusted_instr
+from .ir import Instr, Op, Program, trusted_instr, trusted_instrs
 from .timeline import ties_in_order, timeline_order
 
 #: The cost model that orders communication: the usual backward = 2 x forward, free messages.
@@ -117,8 +117,8 @@ def _add_messages(plan, routes: "_Routes", ends: list, rank: int, keyed: list[li
     dests = list(map(routes.dest.__getitem__, rules))
     sends = zip(map(routes.send_op.__getitem__, rules), map(routes.send_stage.__getitem__, rules), mbs, dests)
     recvs = zip(map(routes.recv_op.__getitem__, rules), map(routes.recv_stage.__getitem__, rules), mbs, repeat(rank))
-    keyed[rank] += zip(keys, map(trusted_instr, sends))
-    received = list(zip(keys, map(trusted_instr, recvs)))
+    keyed[rank] += zip(keys, trusted_instrs(sends))
+    received = list(zip(keys, trusted_instrs(recvs)))
     receivers = set(dests)
     if len(receivers) <= 4:  # the usual case (2 with the built-in placements): a pass per receiver
         for dest in receivers:

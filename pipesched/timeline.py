@@ -9,8 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import NamedTuple
-from functools import partial
-from itertools import accumulate, islice
+from itertools import accumulate, islice, repeat
 from operator import and_, attrgetter, eq, gt, itemgetter, le
 
 from .ir import COMPUTE_OPS, Instr, Op
@@ -66,7 +65,7 @@ def ties_in_order(starts, ends, lo: int, hi: int) -> bool:
 def events_from_columns(ranks, instrs, starts, ends) -> list[Event]:
     """``[Event(*row) for row in zip(ranks, instrs, starts, ends)]``, without a Python-level call per
     event (a simulated timeline has one event per instruction)."""
-    return list(map(_new_event, zip(ranks, instrs, starts, ends)))
+    return list(map(tuple.__new__, repeat(Event), zip(ranks, instrs, starts, ends)))
 
 
 @dataclass(frozen=True)
@@ -180,7 +179,6 @@ def peak_of(ops) -> int:
     return max(accumulate(map(INFLIGHT_CHANGE.__getitem__, ops), initial=0))
 
 
-_new_event = partial(tuple.__new__, Event)  # what Event(...) does, as a C-level call
 _OP = attrgetter("op")
 #: per instruction kind, how it changes the microbatch-stages in flight on its rank
 INFLIGHT_CHANGE = {op: 1 if op is Op.F else -1 if op in (Op.B, Op.W) else 0 for op in Op}  # per instruction kind
