@@ -103,6 +103,11 @@ class Instr(_Fields):
             raise ValueError(f"{op}: peer must be given exactly for SEND/RECV, got peer={peer}")
         return tuple.__new__(cls, (op, stage, microbatch, peer))
 
+    @classmethod
+    def _make(cls, iterable) -> "Instr":
+        """An instruction from an iterable of its fields, checked as ``Instr(...)`` (``_replace`` uses it)."""
+        return cls(*iterable)
+
     def __str__(self) -> str:
         op, stage, microbatch, peer = self
         text = f"{op.value}{stage}"

@@ -63,3 +63,9 @@ def test_instructions_are_immutable_values():
     assert repr(a) == "Instr(op=<Op.B: 'B'>, stage=2, microbatch=1, peer=None)"
     with pytest.raises(AttributeError):
         a.stage = 3
+
+
+def test_replace_checks_the_new_fields():
+    assert Instr(Op.F, 1, 2)._replace(stage=3) == Instr(Op.F, 3, 2)
+    with pytest.raises(ValueError, match="stage must be >= 0"):
+        Instr(Op.F, 1, 2)._replace(stage=-1)
