@@ -1,9 +1,11 @@
 """Interleaved 1F1B: v model chunks per rank on a looped placement (Narayanan et al., 2021, arXiv:2104.04473)."""
 from __future__ import annotations
 
+from itertools import repeat
+
 from .. import placement
 from ..engine import paused_gc
-from ..ir import Instr, Op, trusted_instr
+from ..ir import Instr, Op, trusted_instrs
 from ._common import check_positive, program
 
 F, B = Op.F, Op.B
@@ -51,8 +53,10 @@ def _orders(rank: int, p: int, v: int, rounds: list[int]) -> tuple[list[Instr], 
     fwd, bwd, first = [], [], 0
     for size in rounds:
         mbs = range(first, first + size)
-        fwd += [trusted_instr((F, c * p + rank, mb, None)) for c in range(v) for mb in mbs]
-        bwd += [trusted_instr((B, c * p + rank, mb, None)) for c in reversed(range(v)) for mb in mbs]
+        for c in range(v):
+            fwd += trusted_instrs(zip(repeat(F), repeat(c * p + rank), mbs, repeat(None)))
+        for c in reversed(range(v)):
+            bwd += trusted_instrs(zip(repeat(B), repeat(c * p + rank), mbs, repeat(None)))
         first += size
     return fwd, bwd
 
