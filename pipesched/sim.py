@@ -43,6 +43,8 @@ def simulate(program: Program, cost: CostModel | None = None, check: bool = True
     cost = cost or CostModel()
     plan, starts, ends = simulate_plan(program, cost, check)
     events = events_from_columns(plan.rank_of(), plan.instrs, starts, ends)
+    # a rank's simulated starts never decrease (each instruction starts when its rank is free, or
+    # later), so its events are in timeline order unless two that start together have decreasing ends
     if all(ties_in_order(starts, ends, lo, hi) for lo, hi in zip(plan.first, plan.first[1:])):
         events = InTimelineOrder(events)  # the usual case: the Timeline need not sort them
     meta = {
