@@ -29,6 +29,10 @@ class CostModel:
             Default: ``activation_bytes``.
         input_bytes: bytes of a stage's input per microbatch, kept instead of the stash when the stage
             recomputes. Default: the previous stage's ``activation_bytes`` (stage 0: ``activation_bytes``).
+        recompute_bytes: bytes a recomputing stage holds for one microbatch after its ``R``: its input
+            together with what the re-run forward saves, a tensor saved twice counted once. Default:
+            ``max(stash_bytes, input_bytes)`` (the common case of a stage whose first layer saves its input).
+            ``pipesched.runtime.stage_activation_bytes`` measures all three for a real model.
 
     Raises:
         ValueError: a cost is negative, not a number, or a sequence of the wrong length (at use).
@@ -45,6 +49,7 @@ class CostModel:
     grad_bytes: PerStage = 0.0
     stash_bytes: PerStage | None = None
     input_bytes: PerStage | None = None
+    recompute_bytes: PerStage | None = None
 
     def per_stage(self, name: str, num_stages: int) -> tuple[float, ...]:
         """The named field as one float per stage (defaults resolved)."""
@@ -66,6 +71,9 @@ class CostModel:
             return self.per_stage("forward", num_stages)
         if name == "stash_bytes":
             return self.per_stage("activation_bytes", num_stages)
+        if name == "recompute_bytes":
+            pairs = zip(self.per_stage("stash_bytes", num_stages), self.per_stage("input_bytes", num_stages))
+            return tuple(max(stash, inp) for stash, inp in pairs)
         if name == "input_bytes":
             act = self.per_stage("activation_bytes", num_stages)
             return (act[0],) + act[:-1]

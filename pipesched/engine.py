@@ -31,7 +31,7 @@ from operator import is_, itemgetter
 
 from .deps import REMOTE_KINDS, RuleTable, needs
 from .errors import DeadlockError, render_grid
-from .ir import COMM_OPS, RECV_OPS, SEND_OPS, Op, Program
+from .ir import COMM_OPS, PROOF_ATTR, RECV_OPS, SEND_OPS, Op, Program
 
 # on_fire(rank, position, partner): partner is (rank, position) of the matched RECV for a SEND, else None
 FireFn = Callable[[int, int, tuple[int, int] | None], None]
@@ -301,22 +301,18 @@ def fire_all(plan: Plan) -> Run:
     return Run(plan, order, partner, heads)
 
 
-_PROVEN: dict[int, Run] = {}  # id(program) -> its complete run, while the program lives
-
-
 def remember(program: Program, done: Run) -> None:
-    """Remember that ``done`` is a complete run of ``program`` (which :func:`validate` passed).
+    """Remember on ``program`` that ``done`` is a complete run of it (which :func:`validate` passed).
 
-    Programs are immutable, so the proof holds for the program's lifetime; the entry goes with it.
+    Programs are immutable, so the proof holds for the program's lifetime; it lives in a private attribute
+    of the program (not in module state) and is left out when the program is pickled or copied.
     """
-    if id(program) not in _PROVEN:
-        weakref.finalize(program, _PROVEN.pop, id(program), None)
-    _PROVEN[id(program)] = done
+    object.__setattr__(program, PROOF_ATTR, done)
 
 
 def proven_run(program: Program) -> Run | None:
     """The complete run remembered for ``program`` by :func:`remember`, or ``None``."""
-    done = _PROVEN.get(id(program))
+    done = program.__dict__.get(PROOF_ATTR)
     return done if done is not None and done.plan.program is program else None
 
 

@@ -9,6 +9,10 @@ from itertools import repeat
 from typing import NamedTuple
 
 
+#: private attribute of a validated Program holding the execution that proves it (engine.remember)
+PROOF_ATTR = "_proof"
+
+
 class Op(str, enum.Enum):
     """The kind of an instruction.
 
@@ -191,6 +195,15 @@ class Program:
 
     def __len__(self) -> int:
         return sum(len(stream) for stream in self.ranks)
+
+    def __getstate__(self) -> dict:
+        """Pickle and copy the fields only, not a remembered proof (see :func:`pipesched.engine.remember`)."""
+        state = dict(self.__dict__)
+        state.pop(PROOF_ATTR, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
     def __str__(self) -> str:
         from .program_io import to_text

@@ -8,14 +8,15 @@ def peak_activation_bytes(program: Program, cost) -> tuple[float, ...] | None:
     """Per rank, the most bytes held for backward at any point of its stream.
 
     A forward ``F(s, mb)`` keeps ``stash_bytes[s]`` — or only ``input_bytes[s]`` when (s, mb) is
-    recomputed; ``R(s, mb)`` adds ``stash_bytes[s]`` back; the backward (``B``, or ``W`` for a split
-    backward) frees both. Returns ``None`` when every stash size is 0 (no sizes were given).
+    recomputed; ``R(s, mb)`` raises that to ``recompute_bytes[s]`` (input and re-saved activations);
+    the backward (``B``, or ``W`` for a split backward) frees it. Returns ``None`` when every stash size is 0 (no sizes were given).
     """
     S = program.num_stages
     stash = cost.per_stage("stash_bytes", S)
     if not any(stash):
         return None
     inputs = cost.per_stage("input_bytes", S)
+    redone = cost.per_stage("recompute_bytes", S)
     recomputed = {(i.stage, i.microbatch) for st in program.ranks for i in st if i.op is Op.R}
     peaks = []
     for stream in program.ranks:
@@ -27,8 +28,8 @@ def peak_activation_bytes(program: Program, cost) -> tuple[float, ...] | None:
                 held[key] = inputs[instr.stage] if key in recomputed else stash[instr.stage]
                 live += held[key]
             elif instr.op is Op.R:
-                held[key] = held.get(key, 0.0) + stash[instr.stage]
-                live += stash[instr.stage]
+                live += redone[instr.stage] - held.get(key, 0.0)
+                held[key] = redone[instr.stage]
             elif instr.op in (Op.B, Op.W):
                 live -= held.pop(key, 0.0)
             peak = max(peak, live)

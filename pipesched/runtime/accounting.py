@@ -59,7 +59,9 @@ def stage_activation_bytes(model, microbatch, num_stages: int, balance=None, los
         microbatch: one microbatch, ``(n, ...)`` tensor or tuple of tensors.
         loss_fn, target: when given, the last stage also computes ``loss_fn(output, target)`` (its saves count).
     Returns:
-        ``{"stash_bytes": (bytes per stage...), "input_bytes": (bytes of each stage's input...)}``, ints.
+        ``{"stash_bytes": (...), "input_bytes": (...), "recompute_bytes": (...)}``, ints per stage: what a
+        forward saves; the stage input; what a recomputing stage holds after its R (input and saved
+        tensors, one that is both counted once).
     Raises:
         TypeError, ValueError: as :func:`~pipesched.runtime.stage.resolve_balance`.
     """
@@ -70,16 +72,25 @@ def stage_activation_bytes(model, microbatch, num_stages: int, balance=None, los
     stages = build_stages(layers, resolve_balance(layers, num_stages, balance), range(num_stages))
     counter = SavedBytes(p for layer in layers for p in layer.parameters())
     inputs, is_tuple = as_tuple(microbatch, "microbatch")
-    stash, sizes = [], []
+    stash, sizes, redone = [], [], []
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
         for s in range(num_stages):
             if s > 0:
                 inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in inputs)
             sizes.append(tensor_bytes(inputs))
+            with torch.random.fork_rng(devices=[]):  # the same forward twice: once as F, once as R
+                with counter.track(inputs):
+                    _run_stage(stages[s], inputs, is_tuple, s == num_stages - 1, loss_fn, target)
+                redone.append(sizes[-1] + counter.take())
             with counter.track():
-                out = stages[s](inputs if is_tuple else inputs[0])
-                if s == num_stages - 1 and loss_fn is not None:
-                    loss_fn(out, target) if target is not None else loss_fn(out)
+                out = _run_stage(stages[s], inputs, is_tuple, s == num_stages - 1, loss_fn, target)
             stash.append(counter.take())
             inputs, is_tuple = as_tuple(out, f"the output of stage {s}")
-    return {"stash_bytes": tuple(stash), "input_bytes": tuple(sizes)}
+    return {"stash_bytes": tuple(stash), "input_bytes": tuple(sizes), "recompute_bytes": tuple(redone)}
+
+
+def _run_stage(stage, inputs, is_tuple: bool, last: bool, loss_fn, target):
+    out = stage(inputs if is_tuple else inputs[0])
+    if last and loss_fn is not None:
+        loss_fn(out, target) if target is not None else loss_fn(out)
+    return out
