@@ -98,8 +98,6 @@ def load_text(data: str | None, limit_bytes: int) -> bytes:
         files = stdlib_sources()
     else:
         path = Path(data)
-        if not path.exists():
-            raise SystemExit(f"--data {data!r}: no such file or folder")
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     chunks, total = [], 0
     for file in files:
@@ -125,8 +123,9 @@ def batches(corpus: torch.Tensor, batch: int, context: int, generator: torch.Gen
 # ------------------------------------------------------------------------------------------- training
 
 
-def options(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(argv=None, prog: str | None = None) -> argparse.Namespace:
+    """Parse and check the command line; a bad option exits 2 with a message naming it and what is valid."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved-1f1b (default 1f1b)")
     parser.add_argument("--ranks", type=int, default=4, help="pipeline ranks (pipesched demo only; torchrun: "
                         "world size / dp)")
@@ -148,15 +147,34 @@ def options(argv=None) -> argparse.Namespace:
     parser.add_argument("--corpus-bytes", type=int, default=2_000_000, help="bytes of text to use (default 2e6)")
     parser.add_argument("--out", default="out/demo", help="folder for the timeline pictures and trace")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a stuck rank gives up")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    _check(parser, args)
+    return args
 
 
-def evaluate(pipe: Pipeline, data, steps: int) -> float:
-    """Mean validation loss over ``steps`` batches; every rank gets it (the last stage computes it)."""
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("ranks", "microbatches", "virtual_stages", "dp", "steps", "batch", "context", "width", "depth",
+                 "heads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.width % args.heads:
+        parser.error(f"--width {args.width} must be a multiple of --heads {args.heads} (each head gets width/heads)")
+    if args.batch < args.microbatches:
+        parser.error(f"--batch {args.batch} must be >= --microbatches {args.microbatches} (every microbatch needs "
+                     f"at least one sequence)")
+    if args.data is not None and not Path(args.data).exists():
+        parser.error(f"--data {args.data!r}: no such file or folder")
+    try:
+        args.balance = _balance(args.balance)
+    except ValueError:
+        parser.error(f"--balance must be 'params', 'layers' or layer counts per stage like 3,2,2,2; got {args.balance!r}")
+
+
+def evaluate(pipe: Pipeline, data: list) -> float:
+    """Mean validation loss over the batches ``data``; every rank gets it (the last stage computes it)."""
     total = torch.zeros(2)  # (sum of losses, count)
     with torch.no_grad():
-        for _ in range(steps):
-            x, y = next(data)
+        for x, y in data:
             logits = pipe.forward(x)  # (B, T, V) on the last stage, None elsewhere
             if logits is not None:
                 total += torch.tensor([lm_loss(logits, y).item(), 1.0])
@@ -224,16 +242,17 @@ def train(rank: int, args: argparse.Namespace) -> None:
     model = make_gpt(256, args.context, args.width, args.depth, args.heads, dropout=0.0)
     pipe = Pipeline(model, schedule=args.schedule, num_microbatches=args.microbatches, loss_fn=lm_loss,
                     virtual_stages=args.virtual_stages, dp_size=args.dp, recompute=args.recompute,
-                    balance=_balance(args.balance),
+                    balance=args.balance,
                     timeout=args.timeout)
     # every replica sees different data; all ranks of one pipeline see the same batches
     generator = torch.Generator().manual_seed(args.seed + 1000 * pipe.grid.dp_rank)
     train_data = batches(corpus[:split], args.batch, args.context, generator)
-    val_data = batches(corpus[split:], args.batch, args.context, torch.Generator().manual_seed(args.seed + 7))
+    val_stream = batches(corpus[split:], args.batch, args.context, torch.Generator().manual_seed(args.seed + 7))
+    val_data = [next(val_stream) for _ in range(8)]  # the same batches before and after training
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     report = rank == 0
-    start_val = evaluate(pipe, val_data, 8)
+    start_val = evaluate(pipe, val_data)
     if report:
         print(f"{args.schedule}: {pipe.program.num_ranks} pipeline ranks x {args.dp} dp, {args.microbatches} microbatches, "
               f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
@@ -253,7 +272,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
             print(f"step {step:>4}/{args.steps}  loss {loss.item():.3f}  {rate:,.0f} tokens/s  "
                   f"measured bubble {bubble:.2f}", flush=True)
     measured = pipe.gather_timeline()  # the last training step, every pipeline rank (collective)
-    end_val = evaluate(pipe, val_data, 8)
+    end_val = evaluate(pipe, val_data)
     paths = write_timelines(pipe, measured, Path(args.out))
     gather_model(model, pipe)
     if report:
@@ -265,9 +284,9 @@ def train(rank: int, args: argparse.Namespace) -> None:
             print(f"wrote {path}")
 
 
-def main(argv=None) -> None:
+def main(argv=None, prog: str | None = None) -> None:
     """Entry point: under torchrun, train this rank; otherwise spawn ``--ranks x --dp`` local ranks."""
-    args = options(argv)
+    args = options(argv, prog)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         train(int(os.environ["RANK"]), args)
         dist.destroy_process_group()

@@ -7,6 +7,7 @@ import sys
 
 from . import program_io
 from .api import build, compile_program
+from .lower import add_recompute
 from .cost import CostModel
 from .errors import DeadlockError, ScheduleError, render_grid
 from .schedules import SCHEDULES
@@ -25,8 +26,20 @@ def _add_schedule_args(parser: argparse.ArgumentParser, optional_name: bool = Fa
 
 
 def _per_stage(text: str):
-    values = [float(x) for x in text.split(",")]
+    """A number, or a comma list of numbers (one per stage), for a cost option."""
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number or a comma list of numbers, one per stage (e.g. 1.5 or 1,2,1,2), got {text!r}"
+        ) from None
     return values[0] if len(values) == 1 else values
+
+
+_COST_FLAGS = {"forward": "--forward", "backward": "--backward", "input_grad": "--input-grad",
+               "weight_grad": "--weight-grad", "recompute": "--recompute-cost", "latency": "--latency",
+               "bandwidth": "--bandwidth", "activation_bytes": "--activation-bytes", "stash_bytes": "--stash-bytes",
+               "grad_bytes": "--grad-bytes"}
 
 
 def add_cost_args(parser: argparse.ArgumentParser) -> None:
@@ -34,8 +47,10 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("cost model (seconds and bytes; per-stage values as a comma list)")
     group.add_argument("--forward", type=_per_stage, default=1.0, help="seconds per F (default 1)")
     group.add_argument("--backward", type=_per_stage, default=2.0, help="seconds per B (default 2)")
-    group.add_argument("--input-grad", type=_per_stage, default=None, help="seconds per I (default B/2)")
-    group.add_argument("--weight-grad", type=_per_stage, default=None, help="seconds per W (default B/2)")
+    group.add_argument("--input-grad", type=_per_stage, default=None,
+                       help="seconds per I, for programs with a split backward (default B/2)")
+    group.add_argument("--weight-grad", type=_per_stage, default=None,
+                       help="seconds per W, for programs with a split backward (default B/2)")
     group.add_argument("--recompute-cost", type=_per_stage, default=None, help="seconds per R (default F)")
     group.add_argument("--latency", type=float, default=0.0, help="seconds per message (default 0)")
     group.add_argument("--bandwidth", type=float, default=float("inf"), help="bytes/s per link (default inf)")
@@ -47,12 +62,21 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cost_from_args(args: argparse.Namespace) -> CostModel:
-    """The :class:`CostModel` the cost options describe."""
-    return CostModel(
-        forward=args.forward, backward=args.backward, input_grad=args.input_grad, weight_grad=args.weight_grad,
-        recompute=args.recompute_cost, latency=args.latency, bandwidth=args.bandwidth,
-        activation_bytes=args.activation_bytes, stash_bytes=args.stash_bytes, grad_bytes=args.grad_bytes,
-    )
+    """The :class:`CostModel` the cost options describe.
+
+    Raises:
+        ValueError: a bad cost, named by its command-line option.
+    """
+    try:
+        return CostModel(
+            forward=args.forward, backward=args.backward, input_grad=args.input_grad,
+            weight_grad=args.weight_grad, recompute=args.recompute_cost, latency=args.latency,
+            bandwidth=args.bandwidth, activation_bytes=args.activation_bytes, stash_bytes=args.stash_bytes,
+            grad_bytes=args.grad_bytes,
+        )
+    except ValueError as exc:
+        field = str(exc).split()[1] if str(exc).startswith("cost ") else ""
+        raise ValueError(f"{_COST_FLAGS.get(field, 'cost option')}: {exc}") from None
 
 
 def program_from_args(args: argparse.Namespace):
@@ -75,7 +99,12 @@ def _cmd_list(args) -> int:
 
 def _cmd_show(args) -> int:
     if args.compute_only:
+        if args.dp != 1:
+            raise ValueError(f"--dp {args.dp} adds ALL_REDUCE when the program is lowered; "
+                             "drop --compute-only to see it")
         program = build(args.schedule, args.ranks, args.microbatches, args.virtual_stages)
+        if args.recompute:
+            program = add_recompute(program)
     else:
         program = program_from_args(args)
     if args.json:
@@ -123,16 +152,25 @@ def _cmd_validate(args) -> int:
         return 2
     timeline = simulate(program, check=False)
     if args.json:
-        print(json.dumps({"valid": True, "ranks": program.num_ranks, "stages": program.num_stages,
+        print(json.dumps({"valid": True, "compute_only": not any(
+                              i.op.name.startswith(("SEND", "RECV")) for st in program.ranks for i in st),
+                          "ranks": program.num_ranks, "stages": program.num_stages,
                           "num_microbatches": program.num_microbatches, "instructions": len(program),
                           "bubble_fraction": timeline.bubble_fraction,
                           "peak_inflight": list(timeline.peak_inflight)}))
     else:
-        print(f"valid: {args.file}: {program.num_ranks} ranks, {program.num_stages} stages, "
-              f"{program.num_microbatches} microbatches, {len(program)} instructions; complete, ordered, "
-              f"paired and deadlock-free. Unit-cost bubble fraction {timeline.bubble_fraction:.4f}, "
-              f"peak in-flight {list(timeline.peak_inflight)}")
+        lowered = any(i.op.name.startswith(("SEND", "RECV")) for st in program.ranks for i in st)
+        kind = ("complete, ordered, send/recv-paired and deadlock-free" if lowered or program.num_ranks == 1 else
+                "complete, ordered and deadlock-free as a compute-only program (no SEND/RECV: transfers between "
+                "ranks are implicit; lower it with pipesched.add_send_recv before running it)")
+        print(f"valid: {args.file}: {_count(program.num_ranks, 'rank')}, {_count(program.num_stages, 'stage')}, "
+              f"{_count(program.num_microbatches, 'microbatch')}, {_count(len(program), 'instruction')}; {kind}. "
+              f"Bubble fraction {timeline.bubble_fraction:.4f} at F=1 B=2, peak in-flight {list(timeline.peak_inflight)}")
     return 0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "es" if noun.endswith("h") else "s")
 
 
 def _report_invalid(args, exc: ScheduleError, cause: str) -> int:

@@ -35,7 +35,8 @@ class CostModel:
             ``pipesched.runtime.stage_activation_bytes`` measures all three for a real model.
 
     Raises:
-        ValueError: a cost is negative, not a number, or a sequence of the wrong length (at use).
+        ValueError: at construction, a cost that is negative, infinite, NaN or not a number (a string is not
+            a sequence of costs), or a bandwidth <= 0; at use, a per-stage sequence of the wrong length.
     """
 
     forward: PerStage = 1.0
@@ -51,17 +52,34 @@ class CostModel:
     input_bytes: PerStage | None = None
     recompute_bytes: PerStage | None = None
 
+    def __post_init__(self) -> None:
+        for name in _PER_STAGE:
+            value = getattr(self, name)
+            if value is None or _is_number(value):
+                _check_finite(name, value)
+                continue
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+                raise ValueError(f"cost {name} must be a number or a sequence of numbers (one per stage), "
+                                 f"got {value!r}")
+            for item in value:
+                _check_finite(name, item)
+        _check_finite("latency", self.latency)
+        if not (_is_number(self.bandwidth) and self.bandwidth > 0):
+            raise ValueError(f"cost bandwidth must be a number of bytes/s > 0 (inf: free transfers), "
+                             f"got {self.bandwidth!r}")
+
     def per_stage(self, name: str, num_stages: int) -> tuple[float, ...]:
-        """The named field as one float per stage (defaults resolved)."""
+        """The named field as one float per stage (defaults resolved).
+
+        Raises:
+            ValueError: a sequence whose length is not ``num_stages``.
+        """
         value = getattr(self, name)
         if value is None:
             return self._default(name, num_stages)
-        values = [value] * num_stages if isinstance(value, (int, float)) else list(value)
+        values = [value] * num_stages if _is_number(value) else list(value)
         if len(values) != num_stages:
             raise ValueError(f"cost {name} has {len(values)} values but the program has {num_stages} stages")
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or math.isnan(v):
-                raise ValueError(f"cost {name} must be a number >= 0 (seconds or bytes), got {v!r}")
         return tuple(float(v) for v in values)
 
     def _default(self, name: str, num_stages: int) -> tuple[float, ...]:
@@ -81,8 +99,6 @@ class CostModel:
 
     def message_seconds(self, nbytes: float) -> float:
         """Latency plus transfer time of one message of ``nbytes`` bytes."""
-        if self.latency < 0 or self.bandwidth <= 0:
-            raise ValueError(f"latency must be >= 0 and bandwidth > 0, got {self.latency}, {self.bandwidth}")
         return self.latency + (0.0 if math.isinf(self.bandwidth) else nbytes / self.bandwidth)
 
     def describe(self) -> str:
@@ -96,6 +112,21 @@ class CostModel:
         if not math.isinf(self.bandwidth):
             parts.append(f"bw={self.bandwidth:.3g}B/s")
         return " ".join(parts)
+
+
+_PER_STAGE = ("forward", "backward", "input_grad", "weight_grad", "recompute", "activation_bytes", "grad_bytes",
+              "stash_bytes", "input_bytes", "recompute_bytes")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_finite(name: str, value) -> None:
+    if value is None:
+        return
+    if not _is_number(value) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"cost {name} must be a finite number >= 0 (seconds or bytes), got {value!r}")
 
 
 def _fmt(value) -> str:

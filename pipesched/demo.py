@@ -25,5 +25,5 @@ def run_demo(args: argparse.Namespace) -> int:
         return 2
     sys.path.insert(0, str(EXAMPLE.parent))  # spawned ranks inherit sys.path, so they can import it too
     module = importlib.import_module(EXAMPLE.stem)
-    module.main(args.extra)
+    module.main(args.extra, prog="pipesched demo")
     return 0

@@ -33,8 +33,11 @@ def add_recompute(program: Program, stages=True) -> Program:
         ValueError: ``stages`` has the wrong length, or the program already has SEND/RECV or R.
     """
     flags = _stage_flags(stages, program.num_stages)
-    if has_comm(program) or any(i.op is Op.R for st in program.ranks for i in st):
-        raise ValueError("add_recompute takes a compute-only program without R; apply it before add_send_recv")
+    if has_comm(program):
+        raise ValueError("add_recompute takes a compute-only program; this one already has SEND/RECV "
+                         "(apply add_recompute before add_send_recv)")
+    if any(i.op is Op.R for st in program.ranks for i in st):
+        raise ValueError("add_recompute: the program already has R instructions (apply it once)")
     streams = []
     for stream in program.ranks:
         out = []
@@ -49,6 +52,8 @@ def add_recompute(program: Program, stages=True) -> Program:
 def _stage_flags(stages, num_stages: int) -> list[bool]:
     if isinstance(stages, bool):
         return [stages] * num_stages
+    if isinstance(stages, (str, bytes)) or not hasattr(stages, "__len__"):
+        raise ValueError(f"recompute must be True, False or one bool per stage, got {stages!r}")
     flags = [bool(x) for x in stages]
     if len(flags) != num_stages:
         raise ValueError(f"recompute has {len(flags)} flags but the program has {num_stages} stages")
