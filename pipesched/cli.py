@@ -14,7 +14,8 @@ from .schedules import SCHEDULES
 from .sim import simulate
 
 
-def _add_schedule_args(parser: argparse.ArgumentParser, optional_name: bool = False) -> None:
+def add_schedule_args(parser: argparse.ArgumentParser, optional_name: bool = False) -> None:
+    """SCHEDULE and the size options shared by show, simulate and render."""
     parser.add_argument("schedule", nargs="?" if optional_name else None, metavar="SCHEDULE",
                         help=f"schedule name: {', '.join(SCHEDULES)}")
     parser.add_argument("--ranks", "-p", type=int, default=4, help="pipeline ranks p (default 4)")
@@ -189,13 +190,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_list)
     p = sub.add_parser("show", help="the per-rank instruction streams of a schedule")
-    _add_schedule_args(p)
+    add_schedule_args(p)
     p.add_argument("--format", choices=("grid", "text"), default="grid", help="grid (default) or the text form")
     p.add_argument("--compute-only", action="store_true", help="before lowering: no SEND/RECV")
     p.add_argument("--json", action="store_true", help="print the JSON form")
     p.set_defaults(func=_cmd_show)
     p = sub.add_parser("simulate", help="makespan, bubble fraction and peak in-flight activations")
-    _add_schedule_args(p)
+    add_schedule_args(p)
     add_cost_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_simulate)

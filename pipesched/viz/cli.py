@@ -19,21 +19,14 @@ def add_render_parser(subparsers) -> argparse.ArgumentParser:
     Usage: ``render SCHEDULE --ranks P --microbatches M [--virtual-stages V] [--dp D] [--recompute]
     [cost options] -o FILE.png|.svg|.pdf|.json`` or ``render --trace MEASURED.json [--compare] -o FILE``.
     """
-    from ..cli import add_cost_args
-    from ..schedules import SCHEDULES
+    from ..cli import add_cost_args, add_schedule_args
 
     parser = subparsers.add_parser(
         "render", help="draw a timeline (.png/.svg/.pdf) or export a Chrome trace (.json)",
         description="Simulate SCHEDULE with the cost options and draw its timeline, or draw a measured run "
                     "the runtime saved (--trace). The output's suffix picks the format: .png/.svg/.pdf is a "
                     "Gantt chart, .json a Chrome/Perfetto trace.")
-    parser.add_argument("schedule", nargs="?", metavar="SCHEDULE", help=f"schedule name: {', '.join(SCHEDULES)}")
-    parser.add_argument("--ranks", "-p", type=int, default=4, help="pipeline ranks p (default 4)")
-    parser.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step m (default 8)")
-    parser.add_argument("--virtual-stages", "-v", type=int, default=None,
-                        help="stages per rank v (default: the schedule's)")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (adds ALL_REDUCE; default 1)")
-    parser.add_argument("--recompute", action="store_true", help="recompute every stage's forward before its backward")
+    add_schedule_args(parser, optional_name=True)
     add_cost_args(parser)
     parser.add_argument("--trace", metavar="MEASURED.json", help="a timeline saved with Timeline.save (measured run)")
     parser.add_argument("--compare", action="store_true",
