@@ -83,7 +83,7 @@ class Pipeline:
                                   Transport(self._pp_group, self.program.num_stages, self.device),
                                   self._dp_group, loss_fn, flags, self.device)
         self._metas: OrderedDict = OrderedDict()  # signature -> {("in"|"out", stage, mb): meta}
-        self._record = None
+        self._records = {"step": None, "forward": None}  # the last step()'s and the last forward()'s
         self._broken: PipelineError | None = None
         self._closed = False
 
@@ -138,15 +138,20 @@ class Pipeline:
 
     __call__ = forward
 
-    def timeline(self):
-        """This rank's measured :class:`~pipesched.timeline.Timeline` of the last step (``None`` before one)."""
-        return None if self._record is None else local_timeline(self._record, self.program, self.pp_rank)
+    def timeline(self, kind: str = "step"):
+        """This rank's measured :class:`~pipesched.timeline.Timeline` of the last training :meth:`step`
+        (``None`` before one); ``kind="forward"``: of the last :meth:`forward` instead. A ``forward()`` after
+        a ``step()`` leaves the step's timeline in place."""
+        record = self._record(kind)
+        return None if record is None else local_timeline(record, self.program, self.pp_rank)
 
-    def gather_timeline(self):
-        """The whole pipeline's measured timeline of the last step; collective over the pipeline's ranks."""
-        if self._record is None:
-            raise RuntimeError("gather_timeline() needs a finished step()")
-        return gather_timeline(self._record, self.program, self.pp_rank, self._pp_group)
+    def gather_timeline(self, kind: str = "step"):
+        """The whole pipeline's measured timeline of the last training :meth:`step` (``kind="forward"``: of
+        the last :meth:`forward`); collective over the pipeline's ranks."""
+        record = self._record(kind)
+        if record is None:
+            raise RuntimeError(f"gather_timeline(kind={kind!r}) needs a finished {kind}()")
+        return gather_timeline(record, self.program, self.pp_rank, self._pp_group)
 
     def close(self) -> None:
         """Destroy this pipeline's process groups (collective: call it on every rank); the Pipeline is
@@ -156,8 +161,15 @@ class Pipeline:
 
     @property
     def peak_activation_bytes(self) -> int | None:
-        """Bytes of activations this rank held for backward at the peak of the last step (``None`` before)."""
-        return None if self._record is None else self._record["peak"]
+        """Bytes of activations this rank held for backward at the peak of the last training :meth:`step`
+        (``None`` before one; a later ``forward()`` does not change it)."""
+        record = self._records["step"]
+        return None if record is None else record["peak"]
+
+    def _record(self, kind: str):
+        if kind not in self._records:
+            raise ValueError(f"kind must be 'step' or 'forward', got {kind!r}")
+        return self._records[kind]
 
     # ---- step machinery --------------------------------------------------------------------------------
 
@@ -197,8 +209,8 @@ class Pipeline:
         for work, _ in self._signature_sends:
             wait(work, "the step signature send")
         self._remember(key, inputs.metas)
-        self._record = {"events": self._executor.events, "wall0": wall0, "peak": peak, "train": train,
-                        "dp_rank": self.grid.dp_rank}
+        self._records["step" if train else "forward"] = {
+            "events": self._executor.events, "wall0": wall0, "peak": peak, "train": train, "dp_rank": self.grid.dp_rank}
         if train:
             return loss
         return merge([as_tuple(outputs[i])[0] for i in range(m)], as_tuple(outputs[0])[1]) if outputs else None

@@ -135,6 +135,24 @@ def small_batches(rank):
     return {"errors": errors, "then_ok": bool(torch.equal(loss, ref_loss)) and grad_report(pipe, model, ref)[1]}
 
 
+def last_step_records(rank):
+    """A forward() after a step() leaves the step's timeline and peak in place; kind="forward" gives its own."""
+    pipe = Pipeline(mlp(), schedule="1f1b", num_microbatches=4, loss_fn=F.mse_loss)
+    before = (pipe.timeline(), pipe.peak_activation_bytes)
+    x, y = _data(0)
+    pipe.step(x, target=y)
+    step_peak = pipe.peak_activation_bytes
+    pipe.forward(x)
+    step_tl, forward_tl = pipe.timeline(), pipe.timeline(kind="forward")
+    gathered, gathered_fwd = pipe.gather_timeline(), pipe.gather_timeline(kind="forward")
+    pipe.close()
+    return {"before": before, "step_peak": step_peak, "peak_after_forward": pipe.peak_activation_bytes,
+            "step_ops": sorted({e.instr.op.value for e in step_tl.events}), "step_events": len(step_tl.events),
+            "forward_ops": sorted({e.instr.op.value for e in forward_tl.events}),
+            "kinds": (step_tl.meta["step"], forward_tl.meta["step"], gathered.meta["step"], gathered_fwd.meta["step"]),
+            "gathered_events": (len(gathered.events), len(gathered_fwd.events))}
+
+
 def accumulate(rank):
     """Two steps without zeroing: .grad holds the sum, like two backward passes of the plain model."""
     model, ref = pair()
@@ -168,7 +186,7 @@ def split_backward(rank):
 
 
 def two_rank_suite(rank):
-    results = {"small": small_batches(rank), "accumulate": accumulate(rank), "split": split_backward(rank)}
+    results = {"small": small_batches(rank), "records": last_step_records(rank), "accumulate": accumulate(rank), "split": split_backward(rank)}
     for schedule, v in SCHEDULES:
         results[("transparency", schedule)] = transparency(rank, schedule, v)
     results["uneven"] = transparency(rank, "1f1b", 1, m=4, n=10, steps=1)

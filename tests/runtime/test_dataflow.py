@@ -45,6 +45,18 @@ def test_batch_smaller_than_microbatches_is_a_value_error_and_the_pipeline_survi
     assert [r["small"]["then_ok"] for r in two_ranks] == [True, True]
 
 
+def test_timeline_and_peak_describe_the_last_step_not_a_later_forward(two_ranks):
+    for rank, results in enumerate(two_ranks):
+        rec = results["records"]
+        assert rec["before"] == (None, None)
+        assert rec["step_peak"] > 0 and rec["peak_after_forward"] == rec["step_peak"], (rank, rec)
+        assert rec["step_ops"] == (["B", "F", "RECV_B", "SEND_F"] if rank == 0 else ["B", "F", "RECV_F", "SEND_B"])
+        assert rec["step_events"] == 16  # 1f1b, p=2, m=4: 4 instructions per microbatch on each rank
+        assert rec["forward_ops"] == (["F", "SEND_F"] if rank == 0 else ["F", "RECV_F"])
+        assert rec["kinds"] == ("train", "forward", "train", "forward")
+        assert rec["gathered_events"] == (32, 16)
+
+
 def _single(rank):
     import torch.nn.functional as F
 
