@@ -28,7 +28,7 @@ HEADER_LEN = 256  # int64 words of a meta header
 _ALIGN = 16
 
 # tags: 0..15 control, then 4 per (stage, microbatch): act header, act payload, grad payload
-TAG_SIGNATURE, TAG_LOSS = 1, 2
+TAG_SIGNATURE, TAG_LOSS, TAG_TARGET = 1, 2, 3
 _KIND = {"act_header": 0, "act": 1, "grad": 2}
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 import time
 import traceback
@@ -12,7 +13,7 @@ import torch.distributed as dist
 
 from .. import compile_program
 from ..ir import Program
-from .comm import DTYPE_CODE, TAG_LOSS, TAG_SIGNATURE, make_grid, make_groups
+from .comm import DTYPE_CODE, TAG_LOSS, TAG_SIGNATURE, TAG_TARGET, make_grid, make_groups
 from .executor import StepInputs, Executor
 from .failure import CommError, FailureChannel, PipelineError, failure_info
 from .measured import gather_timeline, local_timeline
@@ -25,7 +26,8 @@ _CACHE_SIZE = 32  # input signatures whose message metas are remembered
 
 
 class _Rejected(ValueError):
-    """The first stage's rank refused the step's input; the pipeline stays usable."""
+    """Internal marker: a rank refused the step's input or target before any work; :meth:`Pipeline._guarded`
+    re-raises it as a plain ``ValueError`` (the pipeline stays usable)."""
 
 
 class Pipeline:
@@ -116,8 +118,10 @@ class Pipeline:
             ``sum_i loss_fn(out_i, target_i) * n_i / N`` over microbatches ``i`` of ``n_i`` samples
             (the full-batch mean loss for a mean ``loss_fn``). With ``dp_size > 1`` it is this replica's loss.
         Raises:
-            ValueError: no ``loss_fn``, or the first stage's rank rejects ``x`` (``N < num_microbatches``, tensors
-                of different batch sizes, not tensors, missing): raised on every rank; the pipeline stays usable.
+            ValueError: no ``loss_fn``; or the first stage's rank rejects ``x`` (``N < num_microbatches``, tensors
+                of different batch sizes, not tensors, missing); or the last stage's rank rejects ``target``
+                (missing while ``loss_fn`` takes ``(output, target)``, batch size other than ``N``). A plain
+                ``ValueError`` raised on every rank, carrying the checking rank's message; the pipeline stays usable.
             PipelineError: any rank failed during the step (names the rank, the instruction and the cause);
                 the pipeline is unusable afterwards.
         """
@@ -184,8 +188,8 @@ class Pipeline:
     def _guarded(self, run):
         try:
             return run()
-        except _Rejected:
-            raise
+        except _Rejected as exc:
+            raise ValueError(str(exc)) from None
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
             error = self._fail(exc)
             raise error from (None if isinstance(exc, CommError) else exc)
@@ -194,7 +198,7 @@ class Pipeline:
         words, micro, is_tuple = self._signature(x, train)
         m, total = self.program.num_microbatches, words[3]
         sizes = split_sizes(total, m)
-        targets = self._targets(target, total) if train and self._has_last else None
+        targets = self._target_verdict(target, total) if train else None
         key = tuple(words[1:])
         metas = self._metas.get(key)
         learning = metas is None
@@ -219,8 +223,40 @@ class Pipeline:
     def _has_last(self) -> bool:
         return self.program.num_stages - 1 in self.stages
 
+    def _target_verdict(self, target, total):
+        """The last stage's rank checks ``target`` and tells the others (as stage 0's rank does for ``x``),
+        so a missing or mis-sized target is the same ValueError on every rank and the pipeline stays usable.
+        Returns the target microbatches on the last stage's rank, else ``None``."""
+        last, transport = self.program.stage_to_rank[-1], self._executor.transport
+        if self.pp_rank != last:
+            tensors, _ = transport.wait(transport.post([((SIG_LEN,), torch.int64)], last, TAG_TARGET,
+                                                       "the target check"))
+            words = tensors[0].tolist()
+            if words[0]:
+                for work, _ in self._signature_sends:  # delivered (the last stage's rank got past them): settle
+                    wait(work, "the step signature send")
+                raise _Rejected(f"the rank of the last stage (pipeline rank {last}) rejected the step's target: "
+                                f"{_decode_text(words)}")
+            return None
+        try:
+            targets, text = self._targets(target, total), ""
+        except (TypeError, ValueError) as exc:
+            targets, text = None, str(exc)
+        message = torch.tensor(_encode_text([int(bool(text)), 0, 0], text), dtype=torch.int64, device=self.device)
+        sends = [transport.send((message,), peer, TAG_TARGET) for peer in range(self.program.num_ranks)
+                 if peer != self.pp_rank]
+        if text:
+            for work, _ in sends:  # a dropped gloo send is cancelled: see it delivered
+                wait(work, "the target rejection send")
+            raise _Rejected(text)
+        self._signature_sends.extend(sends)
+        return targets
+
     def _targets(self, target, total):
         if target is None:
+            if _needs_target(self.loss_fn):
+                raise ValueError(f"step() needs target on the rank of the last stage (pipeline rank {self.pp_rank}): "
+                                 f"loss_fn takes (output, target)")
             return None
         if batch_size(target, "target") != total:
             raise ValueError(f"target has batch size {batch_size(target, 'target')} but x has {total}")
@@ -242,8 +278,8 @@ class Pipeline:
                                                        "the step signature"))
             words = tensors[0].tolist()
             if words[0]:
-                raise _Rejected(f"the rank of the first stage (pipeline rank {first}) rejected the step input: "
-                                f"batch size {words[3]}, num_microbatches {words[2]} (see that rank's error)")
+                raise _Rejected(f"the rank of stage 0 (pipeline rank {first}) rejected the step input: "
+                                f"{_decode_text(words)}")
             if words[1] != int(train):
                 calls = ("forward()", "step()")
                 raise RuntimeError(f"pipeline rank {first} called {calls[words[1]]} while this rank called "
@@ -251,12 +287,12 @@ class Pipeline:
             return words, None, False
         try:
             if x is None:
-                raise ValueError(f"x is required on the rank of the first stage (pipeline rank {first})")
+                raise ValueError(f"the rank of stage 0 (pipeline rank {first}) got no input x; pass the batch "
+                                 f"as x there")
             micro, is_tuple = split(_to(x, self.device), self.program.num_microbatches, "x")
             words = _encode_signature(train, self.program.num_microbatches, micro, is_tuple)
         except (TypeError, ValueError) as exc:
-            size = batch_size(x, "x") if isinstance(x, torch.Tensor) and x.dim() else -1
-            self._broadcast([1, int(train), self.program.num_microbatches, size] + [0] * (SIG_LEN - 4))
+            self._broadcast(_encode_text([1, int(train), self.program.num_microbatches], str(exc)))
             for work, _ in self._signature_sends:  # a dropped gloo send is cancelled: see it delivered
                 wait(work, "the step rejection send")
             raise _Rejected(str(exc)) from None
@@ -304,6 +340,25 @@ class Pipeline:
         gc.collect()
 
 
+def _encode_text(head: list[int], text: str, length: int = SIG_LEN) -> list[int]:
+    """``head`` words, then the UTF-8 byte count and bytes of ``text`` (cut to fit), as ``length`` int64 words."""
+    room = (length - len(head) - 1) * 8
+    data = text.encode()
+    if len(data) > room:
+        data = data[:room - 3] + b"..."
+    padded = data + b"\0" * (-len(data) % 8)
+    body = torch.frombuffer(bytearray(padded), dtype=torch.int64).tolist() if padded else []
+    words = head + [len(data)] + body
+    return words + [0] * (length - len(words))
+
+
+def _decode_text(words: list[int], head: int = 3) -> str:
+    """The text :func:`_encode_text` put after ``head`` words."""
+    n = words[head]
+    data = torch.tensor(words[head + 1:], dtype=torch.int64).numpy().tobytes()[:n]
+    return data.decode(errors="replace")
+
+
 def _encode_signature(train, m, micro, is_tuple) -> list[int]:
     first = micro[0]
     total = sum(mb[0].shape[0] for mb in micro)
@@ -321,6 +376,17 @@ def _to(batch, device):
     if isinstance(batch, torch.Tensor):
         return batch.to(device)
     return tuple(t.to(device) for t in batch)
+
+
+def _needs_target(loss_fn) -> bool:
+    """Whether ``loss_fn`` requires a second positional argument (``False`` if its signature is unknown)."""
+    try:
+        params = inspect.signature(loss_fn.forward if isinstance(loss_fn, torch.nn.Module) else loss_fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p for p in params if p.kind in kinds and p.default is inspect.Parameter.empty]
+    return len(required) >= 2
 
 
 def _check_int(name: str, value, minimum: int) -> None:

@@ -118,18 +118,21 @@ def memory(rank, schedule, v, tanh_first):
 
 
 def small_batches(rank):
-    """Batch 3 < m=4: a ValueError before any communication when every rank passes x, and from the
-    first stage's rank (relayed to the others) when only it does; the pipeline stays usable."""
+    """Rejected inputs: batch 3 < m=4 on every rank and only on the first stage's rank, no x on the first
+    stage's rank, no target on the last stage's rank, a target of the wrong batch size. Each is a plain
+    ValueError on every rank (the checking rank's message relayed); the pipeline stays usable."""
     model, ref = pair()
     pipe = Pipeline(model, schedule="1f1b", num_microbatches=4, loss_fn=F.mse_loss)
     x, y = _data(0)
     errors = []
-    for x_here in (x[:3], x[:3] if rank == 0 else None):
+    cases = ((x[:3], y[:3]), (x[:3] if rank == 0 else None, y[:3]), (None, y), (x, None if rank == 1 else y),
+             (x, y[:5]))
+    for x_here, y_here in cases:
         try:
-            pipe.step(x_here, target=y[:3])
+            pipe.step(x_here, target=y_here)
             errors.append(None)
-        except ValueError as exc:
-            errors.append(str(exc))
+        except Exception as exc:  # noqa: BLE001 - the test asserts the exact type
+            errors.append((type(exc).__name__, str(exc)))
     loss = pipe.step(x, target=y)
     ref_loss = reference_step(ref, x, y, 4)
     return {"errors": errors, "then_ok": bool(torch.equal(loss, ref_loss)) and grad_report(pipe, model, ref)[1]}
@@ -289,3 +292,4 @@ def hang_case(rank, timeout):
 def failure_suite(rank):
     hang = hang_case(rank, timeout=3.0)  # first: its stalled rank arrives late at the next group creation
     return {"hang": hang, "raise": failing_case(rank, fail_rank=1, fail_mb=2, world=2)}
+

@@ -35,13 +35,20 @@ def test_a_closed_pipeline_refuses_steps(two_ranks):
     assert [r["closed"] for r in two_ranks] == ["this Pipeline was closed; create a new one"] * 2
 
 
-def test_batch_smaller_than_microbatches_is_a_value_error_and_the_pipeline_survives(two_ranks):
-    local = "batch size 3 is smaller than num_microbatches=4"
-    assert two_ranks[0]["small"]["errors"] == [local.join(["", ""]) + "; every microbatch needs at least one sample "
-                                               "(use a batch of >= 4)"] * 2
-    relayed = two_ranks[1]["small"]["errors"]  # rank 1 ignores its x: rank 0 tells it
-    assert relayed == 2 * [("the rank of the first stage (pipeline rank 0) rejected the step input: batch size 3, "
-                          "num_microbatches 4 (see that rank's error)")]
+def test_rejected_inputs_are_plain_value_errors_with_the_checking_ranks_message_on_every_rank(two_ranks):
+    small = "batch size 3 is smaller than num_microbatches=4; every microbatch needs at least one sample " \
+            "(use a batch of >= 4)"
+    no_x = "the rank of stage 0 (pipeline rank 0) got no input x; pass the batch as x there"
+    no_target = "step() needs target on the rank of the last stage (pipeline rank 1): loss_fn takes (output, target)"
+    bad_target = "target has batch size 5 but x has 8"
+    from_first = "the rank of stage 0 (pipeline rank 0) rejected the step input: "
+    from_last = "the rank of the last stage (pipeline rank 1) rejected the step's target: "
+    assert two_ranks[0]["small"]["errors"] == [
+        ("ValueError", small), ("ValueError", small), ("ValueError", no_x),
+        ("ValueError", from_last + no_target), ("ValueError", from_last + bad_target)]
+    assert two_ranks[1]["small"]["errors"] == [  # rank 1 ignores its x: rank 0 tells it
+        ("ValueError", from_first + small), ("ValueError", from_first + small), ("ValueError", from_first + no_x),
+        ("ValueError", no_target), ("ValueError", bad_target)]
     assert [r["small"]["then_ok"] for r in two_ranks] == [True, True]
 
 
