@@ -31,7 +31,9 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
     (defined at module level of a file); in a notebook, define it in a module or use ``"fork"`` (CPU only).
 
     Args:
-        timeout: seconds for the whole run; grace: seconds the others get to end after one child fails.
+        timeout: seconds for the whole run; grace: seconds the others get to end after one child fails, and
+            the most a child whose rank failed first stays up (keeping the store reachable) until the others
+            have read its failure record. Children start with ``TORCH_CPP_LOG_LEVEL=ERROR`` unless it is set.
 
     Returns:
         The return values of ``fn``, by rank (they must be picklable).
@@ -47,10 +49,17 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(rank, world_size, port, threads, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_child, args=(rank, world_size, port, threads, fn, args, results, grace), daemon=True)
              for rank in range(world_size)]
-    for proc in procs:
-        proc.start()
+    quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ
+    if quiet:  # children inherit it at start: no C++ warning stacks when a peer's process (or the store) is gone
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    try:
+        for proc in procs:
+            proc.start()
+    finally:
+        if quiet:
+            del os.environ["TORCH_CPP_LOG_LEVEL"]
     try:
         return _collect(procs, results, timeout, grace)
     finally:
@@ -128,11 +137,13 @@ def _load(payload):
         return None
 
 
-def _child(rank, world_size, port, threads, fn, args, results) -> None:
+def _child(rank, world_size, port, threads, fn, args, results, grace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch
     import torch.distributed as dist
+
+    from .failure import linger
 
     torch.set_num_threads(threads)
     try:
@@ -149,4 +160,5 @@ def _child(rank, world_size, port, threads, fn, args, results) -> None:
     finally:
         results.close()
         results.join_thread()
+        linger(grace)  # a rank that failed first keeps the store up until the others have read its record
         os._exit(0)  # skip interpreter teardown (gloo threads); closes this rank's connections at once

@@ -23,6 +23,7 @@ from .transport import Transport, wait
 
 SIG_LEN = 64  # int64 words of a step signature
 _CACHE_SIZE = 32  # input signatures whose message metas are remembered
+_ORIGIN_GRACE_S = 30.0  # at most this the origin's (and the store host's) process lingers at exit for its peers
 
 
 class _Rejected(ValueError):
@@ -123,7 +124,9 @@ class Pipeline:
                 (missing while ``loss_fn`` takes ``(output, target)``, batch size other than ``N``). A plain
                 ``ValueError`` raised on every rank, carrying the checking rank's message; the pipeline stays usable.
             PipelineError: any rank failed during the step (names the rank, the instruction and the cause);
-                the pipeline is unusable afterwards.
+                the pipeline is unusable afterwards. The rank that failed first, and world rank 0 (which hosts
+                the store carrying the failure record), keep their processes up at exit until every rank has
+                read the record (at most 30 s), so a rank that is still computing learns the true origin.
         """
         if self.loss_fn is None:
             raise ValueError("step() needs a loss_fn; pass loss_fn= to Pipeline (forward() needs none)")
@@ -315,14 +318,33 @@ class Pipeline:
         if isinstance(exc, CommError):
             note = f"while waiting for {exc.what}"
             info = self._failures.lookup(wait_s=1.0)
-        if info is None:
-            info = failure_info(me, instr, exc)
-        self._failures.publish(info)
+            if info is None and exc.peer is not None and exc.connection_lost:
+                info = self._lost_peer(exc)
+        origin = info is None
+        if origin:
+            info = failure_info(me, instr, exc, self.pp_rank)
+        if not info.get("lost"):
+            self._failures.publish(info)  # the origin's record, or passed on to this rank's other group (DP)
+        self._failures.seen(info)
+        if origin or me == 0:  # world rank 0 hosts the store under env:// (and launch)
+            self._failures.keep_alive_for(info, self.grid.world_size, _ORIGIN_GRACE_S)
         if exc.__traceback__ is not None:
             traceback.clear_frames(exc.__traceback__)  # drop frame references to pending messages
         self._teardown()
-        self._broken = PipelineError(info, me, note)
+        self._broken = PipelineError(info, me, "" if info.get("lost") else note)
         return self._broken
+
+    def _lost_peer(self, exc: CommError) -> dict:
+        """No record to read, but the peer closed the connection: that peer failed or exited first."""
+        peer_world = self.grid.pipeline_ranks(self.grid.dp_rank)[exc.peer]
+        why = ("its failure record is unreachable: the process hosting the store has exited"
+               if self._failures.unreachable else "it left no failure record")
+        return {"rank": peer_world, "pp_rank": exc.peer, "instr": None, "op": None, "stage": None,
+                "microbatch": None, "lost": True,
+                "cause": f"world rank {self.grid.world_rank} (pipeline rank {self.pp_rank}) lost its connection to "
+                         f"pipeline rank {exc.peer} (world rank {peer_world}) while waiting for {exc.what}; that rank "
+                         f"failed or exited first ({why})",
+                "traceback": f"{type(exc.original).__name__}: {exc.original}"}
 
     def _teardown(self) -> None:
         """Destroy this rank's groups so peers blocked on it see a closed connection at once."""

@@ -31,7 +31,7 @@ class Transport:
         try:
             return self.group.send([buf], peer, tag), buf
         except RuntimeError as exc:
-            raise CommError(f"a send to pipeline rank {peer}", exc) from None
+            raise CommError(f"a send to pipeline rank {peer}", exc, peer) from None
 
     def send_act(self, tensors, meta, peer: int, stage: int, microbatch: int, learning: bool) -> list:
         """Send the output of (stage, microbatch); a meta header first while learning. Returns the works."""
@@ -59,7 +59,7 @@ class Transport:
         try:
             return Pending(self.group.recv([buf], peer, recv_tag), buf, specs, peer, payload_tag, what)
         except RuntimeError as exc:
-            raise CommError(what, exc) from None
+            raise CommError(what, exc, peer) from None
 
     def wait(self, pending: Pending):
         """Wait for a posted receive; returns ``(tensors, meta or None)`` (the meta when a header came).
@@ -68,17 +68,18 @@ class Transport:
             CommError: the peer is gone or the wait timed out.
         """
         meta = None
-        wait(pending.work, pending.what)
+        wait(pending.work, pending.what, pending.peer)
         if pending.specs is None:  # a header: now post the payload it describes
             meta = decode_meta(pending.buf)
             pending = self.post([(s, d) for s, d, _ in meta[1]], pending.peer, pending.tag, pending.what)
-            wait(pending.work, pending.what)
+            wait(pending.work, pending.what, pending.peer)
         return unpack(pending.buf, pending.specs), meta
 
 
-def wait(work, what: str) -> None:
-    """``work.wait()``, turning a failure (peer gone, timeout) into :class:`CommError`."""
+def wait(work, what: str, peer: int | None = None) -> None:
+    """``work.wait()``, turning a failure (peer gone, timeout) into :class:`CommError` (``peer``: the pipeline
+    rank waited on, when there is one)."""
     try:
         work.wait()
     except RuntimeError as exc:
-        raise CommError(what, exc) from None
+        raise CommError(what, exc, peer) from None

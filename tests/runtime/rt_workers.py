@@ -293,3 +293,17 @@ def failure_suite(rank):
     hang = hang_case(rank, timeout=3.0)  # first: its stalled rank arrives late at the next group creation
     return {"hang": hang, "raise": failing_case(rank, fail_rank=1, fail_mb=2, world=2)}
 
+
+def store_host_exits(rank, timeout):
+    """World rank 0 (which hosts the store) times out waiting for stalled rank 1 and returns at once, so its
+    process would exit; rank 1 wakes later and must still read rank 0's failure record."""
+    model = mlp(num_layers=2)
+    if rank == 1:
+        model[1].register_forward_pre_hook(lambda m, a: time.sleep(3 * timeout))
+    pipe = Pipeline(model, schedule="gpipe", num_microbatches=2, loss_fn=F.mse_loss, timeout=timeout)
+    try:
+        pipe.step(*_data(0))
+    except PipelineError as exc:
+        return {"type": "PipelineError", "rank": exc.rank, "pp_rank": exc.pp_rank, "instr": exc.instr,
+                "lost": bool(exc.info.get("lost")), "message": str(exc)}
+    return {"type": None}

@@ -14,11 +14,13 @@ def test_raising_layer_ends_both_ranks_with_that_ranks_error(failures):
         assert err["type"] == "PipelineError", (rank, err)
         assert (err["rank"], err["instr"], err["op"], err["stage"], err["microbatch"]) == (1, "F1.2", "F", 1, 2)
         assert err["cause"] == "ValueError: boom at microbatch 2"
-        assert "rank 1 failed at instruction F1.2 (kind F, stage 1, microbatch 2)" in err["message"]
+        assert ("pipeline rank failure: world rank 1 (pipeline rank 1) failed at instruction F1.2 (kind F, stage 1, "
+                "microbatch 2): ValueError: boom at microbatch 2") in err["message"]
+        assert ("[reported to world rank 0: while waiting for " in err["message"]) == (rank == 0), (rank, err)
         # rank 1 lingers 10 s after failing: rank 0 must not need that process to exit (timeout is 30 s);
         # the bound is loose on purpose (a loaded 2-core machine), yet far from both 10 s and the timeout
         assert err["elapsed"] < 8.0, (rank, err)
-        assert "rank 1 failed" in err["again"]  # the pipeline refuses further steps
+        assert "world rank 1 (pipeline rank 1) failed" in err["again"]  # the pipeline refuses further steps
     assert failures[1]["raise"]["cause_type"] == "ValueError"  # the failing rank chains the original
 
 
@@ -45,6 +47,22 @@ def test_failure_in_one_replica_reaches_the_other_replica(four_ranks):
         err = results["dp_failure"]
         assert (err["type"], err["rank"], err["instr"]) == ("PipelineError", 1, "F1.1"), (rank, err)
         assert err["elapsed"] < 15.0, (rank, err)  # ended by the failure record, well inside the 30 s timeout
+
+
+def test_a_rank_waking_after_the_store_hosts_process_returned_reads_its_record(capfd):
+    """Reproduction of a trial: world rank 0 (the store's host) times out and returns while rank 1 still
+    computes; rank 1 must report rank 0's failure record, not blame itself, and print no C++ stacks."""
+    import rt_workers
+
+    first, late = launch(rt_workers.store_host_exits, 2, 2.0, timeout=120)
+    assert (first["type"], first["rank"], first["pp_rank"], first["lost"]) == ("PipelineError", 0, 0, False)
+    assert (late["type"], late["rank"], late["pp_rank"], late["instr"], late["lost"]) == (
+        "PipelineError", 0, 0, first["instr"], False)
+    assert late["message"].startswith(f"pipeline rank failure: world rank 0 (pipeline rank 0) failed at instruction "
+                                      f"{first['instr']}"), late
+    assert "[reported to world rank 1: while waiting for RECV_F1.1 from pipeline rank 0]" in late["message"], late
+    err = capfd.readouterr().err
+    assert "frame #" not in err and "TCPStore" not in err, err[-2000:]
 
 
 def _child_fails(rank):

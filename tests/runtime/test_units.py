@@ -108,3 +108,58 @@ def test_stage_activation_bytes_of_linear_tanh_blocks():
     # after a recompute the input is held once although the first Linear saves it again
     assert sizes == {"stash_bytes": (3 * row, 4 * row), "input_bytes": (row, row),
                      "recompute_bytes": (3 * row, 4 * row)}
+
+
+def test_pipeline_error_names_world_and_pipeline_ranks():
+    from pipesched.runtime.failure import PipelineError
+    info = {"rank": 3, "pp_rank": 1, "instr": "F1.2", "op": "F", "stage": 1, "microbatch": 2, "cause": "ValueError: x"}
+    assert str(PipelineError(info, 2, "while waiting for RECV_B0.2 from pipeline rank 1")) == (
+        "pipeline rank failure: world rank 3 (pipeline rank 1) failed at instruction F1.2 (kind F, stage 1, "
+        "microbatch 2): ValueError: x [reported to world rank 2: while waiting for RECV_B0.2 from pipeline rank 1]")
+
+
+class _DeadStore:
+    def check(self, keys):
+        raise RuntimeError("Connection closed by peer")
+
+    add = compare_set = get = check
+
+
+def test_lost_connection_with_an_unreachable_store_blames_the_peer_not_this_rank():
+    """No record can be read and the peer closed the connection: the peer is the origin."""
+    from pipesched.runtime.comm import make_grid
+    from pipesched.runtime.failure import CommError, FailureChannel, PipelineError
+    from pipesched.runtime.pipeline import Pipeline as P
+
+    channel = FailureChannel(_DeadStore(), ["g"])
+    assert channel.lookup(wait_s=0.0) is None and channel.unreachable
+    exc = CommError("RECV_F1.1 from pipeline rank 0", RuntimeError("[pair.cc:553] Connection closed by peer [::1]:1"), 0)
+    assert exc.connection_lost
+    assert not CommError("x", RuntimeError("Timed out waiting 3000ms for recv"), 0).connection_lost
+    pipe = P.__new__(P)  # only what _lost_peer reads
+    pipe.grid, pipe._failures = make_grid(3, 4, 2), channel  # world rank 3 = pipeline rank 1 of replica 1
+    err = PipelineError(pipe._lost_peer(exc), 3)
+    assert (err.rank, err.pp_rank, err.instr) == (2, 0, None)
+    assert str(err) == (
+        "pipeline rank failure: world rank 3 (pipeline rank 1) lost its connection to pipeline rank 0 (world rank 2) "
+        "while waiting for RECV_F1.1 from pipeline rank 0; that rank failed or exited first (its failure record is "
+        "unreachable: the process hosting the store has exited) [reported to world rank 3]")
+
+
+class _CountingStore:
+    def __init__(self, count):
+        self.count = count
+
+    def add(self, key, n):
+        self.count += n
+        return self.count
+
+
+def test_a_failing_rank_lingers_until_every_rank_read_its_record_at_most_its_grace():
+    from pipesched.runtime.failure import FailureChannel, linger
+    info = {"rank": 0, "id": "0:1"}
+    FailureChannel(_CountingStore(2), ["g"]).keep_alive_for(info, 2, 30.0)  # both ranks have read it
+    assert linger() < 10.0  # returns at once, far inside the 30 s grace
+    FailureChannel(_CountingStore(1), ["g"]).keep_alive_for(info, 2, 30.0)  # the other rank never reads it
+    assert linger(max_s=0.1) < 10.0  # bounded by max_s, not the 30 s grace
+    assert linger() == pytest.approx(0.0, abs=5.0)  # nothing left to wait for
