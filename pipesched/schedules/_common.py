@@ -12,6 +12,22 @@ def check_positive(name: str, value, minimum: int = 1) -> int:
     return value
 
 
+def check_one_stage_sizes(name: str, num_ranks, num_microbatches, virtual_stages) -> tuple[int, int]:
+    """(p, m) for a schedule with one stage per rank.
+
+    Raises:
+        ScheduleArgumentError: a size is not a positive integer, or ``virtual_stages != 1``.
+    """
+    p = check_positive("num_ranks", num_ranks)
+    m = check_positive("num_microbatches", num_microbatches)
+    if virtual_stages != 1:
+        raise ScheduleArgumentError(
+            f"virtual_stages={virtual_stages!r}: {name} places one stage per rank, so virtual_stages must be 1 "
+            f"(use interleaved-1f1b for v > 1)"
+        )
+    return p, m
+
+
 def forward(stage: int, microbatch: int) -> Instr:
     """``F(stage, microbatch)``; the builders pass indices >= 0, so it skips the checks of ``Instr(...)``."""
     return trusted_instr((Op.F, stage, microbatch, None))

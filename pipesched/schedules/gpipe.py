@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .. import placement
 from ..engine import paused_gc
-from ._common import backward, check_positive, forward, program
+from ._common import backward, check_one_stage_sizes, forward, program
 
 
 @paused_gc()
@@ -16,18 +16,7 @@ def build_gpipe(num_ranks: int, num_microbatches: int, virtual_stages: int = 1):
     Raises:
         ScheduleArgumentError: a size is not a positive integer, or ``virtual_stages != 1``.
     """
-    p = check_positive("num_ranks", num_ranks)
-    m = check_positive("num_microbatches", num_microbatches)
-    if virtual_stages != 1:
-        raise _one_stage_error("gpipe", virtual_stages)
+    p, m = check_one_stage_sizes("gpipe", num_ranks, num_microbatches, virtual_stages)
     streams = [[forward(r, mb) for mb in range(m)] + [backward(r, mb) for mb in range(m)] for r in range(p)]
     return program("gpipe", streams, placement.contiguous(p), m)
 
-
-def _one_stage_error(name: str, virtual_stages):
-    from ..errors import ScheduleArgumentError
-
-    return ScheduleArgumentError(
-        f"virtual_stages={virtual_stages!r}: {name} places one stage per rank, so virtual_stages must be 1 "
-        f"(use interleaved-1f1b for v > 1)"
-    )

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from .. import placement
 from ..engine import paused_gc
-from ._common import backward, check_positive, forward, program
-from .gpipe import _one_stage_error
+from ._common import backward, check_one_stage_sizes, forward, program
 
 
 @paused_gc()
@@ -22,10 +21,7 @@ def build_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int = 1):
     Raises:
         ScheduleArgumentError: a size is not a positive integer, or ``virtual_stages != 1``.
     """
-    p = check_positive("num_ranks", num_ranks)
-    m = check_positive("num_microbatches", num_microbatches)
-    if virtual_stages != 1:
-        raise _one_stage_error("1f1b", virtual_stages)
+    p, m = check_one_stage_sizes("1f1b", num_ranks, num_microbatches, virtual_stages)
     return program("1f1b", [_rank_stream(r, p, m) for r in range(p)], placement.contiguous(p), m)
 
 
