@@ -9,6 +9,7 @@ from . import program_io
 from .api import build, compile_program
 from .lower import add_recompute
 from .cost import CostModel
+from .engine import has_comm
 from .errors import DeadlockError, ScheduleError, render_grid
 from .schedules import SCHEDULES
 from .sim import simulate
@@ -153,15 +154,14 @@ def _cmd_validate(args) -> int:
         return 2
     timeline = simulate(program, check=False)
     if args.json:
-        print(json.dumps({"valid": True, "compute_only": not any(
-                              i.op.name.startswith(("SEND", "RECV")) for st in program.ranks for i in st),
+        print(json.dumps({"valid": True, "compute_only": not has_comm(program),
                           "ranks": program.num_ranks, "stages": program.num_stages,
                           "num_microbatches": program.num_microbatches, "instructions": len(program),
                           "bubble_fraction": timeline.bubble_fraction,
                           "peak_inflight": list(timeline.peak_inflight)}))
     else:
-        lowered = any(i.op.name.startswith(("SEND", "RECV")) for st in program.ranks for i in st)
-        kind = ("complete, ordered, send/recv-paired and deadlock-free" if lowered or program.num_ranks == 1 else
+        kind = ("complete, ordered, send/recv-paired and deadlock-free"
+                if has_comm(program) or program.num_ranks == 1 else
                 "complete, ordered and deadlock-free as a compute-only program (no SEND/RECV: transfers between "
                 "ranks are implicit; lower it with pipesched.add_send_recv before running it)")
         print(f"valid: {args.file}: {_count(program.num_ranks, 'rank')}, {_count(program.num_stages, 'stage')}, "

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from .ir import Instr, Op
 
-Item = tuple  # ("act" | "grad" | "fwd" | "igrad" | "wgrad" | "ran", stage, microbatch)
+Item = tuple  # ("act" | "grad" | "fwd" | "rec" | "igrad" | "wgrad", stage, microbatch)
 
 KINDS = ("act", "grad", "fwd", "rec", "igrad", "wgrad")  # every item kind, in the order RuleTable numbers them
 REMOTE_KINDS = ("act", "grad")  # the only items that can cross ranks (through SEND/RECV)
@@ -77,6 +77,18 @@ def comm_for(item: Item) -> tuple[Op, int, Op, int] | None:
     if kind == "grad":
         return (Op.SEND_B, s, Op.RECV_B, s - 1)
     return None
+
+
+def message(instr: Instr) -> Item:
+    """The item a SEND or RECV carries — the same for a SEND and its matching RECV."""
+    if instr.op in (Op.SEND_F, Op.SEND_B):
+        return needs(instr, 0, 0)[0]  # what a SEND needs does not depend on the sizes
+    return produces(instr)[0]
+
+
+def neighbour_stage(op: Op, stage: int) -> int:
+    """The stage at the other end of a SEND/RECV of ``op`` at ``stage`` (may be out of range)."""
+    return stage + 1 if op in (Op.SEND_F, Op.RECV_B) else stage - 1
 
 
 def consumer_stage(item: Item) -> int:

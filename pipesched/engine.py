@@ -93,11 +93,6 @@ def remote_needs(program: Program) -> list[list[tuple]]:
     return result
 
 
-def sent_item(instr) -> tuple:
-    """The data item a SEND carries."""
-    return ("act" if instr.op is Op.SEND_F else "grad", instr.stage, instr.microbatch)
-
-
 class NoSuchStage(IndexError):
     """An instruction names a stage the program does not have (:class:`Plan` needs every stage to exist)."""
 

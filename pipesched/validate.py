@@ -24,7 +24,7 @@ from collections import Counter, defaultdict
 from operator import attrgetter
 
 from . import engine
-from .deps import REMOTE_KINDS, needs, produces
+from .deps import REMOTE_KINDS, message, needs, neighbour_stage, produces
 from .errors import DependencyError, InvalidProgramError, PairingError, render_grid
 from .ir import COMM_OPS, RECV_OPS, SEND_OPS, Instr, Op, Program
 
@@ -109,7 +109,7 @@ def _expected_peer(op: Op, stage: int, s2r) -> int | None:
     """The peer a SEND/RECV of ``op`` at ``stage`` must name (0 when it has no neighbour stage), else None."""
     if op not in COMM_OPS:
         return None
-    neighbour = stage + 1 if op in (Op.SEND_F, Op.RECV_B) else stage - 1
+    neighbour = neighbour_stage(op, stage)
     return s2r[neighbour] if 0 <= neighbour < len(s2r) else 0
 
 
@@ -135,10 +135,9 @@ def _structure_problem(instr: Instr, rank: int, s2r, M: int, dp_size: int) -> st
     if instr.op is Op.ALL_REDUCE and dp_size == 1:
         return "ALL_REDUCE in a program with dp_size=1 (nothing to reduce)"
     if instr.op in COMM_OPS:
-        towards_next = instr.op in (Op.SEND_F, Op.RECV_B)
-        neighbour = instr.stage + 1 if towards_next else instr.stage - 1
+        neighbour = neighbour_stage(instr.op, instr.stage)
         if not 0 <= neighbour < S:
-            return f"{instr.op} of stage {instr.stage} has no {'next' if towards_next else 'previous'} stage"
+            return f"{instr.op} of stage {instr.stage} has no {'next' if neighbour > instr.stage else 'previous'} stage"
         if s2r[neighbour] == rank:
             return f"stage {neighbour} is on this same rank; no {instr.op} is needed"
         if instr.peer != s2r[neighbour]:
@@ -246,7 +245,7 @@ def _explain_order(program: Program) -> None:
         have: set = set()
         for pos, instr in enumerate(stream):
             for item in needs(instr, S, M, (instr.stage, instr.microbatch) in recomputed):
-                remote = item[0] in ("act", "grad") and s2r[item[1]] != rank
+                remote = _made_elsewhere(item, rank, s2r)
                 if item in have or (remote and not lowered):
                     continue
                 raise _fail(DependencyError, program, rank, pos, _order_reason(item, remote, stream, pos))
@@ -278,7 +277,7 @@ def check_pairing(program: Program, plan: engine.Plan | None = None) -> None:
     if not plan.lowered:
         return
     rules, p = plan.rules, program.num_ranks
-    # per rule, the message a SEND or RECV carries (base id), as in _message
+    # per rule, the message a SEND or RECV carries (base id), as in deps.message
     message = [(need if op in SEND_OPS else made)[0] if op in COMM_OPS else -1
                for op, need, made in zip(rules.op, rules.need, rules.made)]
     sends: dict = defaultdict(list)  # src * p + dst -> messages in the order of the sends
@@ -303,9 +302,9 @@ def _explain_pairing(program: Program) -> None:
     for rank, stream in enumerate(program.ranks):
         for pos, instr in enumerate(stream):
             if instr.op in SEND_OPS:
-                sends[(rank, instr.peer)].append((pos, _message(instr)))
+                sends[(rank, instr.peer)].append((pos, message(instr)))
             elif instr.op in RECV_OPS:
-                recvs[(instr.peer, rank)].append((pos, _message(instr)))
+                recvs[(instr.peer, rank)].append((pos, message(instr)))
     for channel in sorted(set(sends) | set(recvs)):
         src, dst = channel
         out, inn = sends.get(channel, []), recvs.get(channel, [])
@@ -325,13 +324,3 @@ def _explain_pairing(program: Program) -> None:
             raise _fail(PairingError, program, dst, pos, f"has no matching send on rank {src}")
     raise AssertionError("the quick check found a problem that this exact one does not")  # a bug in pipesched
 
-
-def _message(instr: Instr) -> tuple:
-    """What travels: (direction, producing stage, microbatch) — the same for a SEND and its RECV."""
-    if instr.op is Op.SEND_F:
-        return ("act", instr.stage, instr.microbatch)
-    if instr.op is Op.RECV_F:
-        return ("act", instr.stage - 1, instr.microbatch)
-    if instr.op is Op.SEND_B:
-        return ("grad", instr.stage, instr.microbatch)
-    return ("grad", instr.stage + 1, instr.microbatch)
