@@ -12,7 +12,7 @@ from .cost import CostModel
 from .deps import comm_for, consumer_stage, produces
 from .engine import has_comm, paused_gc
 from .sim import COST_FIELD, simulate_plan
-from .ir import Instr, Op, Program, trusted_instr, trusted_instrs
+from .ir import Op, Program, trusted_instr, trusted_instrs
 from .timeline import ties_in_order, timeline_order
 
 #: The cost model that orders communication: the usual backward = 2 x forward, free messages.

@@ -21,7 +21,6 @@ the first failure, so the error is the one a plain scan reports.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from operator import attrgetter
 
 from . import engine
 from .deps import REMOTE_KINDS, message, needs, neighbour_stage, produces

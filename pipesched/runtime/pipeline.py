@@ -13,22 +13,18 @@ import torch.distributed as dist
 
 from .. import compile_program
 from ..ir import Program
-from .comm import DTYPE_CODE, TAG_LOSS, TAG_SIGNATURE, TAG_TARGET, make_grid, make_groups
+from ..schedules._common import check_positive
+from .comm import TAG_LOSS, make_grid, make_groups
 from .executor import StepInputs, Executor
+from .handshake import Handshake, Rejected
 from .failure import CommError, FailureChannel, PipelineError, failure_info
 from .measured import gather_timeline, local_timeline
 from .microbatch import as_tuple, batch_size, merge, split, split_sizes
 from .stage import build_stages, layers_of, resolve_balance
-from .transport import Transport, wait
+from .transport import Transport
 
-SIG_LEN = 64  # int64 words of a step signature
 _CACHE_SIZE = 32  # input signatures whose message metas are remembered
 _ORIGIN_GRACE_S = 30.0  # at most this the origin's (and the store host's) process lingers at exit for its peers
-
-
-class _Rejected(ValueError):
-    """Internal marker: a rank refused the step's input or target before any work; :meth:`Pipeline._guarded`
-    re-raises it as a plain ``ValueError`` (the pipeline stays usable)."""
 
 
 class Pipeline:
@@ -59,10 +55,10 @@ class Pipeline:
     def __init__(self, model, schedule: str = "1f1b", num_microbatches: int = 1, loss_fn=None,
                  virtual_stages: int | None = None, balance=None, dp_size: int = 1, recompute=False,
                  timeout: float = 300.0) -> None:
-        _check_int("num_microbatches", num_microbatches, 1)
-        _check_int("dp_size", dp_size, 1)
+        check_positive("num_microbatches", num_microbatches, 1)
+        check_positive("dp_size", dp_size, 1)
         if virtual_stages is not None:
-            _check_int("virtual_stages", virtual_stages, 1)
+            check_positive("virtual_stages", virtual_stages, 1)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         if loss_fn is not None and not callable(loss_fn):
@@ -85,6 +81,7 @@ class Pipeline:
         self._executor = Executor(self.program, grid.pp_rank, self.stages,
                                   Transport(self._pp_group, self.program.num_stages, self.device),
                                   self._dp_group, loss_fn, flags, self.device)
+        self._handshake = Handshake(self._executor.transport, self.program, grid.pp_rank, self.device)
         self._metas: OrderedDict = OrderedDict()  # signature -> {("in"|"out", stage, mb): meta}
         self._records = {"step": None, "forward": None}  # the last step()'s and the last forward()'s
         self._broken: PipelineError | None = None
@@ -182,7 +179,7 @@ class Pipeline:
 
     def _check_local(self, x, target) -> None:
         """Only what every rank decides alike; the input itself is checked by the first stage's rank,
-        which tells the others (see :meth:`_signature`), so all ranks raise the same ValueError."""
+        which tells the others (see :class:`~pipesched.runtime.handshake.Handshake`), so all ranks raise the same ValueError."""
         if self._closed:
             raise RuntimeError("this Pipeline was closed; create a new one")
         if self._broken is not None:
@@ -191,17 +188,17 @@ class Pipeline:
     def _guarded(self, run):
         try:
             return run()
-        except _Rejected as exc:
+        except Rejected as exc:
             raise ValueError(str(exc)) from None
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
             error = self._fail(exc)
             raise error from (None if isinstance(exc, CommError) else exc)
 
     def _run(self, x, target, train: bool):
-        words, micro, is_tuple = self._signature(x, train)
+        words, micro, is_tuple = self._handshake.signature(x, train, lambda batch: _to(batch, self.device))
         m, total = self.program.num_microbatches, words[3]
         sizes = split_sizes(total, m)
-        targets = self._target_verdict(target, total) if train else None
+        targets = self._handshake.target_verdict(target, total, self._targets) if train else None
         key = tuple(words[1:])
         metas = self._metas.get(key)
         learning = metas is None
@@ -213,8 +210,7 @@ class Pipeline:
                                                       self.program.stage_to_rank[-1], TAG_LOSS, "the step loss")
         wall0, t0 = time.time(), time.perf_counter()
         loss, outputs, peak = self._executor.run(inputs, t0, loss_recv)
-        for work, _ in self._signature_sends:
-            wait(work, "the step signature send")
+        self._handshake.settle()
         self._remember(key, inputs.metas)
         self._records["step" if train else "forward"] = {
             "events": self._executor.events, "wall0": wall0, "peak": peak, "train": train, "dp_rank": self.grid.dp_rank}
@@ -225,35 +221,6 @@ class Pipeline:
     @property
     def _has_last(self) -> bool:
         return self.program.num_stages - 1 in self.stages
-
-    def _target_verdict(self, target, total):
-        """The last stage's rank checks ``target`` and tells the others (as stage 0's rank does for ``x``),
-        so a missing or mis-sized target is the same ValueError on every rank and the pipeline stays usable.
-        Returns the target microbatches on the last stage's rank, else ``None``."""
-        last, transport = self.program.stage_to_rank[-1], self._executor.transport
-        if self.pp_rank != last:
-            tensors, _ = transport.wait(transport.post([((SIG_LEN,), torch.int64)], last, TAG_TARGET,
-                                                       "the target check"))
-            words = tensors[0].tolist()
-            if words[0]:
-                for work, _ in self._signature_sends:  # delivered (the last stage's rank got past them): settle
-                    wait(work, "the step signature send")
-                raise _Rejected(f"the rank of the last stage (pipeline rank {last}) rejected the step's target: "
-                                f"{_decode_text(words)}")
-            return None
-        try:
-            targets, text = self._targets(target, total), ""
-        except (TypeError, ValueError) as exc:
-            targets, text = None, str(exc)
-        message = torch.tensor(_encode_text([int(bool(text)), 0, 0], text), dtype=torch.int64, device=self.device)
-        sends = [transport.send((message,), peer, TAG_TARGET) for peer in range(self.program.num_ranks)
-                 if peer != self.pp_rank]
-        if text:
-            for work, _ in sends:  # a dropped gloo send is cancelled: see it delivered
-                wait(work, "the target rejection send")
-            raise _Rejected(text)
-        self._signature_sends.extend(sends)
-        return targets
 
     def _targets(self, target, total):
         if target is None:
@@ -271,42 +238,6 @@ class Pipeline:
         self._metas.move_to_end(key)
         while len(self._metas) > _CACHE_SIZE:
             self._metas.popitem(last=False)
-
-    def _signature(self, x, train: bool):
-        """Stage 0's rank tells the others the input's shapes (or that it rejected it)."""
-        first, transport = self.program.stage_to_rank[0], self._executor.transport
-        self._signature_sends = []
-        if self.pp_rank != first:
-            tensors, _ = transport.wait(transport.post([((SIG_LEN,), torch.int64)], first, TAG_SIGNATURE,
-                                                       "the step signature"))
-            words = tensors[0].tolist()
-            if words[0]:
-                raise _Rejected(f"the rank of stage 0 (pipeline rank {first}) rejected the step input: "
-                                f"{_decode_text(words)}")
-            if words[1] != int(train):
-                calls = ("forward()", "step()")
-                raise RuntimeError(f"pipeline rank {first} called {calls[words[1]]} while this rank called "
-                                   f"{calls[int(train)]}; every rank must make the same calls")
-            return words, None, False
-        try:
-            if x is None:
-                raise ValueError(f"the rank of stage 0 (pipeline rank {first}) got no input x; pass the batch "
-                                 f"as x there")
-            micro, is_tuple = split(_to(x, self.device), self.program.num_microbatches, "x")
-            words = _encode_signature(train, self.program.num_microbatches, micro, is_tuple)
-        except (TypeError, ValueError) as exc:
-            self._broadcast(_encode_text([1, int(train), self.program.num_microbatches], str(exc)))
-            for work, _ in self._signature_sends:  # a dropped gloo send is cancelled: see it delivered
-                wait(work, "the step rejection send")
-            raise _Rejected(str(exc)) from None
-        self._broadcast(words)
-        return words, micro, is_tuple
-
-    def _broadcast(self, words) -> None:
-        message = torch.tensor(words, dtype=torch.int64, device=self.device)
-        for peer in range(self.program.num_ranks):
-            if peer != self.pp_rank:
-                self._signature_sends.append(self._executor.transport.send((message,), peer, TAG_SIGNATURE))
 
     # ---- failure ---------------------------------------------------------------------------------------
 
@@ -351,7 +282,7 @@ class Pipeline:
         self._executor.step = None
         self._executor.transport.group = None
         self._executor.dp_group = None
-        self._signature_sends = []
+        self._handshake.sends = []
         for group in (self._pp_group, self._dp_group):
             if group is not None:
                 try:
@@ -360,38 +291,6 @@ class Pipeline:
                     pass
         self._pp_group = self._dp_group = None
         gc.collect()
-
-
-def _encode_text(head: list[int], text: str, length: int = SIG_LEN) -> list[int]:
-    """``head`` words, then the UTF-8 byte count and bytes of ``text`` (cut to fit), as ``length`` int64 words."""
-    room = (length - len(head) - 1) * 8
-    data = text.encode()
-    if len(data) > room:
-        data = data[:room - 3] + b"..."
-    padded = data + b"\0" * (-len(data) % 8)
-    body = torch.frombuffer(bytearray(padded), dtype=torch.int64).tolist() if padded else []
-    words = head + [len(data)] + body
-    return words + [0] * (length - len(words))
-
-
-def _decode_text(words: list[int], head: int = 3) -> str:
-    """The text :func:`_encode_text` put after ``head`` words."""
-    n = words[head]
-    data = torch.tensor(words[head + 1:], dtype=torch.int64).numpy().tobytes()[:n]
-    return data.decode(errors="replace")
-
-
-def _encode_signature(train, m, micro, is_tuple) -> list[int]:
-    first = micro[0]
-    total = sum(mb[0].shape[0] for mb in micro)
-    words = [0, int(train), m, total, int(is_tuple), len(first)]
-    for t in first:
-        if t.dtype not in DTYPE_CODE:
-            raise TypeError(f"x has a tensor of dtype {t.dtype}, which cannot cross a stage boundary")
-        words += [DTYPE_CODE[t.dtype], t.dim() - 1, *t.shape[1:]]
-    if len(words) > SIG_LEN:
-        raise ValueError(f"x has too many tensors or dimensions to describe ({len(words)} > {SIG_LEN} words)")
-    return words + [0] * (SIG_LEN - len(words))
 
 
 def _to(batch, device):
@@ -409,11 +308,6 @@ def _needs_target(loss_fn) -> bool:
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     required = [p for p in params if p.kind in kinds and p.default is inspect.Parameter.empty]
     return len(required) >= 2
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def _recompute_flags(program: Program) -> list[bool]:
