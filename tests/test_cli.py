@@ -75,3 +75,20 @@ def test_bad_arguments_exit_2_with_the_reason(capsys):
 def test_missing_file(capsys):
     code, _, err = run(capsys, "validate", "/nonexistent/prog.txt")
     assert code == 2 and "cannot read" in err
+
+
+def test_validate_says_when_a_program_is_compute_only(tmp_path, capsys):
+    path = tmp_path / "compute-only.txt"
+    path.write_text("microbatches: 1\nstage_to_rank: 0 1\nrank 0: F0.0 B0.0\nrank 1: F1.0 B1.0\n")
+    code, out, _ = run(capsys, "validate", str(path))
+    assert code == 0 and "1 microbatch," in out and "as a compute-only program" in out
+    code, out, _ = run(capsys, "validate", str(path), "--json")
+    assert code == 0 and json.loads(out)["compute_only"] is True
+
+
+def test_bad_cost_option_is_named(capsys):
+    code, _, err = run(capsys, "simulate", "1f1b", "-p", "2", "-m", "2", "--bandwidth", "0")
+    assert code == 2 and "--bandwidth: cost bandwidth must be a number of bytes/s > 0" in err
+    with pytest.raises(SystemExit):
+        main(["simulate", "1f1b", "--forward", "abc"])
+    assert "expected a number or a comma list of numbers, one per stage" in capsys.readouterr().err

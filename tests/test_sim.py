@@ -1,4 +1,6 @@
 """The simulator: hand-computed timelines, closed forms, costs, memory and its errors."""
+import re
+
 import pytest
 
 from pipesched import CostModel, DeadlockError, compile_program, loads, simulate
@@ -67,3 +69,15 @@ def test_deadlock_is_the_validators_error():
     program = loads("microbatches: 2\nstage_to_rank: 0 1\nrank 0: F0.0 B0.0 F0.1 B0.1\nrank 1: F1.1 F1.0 B1.0 B1.1\n")
     with pytest.raises(DeadlockError, match="deadlock"):
         simulate(program)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"forward": float("inf")}, "cost forward must be a finite number >= 0 (seconds or bytes), got inf"),
+    ({"forward": "1"}, "cost forward must be a number or a sequence of numbers (one per stage), got '1'"),
+    ({"backward": [1, -2]}, "cost backward must be a finite number >= 0 (seconds or bytes), got -2"),
+    ({"latency": -1}, "cost latency must be a finite number >= 0 (seconds or bytes), got -1"),
+    ({"bandwidth": 0}, "cost bandwidth must be a number of bytes/s > 0 (inf: free transfers), got 0"),
+])
+def test_bad_costs_are_refused_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        CostModel(**kwargs)

@@ -35,3 +35,22 @@ def test_quickstart():
     assert result.returncode == 0, result.stderr[-3000:]
     first, last = map(float, re.search(r"loss (\S+) -> (\S+) in 20 steps", result.stdout).groups())
     assert 0 < last < first
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ranks", "0"], "--ranks must be >= 1, got 0"),
+    (["--heads", "3"], "--width 128 must be a multiple of --heads 3"),
+    (["--batch", "2", "--microbatches", "4"], "--batch 2 must be >= --microbatches 4"),
+    (["--balance", "foo"], "--balance must be 'params', 'layers' or layer counts"),
+    (["--data", "/nonexistent/text"], "--data '/nonexistent/text': no such file or folder"),
+])
+def test_train_gpt_options_are_checked_before_any_rank_starts(argv, message, capsys):
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import train_gpt
+    finally:
+        sys.path.pop(0)
+    with pytest.raises(SystemExit) as info:
+        train_gpt.options(argv, prog="pipesched demo")
+    assert info.value.code == 2
+    assert f"pipesched demo: error: {message}" in capsys.readouterr().err
