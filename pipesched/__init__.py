@@ -15,7 +15,7 @@ from .errors import (
     UnknownScheduleError,
 )
 from .ir import Instr, Op, Program
-from .lower import add_all_reduce, add_recompute, add_send_recv
+from .lower import add_all_reduce, add_recompute, add_send_recv, split_backward
 from .program_io import load, loads, to_json, to_text
 from .schedules import SCHEDULES, get_schedule
 from .sim import simulate
@@ -28,5 +28,6 @@ __all__ = [
     "CostModel", "DeadlockError", "DependencyError", "Event", "Instr", "InvalidProgramError", "Op",
     "PairingError", "Program", "ProgramFormatError", "SCHEDULES", "ScheduleArgumentError", "ScheduleError",
     "Timeline", "UnknownScheduleError", "add_all_reduce", "add_recompute", "add_send_recv", "build",
-    "compile_program", "get_schedule", "load", "loads", "simulate", "to_json", "to_text", "validate",
+    "compile_program", "get_schedule", "load", "loads", "simulate", "split_backward", "to_json", "to_text",
+    "validate",
 ]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .errors import ScheduleArgumentError
 from .ir import Program
-from .lower import add_all_reduce, add_recompute, add_send_recv
+from . import lower
 from .schedules import get_schedule
 from .validate import validate
 
@@ -32,10 +32,12 @@ def compile_program(
     virtual_stages: int | None = None,
     dp_size: int = 1,
     recompute=False,
+    split_backward=False,
 ) -> Program:
     """Build, lower and validate: the program an executor runs.
 
-    Passes, in order: :func:`~pipesched.lower.add_recompute` (if ``recompute``),
+    Passes, in order: :func:`~pipesched.lower.split_backward` (if ``split_backward``),
+    :func:`~pipesched.lower.add_recompute` (if ``recompute``),
     :func:`~pipesched.lower.add_send_recv` (``check=False``: the builder's program is not validated on
     its own, the lowered one is), :func:`~pipesched.lower.add_all_reduce` (if ``dp_size > 1``),
     then :func:`~pipesched.validate.validate`.
@@ -43,6 +45,9 @@ def compile_program(
     Args:
         recompute: ``False``, ``True`` (every stage) or one bool per stage (``p * v`` of them).
         dp_size: data-parallel replicas >= 1.
+        split_backward: split the backward of stages into ``I`` and ``W`` so the input gradient is sent before the
+            weight gradient is computed: ``False`` (none), ``True`` (every stage whose input gradient goes
+            to another rank) or one bool per stage.
     Raises:
         UnknownScheduleError, ScheduleArgumentError: as :func:`build`.
         ScheduleError: the compiled program fails validation (a bug in a schedule; please report it).
@@ -50,10 +55,15 @@ def compile_program(
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise ScheduleArgumentError(f"dp_size must be an integer >= 1, got {dp_size!r}")
     program = build(schedule, num_ranks, num_microbatches, virtual_stages)
+    if split_backward is not False:
+        try:
+            program = lower.split_backward(program, split_backward)
+        except ValueError as exc:
+            raise ScheduleArgumentError(f"split_backward={split_backward!r}: {exc}") from None
     if recompute is not False:
         try:
-            program = add_recompute(program, recompute)
+            program = lower.add_recompute(program, recompute)
         except ValueError as exc:
             raise ScheduleArgumentError(f"recompute={recompute!r}: {exc}") from None
-    program = add_all_reduce(add_send_recv(program, check=False), dp_size)  # validated as a whole below
+    program = lower.add_all_reduce(lower.add_send_recv(program, check=False), dp_size)  # validated as a whole below
     return validate(program)

@@ -7,7 +7,7 @@ import sys
 
 from . import program_io
 from .api import build, compile_program
-from .lower import add_recompute
+from .lower import add_recompute, split_backward
 from .cost import CostModel
 from .engine import has_comm
 from .errors import DeadlockError, ScheduleError, render_grid
@@ -25,6 +25,9 @@ def add_schedule_args(parser: argparse.ArgumentParser, optional_name: bool = Fal
                         help="stages per rank v (default: the schedule's, 2 for interleaved-1f1b)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (adds ALL_REDUCE; default 1)")
     parser.add_argument("--recompute", action="store_true", help="recompute every stage's forward before its backward")
+    parser.add_argument("--split-backward", action="store_true",
+                        help="run the backward of each stage that sends a gradient as I, SEND_B, W "
+                             "(the input gradient leaves before the weight gradient is computed)")
 
 
 def _per_stage(text: str):
@@ -84,7 +87,8 @@ def cost_from_args(args: argparse.Namespace) -> CostModel:
 def program_from_args(args: argparse.Namespace):
     """Compile the program the schedule options name."""
     return compile_program(args.schedule, args.ranks, args.microbatches, args.virtual_stages,
-                           dp_size=args.dp, recompute=bool(args.recompute))
+                           dp_size=args.dp, recompute=bool(args.recompute),
+                           split_backward=bool(args.split_backward))
 
 
 def _cmd_list(args) -> int:
@@ -105,6 +109,8 @@ def _cmd_show(args) -> int:
             raise ValueError(f"--dp {args.dp} adds ALL_REDUCE when the program is lowered; "
                              "drop --compute-only to see it")
         program = build(args.schedule, args.ranks, args.microbatches, args.virtual_stages)
+        if args.split_backward:
+            program = split_backward(program)
         if args.recompute:
             program = add_recompute(program)
     else:

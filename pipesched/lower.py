@@ -1,4 +1,4 @@
-"""Lowering passes, Program -> Program: recompute, sends and receives, data-parallel all-reduce.
+"""Lowering passes, Program -> Program: split backward, recompute, sends and receives, data-parallel all-reduce.
 
 Each pass takes a program and returns a new one; none decides *what* runs, only where the extra
 instructions go. :func:`compile_program` in :mod:`pipesched.api` chains them.
@@ -17,6 +17,42 @@ from .timeline import ties_in_order, timeline_order
 
 #: The cost model that orders communication: the usual backward = 2 x forward, free messages.
 REFERENCE_COST = CostModel(forward=1.0, backward=2.0)
+
+
+def split_backward(program: Program, stages=True) -> Program:
+    """Replace each ``B(s, mb)`` of the chosen stages by ``I(s, mb)`` then ``W(s, mb)``: the backward split
+    of zero-bubble pipelining (Qi et al., arXiv:2401.10241), with ``W`` left in ``B``'s place. The order
+    of work per rank is unchanged; what changes is that the input gradient exists before the weight
+    gradient is computed, so :func:`add_send_recv` puts its ``SEND_B`` between ``I`` and ``W`` and the
+    previous stage's rank, which waits for it, gets it one ``W`` earlier.
+
+    Args:
+        program: a compute-only program (no SEND/RECV yet).
+        stages: ``True``: every stage whose input gradient another rank waits for (``s > 0`` with stage
+            ``s - 1`` on another rank; splitting the others gains nothing); ``False``: none; or one bool
+            per stage.
+    Raises:
+        ValueError: ``stages`` has the wrong length, or the program already has SEND/RECV.
+    """
+    if has_comm(program):
+        raise ValueError("split_backward takes a compute-only program; this one already has SEND/RECV "
+                         "(apply split_backward before add_send_recv)")
+    owner = program.stage_to_rank
+    if stages is True:
+        flags = [s > 0 and owner[s - 1] != owner[s] for s in range(program.num_stages)]
+    else:
+        flags = _stage_flags(stages, program.num_stages, "split_backward")
+    streams = []
+    for stream in program.ranks:
+        out = []
+        for instr in stream:
+            if instr.op is Op.B and flags[instr.stage]:
+                out.append(trusted_instr((Op.I, instr.stage, instr.microbatch, None)))
+                out.append(trusted_instr((Op.W, instr.stage, instr.microbatch, None)))
+            else:
+                out.append(instr)
+        streams.append(tuple(out))
+    return program.replace(streams)
 
 
 def add_recompute(program: Program, stages=True) -> Program:
@@ -49,14 +85,14 @@ def add_recompute(program: Program, stages=True) -> Program:
     return program.replace(streams)
 
 
-def _stage_flags(stages, num_stages: int) -> list[bool]:
+def _stage_flags(stages, num_stages: int, name: str = "recompute") -> list[bool]:
     if isinstance(stages, bool):
         return [stages] * num_stages
     if isinstance(stages, (str, bytes)) or not hasattr(stages, "__len__"):
-        raise ValueError(f"recompute must be True, False or one bool per stage, got {stages!r}")
+        raise ValueError(f"{name} must be True, False or one bool per stage, got {stages!r}")
     flags = [bool(x) for x in stages]
     if len(flags) != num_stages:
-        raise ValueError(f"recompute has {len(flags)} flags but the program has {num_stages} stages")
+        raise ValueError(f"{name} has {len(flags)} flags but the program has {num_stages} stages")
     return flags
 
 

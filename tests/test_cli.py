@@ -92,3 +92,14 @@ def test_bad_cost_option_is_named(capsys):
     with pytest.raises(SystemExit):
         main(["simulate", "1f1b", "--forward", "abc"])
     assert "expected a number or a comma list of numbers, one per stage" in capsys.readouterr().err
+
+
+def test_split_backward_flag_shows_i_and_w_and_shortens_a_latency_bound_1f1b(capsys):
+    code, out, _ = run(capsys, "show", "1f1b", "-p", "2", "-m", "2", "--split-backward", "--format", "text")
+    ops = {line.strip() for line in out.splitlines()}
+    assert code == 0 and {"I1.0", "SEND_B1.0>0", "W1.0", "B0.0"} <= ops and "B1.0" not in ops
+    spans = []
+    for extra in ((), ("--split-backward",)):
+        code, out, _ = run(capsys, "simulate", "1f1b", "-p", "2", "-m", "4", "--latency", "0.5", "--json", *extra)
+        spans.append(json.loads(out)["makespan"])
+    assert spans == [17.0, 15.0]

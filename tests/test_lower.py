@@ -1,8 +1,8 @@
 """Each lowering pass alone: what it inserts, where, and that its output validates."""
 import pytest
 
-from pipesched import (CostModel, DeadlockError, Instr, Op, add_all_reduce, add_recompute, add_send_recv, build,
-                       validate)
+from pipesched import (CostModel, DeadlockError, Instr, Op, ScheduleArgumentError, add_all_reduce, add_recompute,
+                       add_send_recv, build, compile_program, simulate, split_backward, validate)
 from pipesched.ir import Program
 
 
@@ -93,3 +93,37 @@ def test_recompute_is_placed_before_the_gradient_receive():
     program = add_send_recv(add_recompute(build("1f1b", 2, 1)))
     assert _streams(program)[0] == "F0.0 SEND_F0.0>1 R0.0 RECV_B0.0<1 B0.0"
     validate(program)
+
+
+# ---- split_backward ------------------------------------------------------------------------------------
+
+def test_split_backward_puts_the_gradient_send_between_i_and_w():
+    program = compile_program("1f1b", 2, 3, split_backward=True)
+    rank1 = [str(i) for i in program.ranks[1]]
+    for mb in range(3):
+        at = rank1.index(f"I1.{mb}")
+        assert rank1[at + 1:at + 3] == [f"SEND_B1.{mb}>0", f"W1.{mb}"] or \
+            (rank1[at + 1].startswith("RECV_F") and rank1[at + 2:at + 4] == [f"SEND_B1.{mb}>0", f"W1.{mb}"])
+    assert {i.op for i in program.ranks[0]} == {Op.F, Op.B, Op.SEND_F, Op.RECV_B}  # stage 0 sends no gradient
+
+
+def test_split_backward_flags_per_stage_and_their_errors():
+    base = build("gpipe", 2, 2)
+    both = split_backward(base, [True, True])
+    assert [str(i) for i in both.ranks[0]] == ["F0.0", "F0.1", "I0.0", "W0.0", "I0.1", "W0.1"]
+    assert split_backward(base, False).ranks == base.ranks
+    with pytest.raises(ValueError, match="split_backward has 3 flags but the program has 2 stages"):
+        split_backward(base, [True, True, False])
+    with pytest.raises(ValueError, match="split_backward takes a compute-only program"):
+        split_backward(add_send_recv(base), True)
+    with pytest.raises(ScheduleArgumentError, match=r"split_backward='yes': split_backward must be True, False"):
+        compile_program("gpipe", 2, 2, split_backward="yes")
+
+
+def test_split_backward_shortens_1f1b_when_messages_take_time():
+    # p=2, m=4, F=1, B=2 (I=W=1), latency 0.5: fused, each steady-state microbatch waits for rank 1's whole B
+    # and two messages; split, rank 0 gets the gradient after rank 1's I, one W (1 s) sooner
+    cost = CostModel(forward=1.0, backward=2.0, latency=0.5)
+    fused = simulate(compile_program("1f1b", 2, 4), cost).makespan
+    split = simulate(compile_program("1f1b", 2, 4, split_backward=True), cost).makespan
+    assert (fused, split) == (17.0, 15.0)

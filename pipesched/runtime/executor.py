@@ -17,6 +17,7 @@ from .failure import CommError
 from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, meta_of, tag_of
 from .microbatch import as_tuple
 from .recompute import keep_nothing, replay_rng, rng_state
+from .split import backward_input, backward_weight
 from .transport import Transport, wait
 
 FORWARD_OPS = (Op.F, Op.SEND_F, Op.RECV_F)
@@ -271,18 +272,13 @@ class Executor:
         s, mb = instr.stage, instr.microbatch
         roots, grads = self._backward_roots(s, mb)
         inputs, _ = self.step.inputs.pop((s, mb))
-        need = [t for t in inputs if t.requires_grad]
-        got = torch.autograd.grad(roots, need, grads, retain_graph=True, allow_unused=True) if need and roots else ()
+        got, self.step.wgrad[(s, mb)] = backward_input(roots, grads, inputs, self.params[s])
         if s > 0:
-            self.step.input_grads[(s, mb)] = tuple(
-                g if g is not None else torch.zeros_like(t) for g, t in zip(got, need))
-        self.step.wgrad[(s, mb)] = (roots, grads)
+            self.step.input_grads[(s, mb)] = got
 
     def _w(self, instr):
         s, mb = instr.stage, instr.microbatch
-        roots, grads = self.step.wgrad.pop((s, mb))
-        if roots and self.params[s]:
-            torch.autograd.backward(roots, grads, inputs=self.params[s])
+        backward_weight(self.step.wgrad.pop((s, mb)))
         self._release(s, mb)
 
     def _release(self, s, mb):

@@ -46,6 +46,12 @@ class Pipeline:
         dp_size: data-parallel replicas of the pipeline.
         recompute: ``False``, ``True`` or one bool per stage: keep only the stage input for backward and
             re-run the forward (same RNG state) right before it.
+        split_backward: run the backward of a stage as ``I`` (input gradient), then the send of that
+            gradient, then ``W`` (weight gradients), so the previous stage's rank does not wait for this
+            one's weight gradients (see :mod:`pipesched.runtime.split`; gradients are bitwise the same).
+            ``False`` (default): a fused ``B``; ``True``: every stage whose input gradient goes to another
+            rank; or one bool per stage. It pays off when a message's latency is large next to the
+            weight-gradient half; on small layers its bookkeeping costs more (README, Benchmarks).
         timeout: seconds any rank waits for a message or collective before failing the step.
     Raises:
         TypeError, ValueError (incl. ``ScheduleArgumentError``), UnknownScheduleError: a bad argument,
@@ -54,7 +60,7 @@ class Pipeline:
 
     def __init__(self, model, schedule: str = "1f1b", num_microbatches: int = 1, loss_fn=None,
                  virtual_stages: int | None = None, balance=None, dp_size: int = 1, recompute=False,
-                 timeout: float = 300.0) -> None:
+                 split_backward=False, timeout: float = 300.0) -> None:
         check_positive("num_microbatches", num_microbatches, 1)
         check_positive("dp_size", dp_size, 1)
         if virtual_stages is not None:
@@ -67,7 +73,7 @@ class Pipeline:
         world, rank = _world()
         grid = make_grid(rank, world, dp_size)
         self.program: Program = compile_program(schedule, grid.pp_size, num_microbatches, virtual_stages,
-                                                dp_size, recompute)
+                                                dp_size, recompute, split_backward)
         self.balance = resolve_balance(layers, self.program.num_stages, balance)
         self.grid, self.loss_fn, self.timeout = grid, loss_fn, float(timeout)
         self.stages = build_stages(layers, self.balance, self.program.stages_of(grid.pp_rank))

@@ -21,11 +21,12 @@ def _data(seed, n=8, width=8):
     return torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)
 
 
-def transparency(rank, schedule, v, m=4, n=8, steps=3, layers=8, balance=None):
-    """Several optimizer steps; per step: loss equal, grads bitwise; at the end params bitwise."""
+def transparency(rank, schedule, v, m=4, n=8, steps=3, layers=8, balance=None, **options):
+    """Several optimizer steps; per step: loss equal, grads bitwise; at the end params bitwise.
+    ``options``: more Pipeline arguments (split_backward, recompute)."""
     model, ref = pair(num_layers=layers)
     pipe = Pipeline(model, schedule=schedule, num_microbatches=m, loss_fn=F.mse_loss, virtual_stages=v,
-                    balance=balance)
+                    balance=balance, **options)
     opt, ref_opt = torch.optim.AdamW(pipe.parameters(), lr=0.01), torch.optim.AdamW(ref.parameters(), lr=0.01)
     out = []
     for step in range(steps):
@@ -37,7 +38,8 @@ def transparency(rank, schedule, v, m=4, n=8, steps=3, layers=8, balance=None):
                     "bitwise": equal, "worst": worst})
         opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
     return {"steps": out, "params_equal": params_equal(pipe, model, ref),
-            "events": len(pipe.timeline().events), "stream": len(pipe.program.ranks[pipe.pp_rank])}
+            "events": len(pipe.timeline().events), "stream": len(pipe.program.ranks[pipe.pp_rank]),
+            "ops": sorted({e.instr.op.value for e in pipe.timeline().events})}
 
 
 def tuple_flow(rank):
@@ -167,31 +169,13 @@ def accumulate(rank):
     return grad_report(pipe, model, ref)
 
 
-def split_backward(rank):
-    """A hand-written program with I + W instead of B (the zero-bubble split) gives the same grads, bitwise."""
-    from pipesched import Instr, Op
-    from pipesched.runtime.executor import Executor
-
-    base = pipesched.build("1f1b", 2, 4)
-    streams = [[x for i in st for x in ((Instr(Op.I, i.stage, i.microbatch), Instr(Op.W, i.stage, i.microbatch))
-                                         if i.op is Op.B else (i,))] for st in base.ranks]
-    program = pipesched.validate(pipesched.add_send_recv(base.replace(streams)))
-    model, ref = pair()
-    pipe = Pipeline(model, schedule="1f1b", num_microbatches=4, loss_fn=F.mse_loss)
-    pipe.program = program
-    pipe._executor = Executor(program, pipe.pp_rank, pipe.stages, pipe._executor.transport, None, F.mse_loss,
-                              [False, False], pipe.device)
-    x, y = _data(4)
-    loss = pipe.step(x, target=y)
-    ref_loss = reference_step(ref, x, y, 4)
-    ops = sorted({e.instr.op.value for e in pipe.timeline().events})
-    return {"loss_equal": bool(torch.equal(loss, ref_loss)), "grads": grad_report(pipe, model, ref)[:2], "ops": ops}
-
-
 def two_rank_suite(rank):
-    results = {"small": small_batches(rank), "records": last_step_records(rank), "accumulate": accumulate(rank), "split": split_backward(rank)}
+    results = {"small": small_batches(rank), "records": last_step_records(rank), "accumulate": accumulate(rank)}
     for schedule, v in SCHEDULES:
         results[("transparency", schedule)] = transparency(rank, schedule, v)
+        results[("split", schedule)] = transparency(rank, schedule, v, steps=2, split_backward=True)
+    # every stage split, stage 0 too (its input needs no gradient: its W is the whole backward), recomputed
+    results["split_all"] = transparency(rank, "1f1b", 1, steps=2, split_backward=[True, True], recompute=True)
     results["uneven"] = transparency(rank, "1f1b", 1, m=4, n=10, steps=1)
     results["tuple"] = tuple_flow(rank)
     results["seq"] = seq_lengths(rank)
@@ -210,10 +194,11 @@ def two_rank_suite(rank):
     return results
 
 
-def dp_case(rank, schedule, v):
+def dp_case(rank, schedule, v, **options):
     """DP x PP = 2 x 2: replica k trains on shard k; grads = mean of the shards' reference grads."""
     model, ref = pair()
-    pipe = Pipeline(model, schedule=schedule, num_microbatches=4, loss_fn=F.mse_loss, virtual_stages=v, dp_size=2)
+    pipe = Pipeline(model, schedule=schedule, num_microbatches=4, loss_fn=F.mse_loss, virtual_stages=v, dp_size=2,
+                    **options)
     x, y = _data(3, n=16)
     shard = pipe.grid.dp_rank
     loss = pipe.step(x[shard * 8:(shard + 1) * 8], target=y[shard * 8:(shard + 1) * 8])
@@ -267,8 +252,10 @@ def four_rank_suite(rank):
     for schedule, v in SCHEDULES:
         results[("transparency", schedule)] = transparency(rank, schedule, v, steps=2)
     results["m<p"] = transparency(rank, "1f1b", 1, m=2, n=8, steps=2)
+    results["split"] = transparency(rank, "interleaved-1f1b", 2, steps=2, split_backward=True)
     for schedule, v in SCHEDULES:
         results[("dp", schedule)] = dp_case(rank, schedule, v)
+    results["dp_split"] = dp_case(rank, "1f1b", 1, split_backward=True)
     results["failure"] = failing_case(rank, fail_rank=2, fail_mb=1, world=4, linger=1.0)
     # DP x PP = 2 x 2: world rank 1 (replica 0, stage 1) fails; replica 1 learns it at its all-reduce
     results["dp_failure"] = failing_case(rank, fail_rank=1, fail_mb=1, world=4, dp_size=2, linger=1.0)

@@ -63,7 +63,32 @@ def test_gradients_accumulate_across_steps_like_plain_pytorch(two_ranks):
     assert [r["accumulate"][:2] for r in two_ranks] == [(8, True), (8, True)]
 
 
-def test_split_backward_input_then_weight_gradients_bitwise(two_ranks):
-    rank_ops = [["F", "I", "SEND_F", "RECV_B", "W"], ["F", "I", "RECV_F", "SEND_B", "W"]]
-    for results, ops in zip(two_ranks, rank_ops):
-        assert results["split"] == {"loss_equal": True, "grads": (8, True), "ops": sorted(ops)}
+@pytest.mark.parametrize("schedule", [s for s, _ in SCHEDULES])
+def test_split_backward_is_bitwise_and_runs_i_then_w_on_ranks_that_send_gradients(two_ranks, schedule):
+    # split_backward=True splits the stages whose input gradient goes to another rank: with p=2 every
+    # stage but 0, so rank 0 keeps B for stage 0 unless it also holds a later stage (interleaved)
+    ops = {0: ["B", "F", "RECV_B", "SEND_F"] + (["I", "RECV_F", "SEND_B", "W"] if schedule != "gpipe" and
+                                                 schedule != "1f1b" else []),
+           1: ["F", "I", "RECV_F", "SEND_B", "W"] + (["RECV_B", "SEND_F"] if schedule == "interleaved-1f1b" else [])}
+    for rank, results in enumerate(two_ranks):
+        case = results[("split", schedule)]
+        assert [s["bitwise"] and s["loss_equal"] for s in case["steps"]] == [True, True], (rank, case)
+        assert case["params_equal"] is True
+        assert case["ops"] == sorted(ops[rank])
+
+
+def test_split_backward_of_every_stage_with_recompute_is_bitwise(two_ranks):
+    for rank, results in enumerate(two_ranks):
+        case = results["split_all"]
+        assert [s["bitwise"] and s["loss_equal"] for s in case["steps"]] == [True, True], (rank, case)
+        expected = ["F", "I", "R", "RECV_B", "SEND_F", "W"] if rank == 0 else ["F", "I", "R", "RECV_F", "SEND_B", "W"]
+        assert case["ops"] == expected
+
+
+def test_split_backward_four_ranks_interleaved_and_with_data_parallel(four_ranks):
+    for rank, results in enumerate(four_ranks):
+        case = results["split"]
+        assert [s["bitwise"] and s["loss_equal"] for s in case["steps"]] == [True, True], (rank, case)
+        assert "W" in case["ops"] and "I" in case["ops"]
+        dp = results["dp_split"]
+        assert dp["grads"] == 8 and dp["worst"] <= 1e-6 and dp["loss_equal"] is True, (rank, dp)
