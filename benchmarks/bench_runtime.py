@@ -2,7 +2,9 @@
 
 Model 8 x (Linear(512, 512) + Tanh), batch 128, 8 microbatches, MSE, float32, one thread per process,
 p=2 ranks on gloo (127.0.0.1). Prints the median step time (forward + backward of every microbatch) of
-ours and torch's for gpipe / 1f1b / interleaved-1f1b, their ratio, and single-process references.
+ours and torch's for gpipe / 1f1b / interleaved-1f1b, their ratio, and single-process references. The row
+"1f1b split" is our 1F1B with ``split_backward=True`` (input gradient sent before the weight gradient),
+next to torch's plain Schedule1F1B.
 
     python benchmarks/bench_runtime.py [--rounds 6] [--block 10] [--warmup 5] [--profile]
 """
@@ -19,7 +21,10 @@ from torch import nn
 from pipesched.runtime import Pipeline, launch
 
 WIDTH, LAYERS, BATCH, M, P = 512, 8, 128, 8, 2
-SCHEDULES = (("gpipe", 1, "ScheduleGPipe"), ("1f1b", 1, "Schedule1F1B"), ("interleaved-1f1b", 2, "ScheduleInterleaved1F1B"))
+# (row label, our schedule, virtual stages, torch's schedule class, our split_backward)
+SCHEDULES = (("gpipe", "gpipe", 1, "ScheduleGPipe", False), ("1f1b", "1f1b", 1, "Schedule1F1B", False),
+             ("1f1b split", "1f1b", 1, "Schedule1F1B", True),
+             ("interleaved-1f1b", "interleaved-1f1b", 2, "ScheduleInterleaved1F1B", False))
 
 
 def model(seed: int = 0) -> nn.Sequential:
@@ -44,9 +49,10 @@ def _time(fn, steps: int, warmup: int, zero) -> list[float]:
     return times
 
 
-def ours(rank, schedule, v):
+def ours(rank, schedule, v, split=False):
     """(step function, zero_grad function, pipeline) of our Pipeline on this rank."""
-    pipe = Pipeline(model(), schedule=schedule, num_microbatches=M, loss_fn=F.mse_loss, virtual_stages=v)
+    pipe = Pipeline(model(), schedule=schedule, num_microbatches=M, loss_fn=F.mse_loss, virtual_stages=v,
+                    split_backward=split)
     x, y = data()
 
     def zero():
@@ -101,8 +107,8 @@ def worker(rank, rounds, block, warmup, profile):
     import torch.distributed as dist
 
     results = {}
-    for name, v, torch_name in SCHEDULES:
-        our_step, our_zero, pipe = ours(rank, name, v)
+    for label, name, v, torch_name, split in SCHEDULES:
+        our_step, our_zero, pipe = ours(rank, name, v, split)
         their_step, their_zero = theirs(rank, torch_name, v)
         _time(our_step, 0, warmup, our_zero)
         _time(their_step, 0, warmup, their_zero)
@@ -112,11 +118,11 @@ def worker(rank, rounds, block, warmup, profile):
             dist.barrier()
             other += _time(their_step, block, 0, their_zero)
             dist.barrier()
-        if profile and rank == 0 and name == "1f1b":
+        if profile and rank == 0 and label == "1f1b":
             _profile(our_step, our_zero, rounds * block)
-        elif profile and name == "1f1b":
+        elif profile and label == "1f1b":
             _time(our_step, rounds * block, 0, our_zero)
-        results[name] = (mine, other, pipe.gather_timeline().bubble_fraction)
+        results[label] = (mine, other, pipe.gather_timeline().bubble_fraction)
     return results
 
 
@@ -154,7 +160,7 @@ def main() -> None:
           f"2-rank limit {seq * 1e3:.1f}/2 x (m+p-1)/m = {limit * 1e3:.1f} ms")
     print(f"{'schedule':<18}{'ours':>8}{'torch':>8}{'ours/torch':>12}{'ours/limit':>12}{'bubble':>8}"
           f"{'best ours':>11}{'best torch':>11}")
-    for name, _, _ in SCHEDULES:
+    for name, *_ in SCHEDULES:
         per_step = [[max(r[name][k][i] for r in results) for i in range(steps)] for k in (0, 1)]
         ours_t, torch_t = (statistics.median(t) for t in per_step)
         # the quietest block of each: the least disturbed by other load on the machine
