@@ -74,9 +74,13 @@ class Executor:
         dp_group: the data-parallel group (``None`` when ``program.dp_size == 1``).
         loss_fn: ``loss_fn(output, target) -> scalar tensor`` on the last stage.
         recompute: per stage, whether its forward is recomputed (the program has R for it).
+        hoist: post receives early (:func:`_hoist_recvs`) once message shapes are known. Only for a backend
+            that matches messages by tag and whose receives do not hold up later sends (gloo); with NCCL,
+            where the ops between two ranks share one stream, every message runs at its program position.
     """
 
-    def __init__(self, program, pp_rank, stages, transport: Transport, dp_group, loss_fn, recompute, device):
+    def __init__(self, program, pp_rank, stages, transport: Transport, dp_group, loss_fn, recompute, device,
+                 hoist: bool = True):
         self.program, self.pp_rank, self.stages = program, pp_rank, stages
         self.transport, self.dp_group, self.loss_fn = transport, dp_group, loss_fn
         self.recompute, self.device = recompute, device
@@ -89,8 +93,9 @@ class Executor:
                  Op.RECV_B: self._recv_b, Op.ALL_REDUCE: self._all_reduce}
         stream = program.ranks[pp_rank]
         forward = [i for i in stream if i.op in FORWARD_OPS]
-        self.plans = {(train, hoist): [(table[i.op], i) for i in (_hoist_recvs(st, RECV_AHEAD) if hoist else st)]
-                      for train, st in ((True, stream), (False, forward)) for hoist in (False, True)}
+        self.plans = {(train, early): [(table[i.op], i) for i in (_hoist_recvs(st, RECV_AHEAD) if early else st)]
+                      for train, st in ((True, stream), (False, forward)) for early in (False, hoist)}
+        self.hoist = hoist
         self.current = None  # the instruction running now (for error reports)
         self.events: list = []
         self.step = None
@@ -99,10 +104,9 @@ class Executor:
 
     # ---- the loop ---------------------------------------------------------------------------------
 
-    def run(self, inputs: StepInputs, t0: float, loss_recv=None):
+    def run(self, inputs: StepInputs, t0: float):
         """Run one step. Returns ``(total loss or None, last-stage outputs {mb: output}, peak bytes)``.
 
-        ``loss_recv``: the posted receive of the loss (ranks without the last stage), waited at the end.
         Raises whatever a handler raises; ``self.current`` names the instruction.
         """
         self.step = st = _Step(inputs)
@@ -110,18 +114,26 @@ class Executor:
         self._step_t0 = t0
         clock = time.perf_counter
         # receives are posted early once the message shapes are known (not while learning them)
-        for handler, instr in self.plans[(inputs.train, not inputs.learning)]:
+        for handler, instr in self.plans[(inputs.train, not inputs.learning and self.hoist)]:
             self.current = instr
             self.waited = start = clock()
             handler(instr)
             events.append([instr, max(start, self.waited) - t0, clock() - t0])  # compute starts after its waits
         self.current = None
-        loss = self._finish(loss_recv)
+        loss = self._finish()
         self.step = None
         return loss, st.outputs, st.peak
 
-    def _finish(self, loss_recv):
+    def _finish(self):
+        """End of the stream: the loss message (the last message between any two ranks in a step, sent and
+        received after every instruction), then every send and all-reduce waited for."""
         st = self.step
+        loss_recv = None
+        if st.io.train and self.last in self.local:
+            self._send_loss()
+        elif st.io.train:
+            loss_recv = self.transport.post([((2,), torch.float64)], self.program.stage_to_rank[-1], TAG_LOSS,
+                                            "the step loss")
         for pending in list(st.act_sends.values()) + [st.other_sends]:
             for work, _ in pending:
                 wait(work, "a send")
@@ -180,8 +192,6 @@ class Executor:
         if loss is not None:
             st.losses[mb] = loss.detach()
             roots = (loss,)
-            if len(st.losses) == self.program.num_microbatches:
-                self._send_loss()
         else:
             roots = self._stash(s, mb, out)
         if not redo:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from .. import compile_program
 from ..ir import Program
 from ..schedules._common import check_positive
-from .comm import TAG_LOSS, make_grid, make_groups
+from .comm import make_grid, make_groups
 from .executor import StepInputs, Executor
 from .handshake import Handshake, Rejected
 from .failure import CommError, FailureChannel, PipelineError, failure_info
@@ -86,7 +86,8 @@ class Pipeline:
         flags = _recompute_flags(self.program)
         self._executor = Executor(self.program, grid.pp_rank, self.stages,
                                   Transport(self._pp_group, self.program.num_stages, self.device),
-                                  self._dp_group, loss_fn, flags, self.device)
+                                  self._dp_group, loss_fn, flags, self.device,
+                                  hoist=dist.get_backend(self._pp_group) == "gloo")
         self._handshake = Handshake(self._executor.transport, self.program, grid.pp_rank, self.device)
         self._metas: OrderedDict = OrderedDict()  # signature -> {("in"|"out", stage, mb): meta}
         self._records = {"step": None, "forward": None}  # the last step()'s and the last forward()'s
@@ -210,12 +211,8 @@ class Pipeline:
         learning = metas is None
         inputs = StepInputs(train, micro, is_tuple, targets, [n / total for n in sizes],
                             {} if learning else metas, learning)
-        loss_recv = None
-        if train and not self._has_last:
-            loss_recv = self._executor.transport.post([((2,), torch.float64)],
-                                                      self.program.stage_to_rank[-1], TAG_LOSS, "the step loss")
         wall0, t0 = time.time(), time.perf_counter()
-        loss, outputs, peak = self._executor.run(inputs, t0, loss_recv)
+        loss, outputs, peak = self._executor.run(inputs, t0)
         self._handshake.settle()
         self._remember(key, inputs.metas)
         self._records["step" if train else "forward"] = {
@@ -223,10 +220,6 @@ class Pipeline:
         if train:
             return loss
         return merge([as_tuple(outputs[i])[0] for i in range(m)], as_tuple(outputs[0])[1]) if outputs else None
-
-    @property
-    def _has_last(self) -> bool:
-        return self.program.num_stages - 1 in self.stages
 
     def _targets(self, target, total):
         if target is None:

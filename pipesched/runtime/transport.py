@@ -8,16 +8,20 @@ from .failure import CommError
 
 
 class Pending:
-    """A posted receive: its work, buffer and specs (``None`` while only the meta header is posted)."""
+    """A posted receive: its work, buffer, specs, and the meta its header carried (``None`` when the
+    receiver knew the meta already)."""
 
-    __slots__ = ("work", "buf", "specs", "peer", "tag", "what")
+    __slots__ = ("work", "buf", "specs", "peer", "what", "meta")
 
-    def __init__(self, work, buf, specs, peer, tag, what):
-        self.work, self.buf, self.specs, self.peer, self.tag, self.what = work, buf, specs, peer, tag, what
+    def __init__(self, work, buf, specs, peer, what, meta=None):
+        self.work, self.buf, self.specs, self.peer, self.what, self.meta = work, buf, specs, peer, what, meta
 
 
 class Transport:
-    """Messages between the ranks of one pipeline group (group-local ranks)."""
+    """Messages between the ranks of one pipeline group (group-local ranks).
+
+    Between two ranks, messages are received in the order they are sent (each side posts in program
+    order), so the matching is right whether the backend matches by tag (gloo) or by order (NCCL)."""
 
     def __init__(self, group, num_stages: int, device: torch.device) -> None:
         self.group = group
@@ -44,22 +48,26 @@ class Transport:
 
     def post(self, specs, peer: int, tag: int, what: str) -> Pending:
         """Post the receive of a message of ``specs`` ((shape, dtype) per tensor)."""
-        return self._recv(empty_for(specs, self.device), specs, peer, tag, tag, what)
+        buf = empty_for(specs, self.device)
+        try:
+            return Pending(self.group.recv([buf], peer, tag), buf, specs, peer, what)
+        except RuntimeError as exc:
+            raise CommError(what, exc, peer) from None
 
     def post_act(self, meta, peer: int, stage: int, microbatch: int, what: str) -> Pending:
-        """Post the receive of stage ``stage``'s output: its payload if ``meta`` is known, else its header."""
+        """Post the receive of stage ``stage``'s output. If ``meta`` is unknown, first receive the meta header
+        (this blocks until it arrives) and post the payload it describes, so the payload's receive is posted
+        before any later message from ``peer``: the pending receive then carries the meta."""
         tag = tag_of("act", stage, microbatch, self.num_stages)
         if meta is not None:
             return self.post([(s, d) for s, d, _ in meta[1]], peer, tag, what)
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        header_tag = tag_of("act_header", stage, microbatch, self.num_stages)
-        return self._recv(header, None, peer, header_tag, tag, what)
-
-    def _recv(self, buf, specs, peer, recv_tag, payload_tag, what) -> Pending:
-        try:
-            return Pending(self.group.recv([buf], peer, recv_tag), buf, specs, peer, payload_tag, what)
-        except RuntimeError as exc:
-            raise CommError(what, exc, peer) from None
+        header = self.post([((HEADER_LEN,), torch.int64)], peer, tag_of("act_header", stage, microbatch,
+                                                                          self.num_stages), what)
+        wait(header.work, what, peer)
+        meta = decode_meta(header.buf)
+        pending = self.post([(s, d) for s, d, _ in meta[1]], peer, tag, what)
+        pending.meta = meta
+        return pending
 
     def wait(self, pending: Pending):
         """Wait for a posted receive; returns ``(tensors, meta or None)`` (the meta when a header came).
@@ -67,13 +75,8 @@ class Transport:
         Raises:
             CommError: the peer is gone or the wait timed out.
         """
-        meta = None
         wait(pending.work, pending.what, pending.peer)
-        if pending.specs is None:  # a header: now post the payload it describes
-            meta = decode_meta(pending.buf)
-            pending = self.post([(s, d) for s, d, _ in meta[1]], pending.peer, pending.tag, pending.what)
-            wait(pending.work, pending.what, pending.peer)
-        return unpack(pending.buf, pending.specs), meta
+        return unpack(pending.buf, pending.specs), pending.meta
 
 
 def wait(work, what: str, peer: int | None = None) -> None:

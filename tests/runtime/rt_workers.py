@@ -21,12 +21,14 @@ def _data(seed, n=8, width=8):
     return torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)
 
 
-def transparency(rank, schedule, v, m=4, n=8, steps=3, layers=8, balance=None, **options):
+def transparency(rank, schedule, v, m=4, n=8, steps=3, layers=8, balance=None, hoist=True, **options):
     """Several optimizer steps; per step: loss equal, grads bitwise; at the end params bitwise.
-    ``options``: more Pipeline arguments (split_backward, recompute)."""
+    ``options``: more Pipeline arguments (split_backward, recompute); ``hoist=False``: every message at its
+    program position, as with NCCL."""
     model, ref = pair(num_layers=layers)
     pipe = Pipeline(model, schedule=schedule, num_microbatches=m, loss_fn=F.mse_loss, virtual_stages=v,
                     balance=balance, **options)
+    pipe._executor.hoist = hoist
     opt, ref_opt = torch.optim.AdamW(pipe.parameters(), lr=0.01), torch.optim.AdamW(ref.parameters(), lr=0.01)
     out = []
     for step in range(steps):
@@ -169,6 +171,30 @@ def accumulate(rank):
     return grad_report(pipe, model, ref)
 
 
+def message_order(rank, schedule, v, hoist):
+    """Every (peer, tag) this rank sends and every receive it posts, in call order, over a step that
+    learns the shapes, a step that knows them and a forward; ``hoist=False`` runs the NCCL discipline."""
+    pipe = Pipeline(mlp(), schedule=schedule, num_microbatches=4, loss_fn=F.mse_loss, virtual_stages=v)
+    pipe._executor.hoist = hoist
+    transport, sent, posted = pipe._executor.transport, [], []
+    send, post = transport.send, transport.post
+
+    def logged_send(tensors, peer, tag):
+        sent.append((peer, tag))
+        return send(tensors, peer, tag)
+
+    def logged_post(specs, peer, tag, what):
+        posted.append((peer, tag))
+        return post(specs, peer, tag, what)
+
+    transport.send, transport.post = logged_send, logged_post
+    x, y = _data(0)
+    pipe.step(x, target=y)
+    pipe.step(x, target=y)
+    pipe.forward(x)
+    return {"sent": sent, "posted": posted}
+
+
 def two_rank_suite(rank):
     results = {"small": small_batches(rank), "records": last_step_records(rank), "accumulate": accumulate(rank)}
     for schedule, v in SCHEDULES:
@@ -178,6 +204,10 @@ def two_rank_suite(rank):
     results["split_all"] = transparency(rank, "1f1b", 1, steps=2, split_backward=[True, True], recompute=True)
     results["uneven"] = transparency(rank, "1f1b", 1, m=4, n=10, steps=1)
     results["tuple"] = tuple_flow(rank)
+    for schedule, v in SCHEDULES:
+        for hoist in (True, False):
+            results[("order", schedule, hoist)] = message_order(rank, schedule, v, hoist)
+    results["no_hoist"] = transparency(rank, "interleaved-1f1b", 2, steps=2, hoist=False, split_backward=True)
     results["seq"] = seq_lengths(rank)
     for schedule, v in SCHEDULES:
         results[("recompute", schedule)] = recompute_bitwise(rank, schedule, v)

@@ -5,6 +5,8 @@ import torch
 
 import pytest
 
+from rt_cases import SCHEDULES
+
 pytestmark = pytest.mark.multiprocess
 
 
@@ -80,3 +82,21 @@ def test_one_process_pipeline_equals_the_model():
     from pipesched.runtime import launch
     (loss_equal, (count, bitwise, _)), = launch(_single, 1)
     assert (loss_equal, count, bitwise) == (True, 6, True)
+
+
+@pytest.mark.parametrize("hoist", [True, False], ids=["gloo-early-receives", "program-order"])
+@pytest.mark.parametrize("schedule", [s for s, _ in SCHEDULES])
+def test_between_two_ranks_receives_are_posted_in_the_order_the_messages_are_sent(two_ranks, schedule, hoist):
+    # NCCL matches point-to-point messages by order, not tag: what rank a sends to rank b must be what b
+    # posts from a, in the same order — on the step that learns shapes (headers), the next and a forward
+    logs = [results[("order", schedule, hoist)] for results in two_ranks]
+    for a, b in ((0, 1), (1, 0)):
+        sent = [tag for peer, tag in logs[a]["sent"] if peer == b]
+        posted = [tag for peer, tag in logs[b]["posted"] if peer == a]
+        assert len(sent) > 8 and sent == posted, (a, b)
+
+
+def test_program_order_messaging_is_bitwise_too(two_ranks):
+    for rank, results in enumerate(two_ranks):
+        case = results["no_hoist"]
+        assert [s["bitwise"] and s["loss_equal"] for s in case["steps"]] == [True, True], (rank, case)
