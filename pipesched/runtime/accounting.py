@@ -42,6 +42,21 @@ def _identity(t):
     return t
 
 
+def cuda_memory_base(device) -> int | None:
+    """On CUDA: reset ``device``'s peak-memory statistics and return the bytes allocated now; else ``None``."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def cuda_peak_since(device, base: int | None) -> int | None:
+    """On CUDA: the peak bytes allocated since :func:`cuda_memory_base` returned ``base``, above ``base``."""
+    if base is None:
+        return None
+    return torch.cuda.max_memory_allocated(device) - base
+
+
 def tensor_bytes(tensors) -> int:
     """Sum of ``numel x element_size`` over ``tensors``."""
     return sum(t.numel() * t.element_size() for t in tensors)

@@ -75,19 +75,21 @@ def make_grid(world_rank: int, world_size: int, dp_size: int) -> Grid:
     return Grid(world_rank, world_size, world_size // dp_size, dp_size)
 
 
-def make_groups(grid: Grid, timeout: float):
+def make_groups(grid: Grid, timeout: float, device: torch.device):
     """Create every replica's pipeline group and every pipeline rank's DP group (collective over the world,
-    same order on every rank); return ``(my_pp_group, my_dp_group or None)``. Waits on them time out after
-    ``timeout`` seconds."""
+    same order on every rank); return ``(my_pp_group, my_dp_group or None)``. Their backend follows the
+    device the stages live on (NCCL for CUDA, gloo otherwise), whatever the default group's is. Waits on
+    them time out after ``timeout`` seconds."""
     delta = datetime.timedelta(seconds=timeout)
+    backend = "nccl" if device.type == "cuda" else "gloo"
     pp_group = dp_group = None
     for k in range(grid.dp_size):
-        group = dist.new_group(list(grid.pipeline_ranks(k)), timeout=delta)
+        group = dist.new_group(list(grid.pipeline_ranks(k)), timeout=delta, backend=backend)
         if k == grid.dp_rank:
             pp_group = group
     if grid.dp_size > 1:
         for r in range(grid.pp_size):
-            group = dist.new_group(list(grid.dp_ranks(r)), timeout=delta)
+            group = dist.new_group(list(grid.dp_ranks(r)), timeout=delta, backend=backend)
             if r == grid.pp_rank:
                 dp_group = group
     return pp_group, dp_group

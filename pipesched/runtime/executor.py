@@ -6,8 +6,6 @@ instruction; the executor records when each started and ended (a measured
 """
 from __future__ import annotations
 
-import time
-
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -18,6 +16,7 @@ from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, meta_of, tag_of
 from .microbatch import as_tuple
 from .recompute import keep_nothing, replay_rng, rng_state
 from .split import backward_input, backward_weight
+from .clock import clock_for
 from .transport import Transport, wait
 
 FORWARD_OPS = (Op.F, Op.SEND_F, Op.RECV_F)
@@ -97,28 +96,30 @@ class Executor:
                       for train, st in ((True, stream), (False, forward)) for early in (False, hoist)}
         self.hoist = hoist
         self.current = None  # the instruction running now (for error reports)
-        self.events: list = []
+        self.clock = clock_for(device)
+        self.events: list = []  # [instr, start mark, end mark] per instruction run, see pipesched.runtime.clock
+        self.origin = None  # the mark of the step's start
         self.step = None
-        self._step_t0 = 0.0
-        self.waited = 0.0
+        self.waited = None
 
     # ---- the loop ---------------------------------------------------------------------------------
 
-    def run(self, inputs: StepInputs, t0: float):
-        """Run one step. Returns ``(total loss or None, last-stage outputs {mb: output}, peak bytes)``.
+    def run(self, inputs: StepInputs):
+        """Run one step. Returns ``(total loss or None, last-stage outputs {mb: output}, peak bytes)``;
+        ``self.events`` then holds the step's marks: ``self.clock.seconds(self.origin, marks)`` gives seconds.
 
         Raises whatever a handler raises; ``self.current`` names the instruction.
         """
         self.step = st = _Step(inputs)
         self.events = events = []
-        self._step_t0 = t0
-        clock = time.perf_counter
+        mark = self.clock.mark
+        self.origin = mark()
         # receives are posted early once the message shapes are known (not while learning them)
         for handler, instr in self.plans[(inputs.train, not inputs.learning and self.hoist)]:
             self.current = instr
-            self.waited = start = clock()
+            self.waited = mark()
             handler(instr)
-            events.append([instr, max(start, self.waited) - t0, clock() - t0])  # compute starts after its waits
+            events.append([instr, self.waited, mark()])  # a handler that waits for data moves its start past it
         self.current = None
         loss = self._finish()
         self.step = None
@@ -160,8 +161,8 @@ class Executor:
             outs, is_tuple = st.fwd_out.pop((s - 1, mb))
             return tuple(o.detach().requires_grad_(o.requires_grad) for o in outs), is_tuple
         tensors, meta = self.transport.wait(st.pending.pop(("act", s, mb)))
-        self.waited = time.perf_counter()
-        self.events[st.recv_event.pop(("act", s, mb))][2] = self.waited - self._step_t0
+        self.waited = self.clock.mark()
+        self.events[st.recv_event.pop(("act", s, mb))][2] = self.waited
         if meta is not None:
             st.io.metas[("in", s, mb)] = meta
         meta = st.io.metas[("in", s, mb)]
@@ -257,8 +258,8 @@ class Executor:
         if pending is None:
             return ()
         tensors, _ = self.transport.wait(pending)
-        self.waited = time.perf_counter()
-        self.events[st.recv_event.pop(("grad", s, mb))][2] = self.waited - self._step_t0
+        self.waited = self.clock.mark()
+        self.events[st.recv_event.pop(("grad", s, mb))][2] = self.waited
         return tensors
 
     def _backward_roots(self, s, mb):

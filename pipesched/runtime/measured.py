@@ -13,7 +13,7 @@ def local_timeline(record: dict, program, pp_rank: int) -> Timeline:
     """This rank's events of the last step (seconds from its start); ``peak_activation_bytes`` holds this
     rank's measured peak and NaN for the other ranks."""
     peaks = tuple(float(record["peak"]) if r == pp_rank else math.nan for r in range(program.num_ranks))
-    events = tuple(Event(pp_rank, instr, start, end) for instr, start, end in record["events"])
+    events = tuple(Event(pp_rank, instr, start, end) for instr, start, end in seconds(record))
     return Timeline(events, program.num_ranks, "measured", _meta(record, program),
                     _inflight(program, record["train"]), peaks)
 
@@ -24,7 +24,7 @@ def gather_timeline(record: dict, program, pp_rank: int, group) -> Timeline:
     Clocks are aligned with each rank's wall-clock time at its step start (exact on one host; across
     hosts as good as their clock synchronisation): time 0 is the earliest rank's start.
     """
-    mine = (pp_rank, record["wall0"], [(str(i), s, e) for i, s, e in record["events"]], record["peak"])
+    mine = (pp_rank, record["wall0"], [(str(i), s, e) for i, s, e in seconds(record)], record["peak"])
     gathered = [None] * program.num_ranks
     dist.all_gather_object(gathered, mine, group=group)
     origin = min(g[1] for g in gathered)
@@ -41,7 +41,17 @@ def _meta(record: dict, program) -> dict:
     return {"schedule": program.schedule, "ranks": program.num_ranks, "microbatches": program.num_microbatches,
             "virtual_stages": program.num_stages // max(1, program.num_ranks), "dp_size": program.dp_size,
             "dp_rank": record["dp_rank"], "step": "train" if record["train"] else "forward",
-            "clock": "time.perf_counter"}
+            "clock": record["clock"].name}
+
+
+def seconds(record: dict) -> list:
+    """``(instr, start, end)`` in seconds from the step's start, from the marks the executor recorded (turned
+    into seconds once, when first asked: on CUDA this waits for the step's events)."""
+    if "seconds" not in record:
+        marks = [m for _, start, end in record["events"] for m in (start, end)]
+        at = record["clock"].seconds(record["origin"], marks)
+        record["seconds"] = [(instr, at[2 * k], at[2 * k + 1]) for k, (instr, _, _) in enumerate(record["events"])]
+    return record["seconds"]
 
 
 def _inflight(program, train: bool) -> tuple[int, ...]:

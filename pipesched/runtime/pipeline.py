@@ -15,6 +15,7 @@ from .. import compile_program
 from ..ir import Program
 from ..schedules._common import check_positive
 from .comm import make_grid, make_groups
+from .accounting import cuda_memory_base, cuda_peak_since
 from .executor import StepInputs, Executor
 from .handshake import Handshake, Rejected
 from .failure import CommError, FailureChannel, PipelineError, failure_info
@@ -37,7 +38,10 @@ class Pipeline:
     Args:
         model: ``nn.Sequential`` or list of modules, identical on every rank (this rank keeps its stages'
             layers, which stay shared with ``model``). A stage passes a tensor or a tuple of tensors
-            (any dtype) to the next, as ``nn.Sequential`` passes them from layer to layer.
+            (any dtype) to the next, as ``nn.Sequential`` passes them from layer to layer. The device of this
+            rank's first parameter decides the rest: on CUDA, point-to-point messages use NCCL, the timeline
+            uses CUDA events, and that device is made current (``torch.cuda.set_device``); else gloo and
+            ``time.perf_counter``.
         schedule: a registered schedule name (``pipesched.SCHEDULES``).
         num_microbatches: microbatches per step ``m`` >= 1.
         loss_fn: ``loss_fn(output, target) -> scalar tensor`` (``loss_fn(output)`` when ``target`` is None).
@@ -79,8 +83,10 @@ class Pipeline:
         self.stages = build_stages(layers, self.balance, self.program.stages_of(grid.pp_rank))
         params = [p for m in self.stages.values() for p in m.parameters()]
         self.device = params[0].device if params else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL and all_gather_object use the current device
         _init_default_group(self.device)  # communication starts here
-        self._pp_group, self._dp_group = make_groups(grid, self.timeout)
+        self._pp_group, self._dp_group = make_groups(grid, self.timeout, self.device)
         names = [self._pp_group.group_name] + ([self._dp_group.group_name] if self._dp_group else [])
         self._failures = FailureChannel(dist.distributed_c10d._get_default_store(), names)
         flags = _recompute_flags(self.program)
@@ -177,6 +183,14 @@ class Pipeline:
         record = self._records["step"]
         return None if record is None else record["peak"]
 
+    @property
+    def peak_memory_allocated(self) -> int | None:
+        """On CUDA: bytes of device memory allocated at the peak of the last training :meth:`step` above what
+        was allocated when it began (``torch.cuda.max_memory_allocated``; activations, gradients and
+        temporaries alike). ``None`` on CPU or before a step. Each step resets the device's peak statistics."""
+        record = self._records["step"]
+        return None if record is None else record["allocated"]
+
     def _record(self, kind: str):
         if kind not in self._records:
             raise ValueError(f"kind must be 'step' or 'forward', got {kind!r}")
@@ -211,12 +225,15 @@ class Pipeline:
         learning = metas is None
         inputs = StepInputs(train, micro, is_tuple, targets, [n / total for n in sizes],
                             {} if learning else metas, learning)
-        wall0, t0 = time.time(), time.perf_counter()
-        loss, outputs, peak = self._executor.run(inputs, t0)
+        base = cuda_memory_base(self.device)
+        wall0 = time.time()
+        loss, outputs, peak = self._executor.run(inputs)
         self._handshake.settle()
         self._remember(key, inputs.metas)
+        ex = self._executor
         self._records["step" if train else "forward"] = {
-            "events": self._executor.events, "wall0": wall0, "peak": peak, "train": train, "dp_rank": self.grid.dp_rank}
+            "events": ex.events, "origin": ex.origin, "clock": ex.clock, "wall0": wall0, "peak": peak,
+            "allocated": cuda_peak_since(self.device, base), "train": train, "dp_rank": self.grid.dp_rank}
         if train:
             return loss
         return merge([as_tuple(outputs[i])[0] for i in range(m)], as_tuple(outputs[0])[1]) if outputs else None

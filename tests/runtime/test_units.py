@@ -163,3 +163,35 @@ def test_a_failing_rank_lingers_until_every_rank_read_its_record_at_most_its_gra
     FailureChannel(_CountingStore(1), ["g"]).keep_alive_for(info, 2, 30.0)  # the other rank never reads it
     assert linger(max_s=0.1) < 10.0  # bounded by max_s, not the 30 s grace
     assert linger() == pytest.approx(0.0, abs=5.0)  # nothing left to wait for
+
+
+def test_clocks_turn_marks_into_seconds_from_the_step_start(monkeypatch):
+    from pipesched.runtime.clock import CudaClock, HostClock, clock_for
+
+    host = HostClock()
+    assert host.seconds(10.0, [10.5, 12.0]) == [0.5, 2.0]
+    assert isinstance(clock_for(torch.device("cpu")), HostClock)
+    assert isinstance(clock_for(torch.device("cuda", 0)), CudaClock)
+
+    class FakeEvent:  # a CUDA event whose GPU time is the order it was recorded in, 4 ms apart
+        count = 0
+
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self, stream):
+            self.at_ms = 4.0 * FakeEvent.count
+            FakeEvent.count += 1
+
+        def synchronize(self):
+            self.synced = True
+
+        def elapsed_time(self, other):
+            return other.at_ms - self.at_ms
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: None)
+    clock = CudaClock(torch.device("cuda", 0))
+    origin, first, second = clock.mark(), clock.mark(), clock.mark()
+    assert clock.seconds(origin, [first, second]) == [0.004, 0.008]  # elapsed_time is ms, timelines seconds
+    assert first.synced and second.synced
