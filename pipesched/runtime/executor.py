@@ -61,7 +61,7 @@ class _Step:
         self.inputs, self.fwd_out, self.roots, self.input_grads = {}, {}, {}, {}
         self.pending, self.recv_event, self.rng, self.held, self.wgrad = {}, {}, {}, {}, {}
         self.act_sends, self.other_sends, self.reductions = {}, [], []
-        self.losses, self.outputs = {}, {}
+        self.losses, self.outputs, self.loss_recv = {}, {}, None
         self.live = self.peak = 0
 
 
@@ -94,6 +94,11 @@ class Executor:
         forward = [i for i in stream if i.op in FORWARD_OPS]
         self.plans = {(train, early): [(table[i.op], i) for i in (_hoist_recvs(st, RECV_AHEAD) if early else st)]
                       for train, st in ((True, stream), (False, forward)) for early in (False, hoist)}
+        last_rank = program.stage_to_rank[-1]
+        #: per plan, the position after which the loss receive is posted (-1: first): right after the last
+        #: receive from the last stage's rank, so it keeps that rank's send order (the loss is its last message)
+        self.loss_post = {key: max([k for k, (_, i) in enumerate(plan) if i.op in RECV_OPS and i.peer == last_rank],
+                                   default=-1) for key, plan in self.plans.items()}
         self.hoist = hoist
         self.current = None  # the instruction running now (for error reports)
         self.clock = clock_for(device)
@@ -115,26 +120,33 @@ class Executor:
         mark = self.clock.mark
         self.origin = mark()
         # receives are posted early once the message shapes are known (not while learning them)
-        for handler, instr in self.plans[(inputs.train, not inputs.learning and self.hoist)]:
+        key = (inputs.train, not inputs.learning and self.hoist)
+        loss_post = self.loss_post[key] if inputs.train and self.last not in self.local else None
+        if loss_post == -1:
+            self._post_loss()
+        for at, (handler, instr) in enumerate(self.plans[key]):
             self.current = instr
             self.waited = mark()
             handler(instr)
             events.append([instr, self.waited, mark()])  # a handler that waits for data moves its start past it
+            if at == loss_post:
+                self._post_loss()
         self.current = None
         loss = self._finish()
         self.step = None
         return loss, st.outputs, st.peak
 
+    def _post_loss(self):
+        self.step.loss_recv = self.transport.post([((2,), torch.float64)], self.program.stage_to_rank[-1], TAG_LOSS,
+                                                  "the step loss")
+
     def _finish(self):
-        """End of the stream: the loss message (the last message between any two ranks in a step, sent and
-        received after every instruction), then every send and all-reduce waited for."""
+        """End of the stream: the last stage's rank sends the loss (its last message to every rank in a step;
+        the others posted its receive after their last receive from it), then every send and all-reduce is
+        waited for."""
         st = self.step
-        loss_recv = None
         if st.io.train and self.last in self.local:
             self._send_loss()
-        elif st.io.train:
-            loss_recv = self.transport.post([((2,), torch.float64)], self.program.stage_to_rank[-1], TAG_LOSS,
-                                            "the step loss")
         for pending in list(st.act_sends.values()) + [st.other_sends]:
             for work, _ in pending:
                 wait(work, "a send")
@@ -147,7 +159,7 @@ class Executor:
             return None
         if self.last in self.local:
             return self._total_loss()
-        tensors, _ = self.transport.wait(loss_recv)
+        tensors, _ = self.transport.wait(st.loss_recv)
         value, code = tensors[0].tolist()
         return torch.tensor(value, dtype=DTYPES[int(code)], device=self.device)
 
