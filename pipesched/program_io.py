@@ -23,6 +23,7 @@ JSON form::
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 
@@ -46,6 +47,13 @@ def to_text(program: Program) -> str:
         lines.append(f"rank {rank}:")
         lines.extend(f"  {instr}" for instr in stream)
     return "\n".join(lines) + "\n"
+
+
+def fingerprint(program: Program) -> int:
+    """A 56-bit integer that differs, with overwhelming probability, between two programs whose text forms
+    differ (schedule, sizes, placement, every instruction); equal programs give equal fingerprints in every
+    process (unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(to_text(program).encode(), digest_size=7).digest(), "big")
 
 
 def from_text(text: str) -> Program:

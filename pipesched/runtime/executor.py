@@ -44,6 +44,18 @@ def _hoist_recvs(stream, ahead: int) -> list:
     return out
 
 
+def _reduced_params(params: dict, stream) -> dict:
+    """{stage: the parameters its ALL_REDUCE averages}: a parameter shared by two of this rank's stages is
+    averaged once, by the later of their ALL_REDUCEs, when both stages' gradients are in."""
+    order = {i.stage: k for k, i in enumerate(stream) if i.op is Op.ALL_REDUCE}
+    last: dict = {}  # id(param) -> the stage whose ALL_REDUCE comes last
+    for s, ps in params.items():
+        for p in ps:
+            if order.get(s, -1) >= order.get(last.get(id(p), s), -1):
+                last[id(p)] = s
+    return {s: [p for p in ps if last[id(p)] == s] for s, ps in params.items()}
+
+
 class StepInputs:
     """What one step needs: microbatches (tuples of tensors) for the first stage, targets and loss
     weights for the last, whether it trains, and the metas of its input signature (filled while learning)."""
@@ -87,6 +99,7 @@ class Executor:
         self.local = set(stages)
         self.params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in stages.items()}
         self.counter = SavedBytes(p for ps in self.params.values() for p in ps)
+        self.reduced = _reduced_params(self.params, program.ranks[pp_rank])
         table = {Op.F: self._f, Op.B: self._b, Op.I: self._i, Op.W: self._w, Op.R: self._r,
                  Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b,
                  Op.RECV_B: self._recv_b, Op.ALL_REDUCE: self._all_reduce}
@@ -348,7 +361,7 @@ class Executor:
             st.recv_event[("grad", s, mb)] = len(self.events)
 
     def _all_reduce(self, instr):
-        grads = [p.grad for p in self.params[instr.stage] if p.grad is not None]
+        grads = [p.grad for p in self.reduced[instr.stage] if p.grad is not None]
         if grads and self.dp_group is not None:
             flat = _flatten_dense_tensors(grads)  # (sum of numels,)
             try:

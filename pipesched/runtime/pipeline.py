@@ -21,7 +21,7 @@ from .handshake import Handshake, Rejected
 from .failure import CommError, FailureChannel, PipelineError, failure_info
 from .measured import gather_timeline, local_timeline
 from .microbatch import as_tuple, batch_size, merge, split, split_sizes
-from .stage import build_stages, layers_of, resolve_balance
+from .stage import build_stages, check_no_cross_rank_sharing, layers_of, resolve_balance
 from .transport import Transport
 
 _CACHE_SIZE = 32  # input signatures whose message metas are remembered
@@ -79,6 +79,7 @@ class Pipeline:
         self.program: Program = compile_program(schedule, grid.pp_size, num_microbatches, virtual_stages,
                                                 dp_size, recompute, split_backward)
         self.balance = resolve_balance(layers, self.program.num_stages, balance)
+        check_no_cross_rank_sharing(layers, self.balance, self.program.stage_to_rank)
         self.grid, self.loss_fn, self.timeout = grid, loss_fn, float(timeout)
         self.stages = build_stages(layers, self.balance, self.program.stages_of(grid.pp_rank))
         params = [p for m in self.stages.values() for p in m.parameters()]
@@ -113,9 +114,14 @@ class Pipeline:
         return tuple(self.stages)
 
     def parameters(self):
-        """This rank's parameters (those of its stages), for an optimizer."""
+        """This rank's parameters (those of its stages), each once even if two of its stages share it, for an
+        optimizer."""
+        seen = set()
         for module in self.stages.values():
-            yield from module.parameters()
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
 
     def step(self, x=None, target=None) -> torch.Tensor:
         """One training step: forward and backward of every microbatch; gradients accumulate into ``.grad``.

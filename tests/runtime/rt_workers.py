@@ -224,9 +224,12 @@ def two_rank_suite(rank):
     return results
 
 
-def dp_case(rank, schedule, v, **options):
-    """DP x PP = 2 x 2: replica k trains on shard k; grads = mean of the shards' reference grads."""
+def dp_case(rank, schedule, v, tied=False, **options):
+    """DP x PP = 2 x 2: replica k trains on shard k; grads = mean of the shards' reference grads.
+    ``tied``: layers 0 and 4 share one Linear (stages 0 and 2 of interleaved, both on pipeline rank 0)."""
     model, ref = pair()
+    if tied:
+        model[4], ref[4] = model[0], ref[0]
     pipe = Pipeline(model, schedule=schedule, num_microbatches=4, loss_fn=F.mse_loss, virtual_stages=v, dp_size=2,
                     **options)
     x, y = _data(3, n=16)
@@ -242,7 +245,7 @@ def dp_case(rank, schedule, v, **options):
         p.grad = (ref_grads[0][n] + ref_grads[1][n]) / 2
     count, _, worst = grad_report(pipe, model, ref)
     return {"loss_equal": bool(torch.equal(loss, ref_losses[shard])), "grads": count, "worst": worst,
-            "pp_rank": pipe.pp_rank, "dp_rank": shard}
+            "pp_rank": pipe.pp_rank, "dp_rank": shard, "params": len(list(pipe.parameters()))}
 
 
 def failing_case(rank, fail_rank, fail_mb, world, timeout=30.0, linger=10.0, dp_size=1):
@@ -286,6 +289,7 @@ def four_rank_suite(rank):
     for schedule, v in SCHEDULES:
         results[("dp", schedule)] = dp_case(rank, schedule, v)
     results["dp_split"] = dp_case(rank, "1f1b", 1, split_backward=True)
+    results["dp_tied"] = dp_case(rank, "interleaved-1f1b", 2, tied=True)
     results["failure"] = failing_case(rank, fail_rank=2, fail_mb=1, world=4, linger=1.0)
     # DP x PP = 2 x 2: world rank 1 (replica 0, stage 1) fails; replica 1 learns it at its all-reduce
     results["dp_failure"] = failing_case(rank, fail_rank=1, fail_mb=1, world=4, dp_size=2, linger=1.0)
@@ -306,9 +310,24 @@ def hang_case(rank, timeout):
     return {"type": None}
 
 
+def mismatch_case(rank, schedules, ms):
+    """Rank r builds its Pipeline with ``schedules[r]`` and ``ms[r]`` microbatches: a user error to report,
+    not a hang."""
+    pipe = Pipeline(mlp(num_layers=2), schedule=schedules[rank], num_microbatches=ms[rank], loss_fn=F.mse_loss,
+                    timeout=30.0)
+    start = time.monotonic()
+    try:
+        pipe.step(*_data(0))
+    except PipelineError as exc:
+        return {"rank": exc.rank, "cause": exc.cause, "elapsed": time.monotonic() - start}
+    return {"rank": None}
+
+
 def failure_suite(rank):
     hang = hang_case(rank, timeout=3.0)  # first: its stalled rank arrives late at the next group creation
-    return {"hang": hang, "raise": failing_case(rank, fail_rank=1, fail_mb=2, world=2)}
+    return {"hang": hang, "raise": failing_case(rank, fail_rank=1, fail_mb=2, world=2),
+            "other_schedule": mismatch_case(rank, ("1f1b", "gpipe"), (4, 4)),
+            "other_m": mismatch_case(rank, ("1f1b", "1f1b"), (4, 2))}
 
 
 def store_host_exits(rank, timeout):

@@ -24,6 +24,18 @@ def test_raising_layer_ends_both_ranks_with_that_ranks_error(failures):
     assert failures[1]["raise"]["cause_type"] == "ValueError"  # the failing rank chains the original
 
 
+@pytest.mark.parametrize("case, theirs, mine", [("other_schedule", "num_microbatches=4", "gpipe, num_microbatches=4"),
+                                                 ("other_m", "num_microbatches=4", "1f1b, num_microbatches=2")])
+def test_ranks_that_compiled_different_programs_fail_at_once_not_at_the_timeout(failures, case, theirs, mine):
+    for rank, results in enumerate(failures):
+        err = results[case]
+        assert err["rank"] == 1, (rank, err)  # rank 1 finds the mismatch in rank 0's step signature
+        assert err["cause"].startswith(f"RuntimeError: pipeline rank 0 compiled a different program ({theirs}, "), err
+        assert f"than this rank ({mine}, 2 stages, dp_size=1, fingerprint " in err["cause"], err
+        assert "every rank must construct Pipeline with the same schedule" in err["cause"]
+        assert err["elapsed"] < 8.0, (rank, err)  # the timeout is 30 s
+
+
 def test_a_stalled_rank_ends_the_others_after_the_timeout(failures):
     waiting = failures[0]["hang"]
     assert waiting["type"] == "PipelineError"

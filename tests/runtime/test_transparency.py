@@ -92,3 +92,12 @@ def test_split_backward_four_ranks_interleaved_and_with_data_parallel(four_ranks
         assert "W" in case["ops"] and "I" in case["ops"]
         dp = results["dp_split"]
         assert dp["grads"] == 8 and dp["worst"] <= 1e-6 and dp["loss_equal"] is True, (rank, dp)
+
+
+def test_a_layer_shared_by_two_stages_of_one_rank_is_stepped_once_and_averaged_once(four_ranks):
+    # interleaved, p=2 x v=2, dp=2: layer 4 is layer 0, so stages 0 and 2 (both on pipeline rank 0) share it
+    for rank, results in enumerate(four_ranks):
+        case = results["dp_tied"]
+        expected = 6 if case["pp_rank"] == 0 else 8  # rank 0: layers 0, 1, 5 (4 is 0); rank 1: 2, 3, 6, 7
+        assert (case["grads"], case["params"]) == (expected, expected), (rank, case)
+        assert case["worst"] <= 1e-6 and case["loss_equal"] is True, (rank, case)

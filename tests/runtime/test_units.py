@@ -195,3 +195,15 @@ def test_clocks_turn_marks_into_seconds_from_the_step_start(monkeypatch):
     origin, first, second = clock.mark(), clock.mark(), clock.mark()
     assert clock.seconds(origin, [first, second]) == [0.004, 0.008]  # elapsed_time is ms, timelines seconds
     assert first.synced and second.synced
+
+
+def test_a_tensor_shared_by_stages_on_different_ranks_is_refused():
+    from pipesched.runtime.stage import check_no_cross_rank_sharing
+
+    first, last = nn.Linear(4, 4), nn.Linear(4, 4)
+    last.weight = first.weight  # tied, like an embedding and the output layer
+    layers = [first, nn.Tanh(), nn.Linear(4, 4), last]
+    with pytest.raises(ValueError, match=r"layer 0 \(weight\) of stage 0 \(pipeline rank 0\) is also layer 3 "
+                                         r"\(weight\) of stage 1 \(pipeline rank 1\)"):
+        check_no_cross_rank_sharing(layers, [2, 2], (0, 1))
+    check_no_cross_rank_sharing(layers, [1, 1, 1, 1], (0, 1, 1, 0))  # stages 0 and 3 share rank 0: fine
