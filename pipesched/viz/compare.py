@@ -54,7 +54,8 @@ def predict_for(measured: Timeline, cost: CostModel | None = None) -> Timeline:
     """Simulate the program a measured run executed, with ``cost`` (default: :func:`fit_cost`).
 
     The program is compiled from the measured timeline's ``meta`` (``schedule``, ``ranks``,
-    ``microbatches``, ``virtual_stages``, ``dp_size``), recomputing the stages that have ``R`` events.
+    ``microbatches``, ``virtual_stages``, ``dp_size``), recomputing the stages that have ``R`` events and
+    splitting the backward of those that have ``I`` events.
 
     Raises:
         ValueError: ``meta`` does not name a registered schedule and its sizes.
@@ -67,13 +68,17 @@ def predict_for(measured: Timeline, cost: CostModel | None = None) -> Timeline:
                          f"recompile its program to predict it")
     ranks = int(meta.get("ranks", measured.num_ranks))
     v = meta.get("virtual_stages")
-    recomputed = {e.instr.stage for e in measured.events if e.instr.op is Op.R}
     stages = ranks * (int(v) if v else 1)
-    recompute = bool(recomputed) and (True if len(recomputed) == stages else
-                                      [s in recomputed for s in range(stages)])
+    recompute, split = ({e.instr.stage for e in measured.events if e.instr.op is op} for op in (Op.R, Op.I))
     program = compile_program(meta["schedule"], ranks, int(meta["microbatches"]), None if v is None else int(v),
-                              dp_size=int(meta.get("dp_size", 1)), recompute=recompute)
+                              dp_size=int(meta.get("dp_size", 1)), recompute=_flags(recompute, stages),
+                              split_backward=_flags(split, stages))
     return simulate(program, cost or fit_cost(measured), check=False)
+
+
+def _flags(stages: set, num_stages: int):
+    """``False`` for no stage, else one bool per stage."""
+    return bool(stages) and [s in stages for s in range(num_stages)]
 
 
 def simulate_like(program, measured: Timeline, cost: CostModel | None = None) -> Timeline:

@@ -33,6 +33,14 @@ def test_prediction_of_a_run_with_fitted_costs_reproduces_it():
     assert predicted.makespan == pytest.approx(timeline.makespan)
 
 
+def test_prediction_of_a_split_backward_run_splits_the_same_stages():
+    cost = CostModel(forward=1e-3, backward=2e-3, input_grad=0.8e-3, weight_grad=1.2e-3, latency=2e-4)
+    program, timeline = sim("1f1b", 2, 4, cost=cost, split_backward=True)
+    predicted = predict_for(as_measured(timeline))
+    assert sorted({str(e.instr.op) for e in predicted.events if e.rank == 1}) == ["F", "I", "RECV_F", "SEND_B", "W"]
+    assert predicted.makespan == pytest.approx(timeline.makespan)
+
+
 def test_predict_needs_the_schedule_in_meta():
     _, timeline = sim("1f1b", 2, 2)
     with pytest.raises(ValueError, match="schedule"):
