@@ -7,6 +7,7 @@ simulated and a measured run of the same program are analysed by the same code.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 from itertools import accumulate, islice, repeat
@@ -81,6 +82,8 @@ class Timeline:
             (``B``, or ``W`` for a split backward) has not yet finished.
         peak_activation_bytes: per rank, the most bytes of activations held for backward
             (``None`` where unknown).
+        ranks: the ranks whose events this timeline holds (``None``: every rank). A measured timeline of one
+            rank (``Pipeline.timeline()``) holds only that rank: the others' bubbles are unknown (NaN), not 100%.
     """
 
     events: tuple[Event, ...]
@@ -89,6 +92,7 @@ class Timeline:
     meta: dict = field(default_factory=dict)
     peak_inflight: tuple[int, ...] = ()
     peak_activation_bytes: tuple[float, ...] | None = None
+    ranks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         events = self.events
@@ -112,16 +116,17 @@ class Timeline:
         return tuple(busy)
 
     def bubble_per_rank(self) -> tuple[float, ...]:
-        """Per rank, idle seconds / makespan (idle = makespan - compute), in [0, 1]."""
+        """Per rank, idle seconds / makespan (idle = makespan - compute), in [0, 1]; NaN for a rank this
+        timeline does not hold (see ``ranks``)."""
         span = self.makespan
-        if span <= 0:
-            return tuple(0.0 for _ in range(self.num_ranks))
-        return tuple(max(0.0, span - busy) / span for busy in self.busy_per_rank())
+        held = range(self.num_ranks) if self.ranks is None else self.ranks
+        return tuple((max(0.0, span - busy) / span if span > 0 else 0.0) if rank in held else math.nan
+                     for rank, busy in enumerate(self.busy_per_rank()))
 
     @property
     def bubble_fraction(self) -> float:
-        """Total idle rank-seconds / (ranks x makespan), the field's bubble fraction."""
-        per_rank = self.bubble_per_rank()
+        """Total idle rank-seconds / (ranks x makespan), the field's bubble fraction, over the ranks held."""
+        per_rank = [b for b in self.bubble_per_rank() if not math.isnan(b)]
         return sum(per_rank) / len(per_rank) if per_rank else 0.0
 
     def summary(self) -> dict:
@@ -140,6 +145,8 @@ class Timeline:
         """A JSON-ready dict that :meth:`from_json_dict` reads back (used for saved measured runs)."""
         data = self.summary()
         data["num_ranks"] = self.num_ranks
+        data["ranks"] = None if self.ranks is None else list(self.ranks)
+        data["bubble_per_rank"] = [None if math.isnan(b) else b for b in data["bubble_per_rank"]]
         data["events"] = [[e.rank, str(e.instr), e.start, e.end] for e in self.events]
         return data
 
@@ -154,6 +161,7 @@ class Timeline:
             meta=dict(data.get("meta", {})),
             peak_inflight=tuple(data.get("peak_inflight", ())),
             peak_activation_bytes=None if peak_bytes is None else tuple(peak_bytes),
+            ranks=None if data.get("ranks") is None else tuple(data["ranks"]),
         )
 
     def save(self, path) -> None:

@@ -1,9 +1,11 @@
 """The simulator: hand-computed timelines, closed forms, costs, memory and its errors."""
+import json
+import math
 import re
 
 import pytest
 
-from pipesched import CostModel, DeadlockError, compile_program, loads, simulate
+from pipesched import CostModel, DeadlockError, Event, Instr, Op, Timeline, compile_program, loads, simulate
 
 
 def test_hand_computed_timeline_with_message_delay():
@@ -81,3 +83,15 @@ def test_deadlock_is_the_validators_error():
 def test_bad_costs_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         CostModel(**kwargs)
+
+
+def test_a_timeline_of_one_rank_leaves_the_others_bubbles_unknown_not_idle():
+    # rank 1 of 2: busy 3 of its 4 s; rank 0 is not in this timeline (as Pipeline.timeline() on rank 1)
+    events = (Event(1, Instr(Op.F, 1, 0), 0.0, 1.0), Event(1, Instr(Op.B, 1, 0), 2.0, 4.0))
+    one = Timeline(events, 2, "measured", ranks=(1,))
+    bubbles = one.bubble_per_rank()
+    assert math.isnan(bubbles[0]) and bubbles[1] == 0.25
+    assert one.bubble_fraction == 0.25  # over the ranks held; counting rank 0 as idle would give 0.625
+    assert Timeline(events, 2, "measured").bubble_fraction == 0.625
+    back = Timeline.from_json_dict(json.loads(json.dumps(one.to_json_dict())))
+    assert back.ranks == (1,) and back.bubble_fraction == 0.25

@@ -15,7 +15,7 @@ def local_timeline(record: dict, program, pp_rank: int) -> Timeline:
     peaks = tuple(float(record["peak"]) if r == pp_rank else math.nan for r in range(program.num_ranks))
     events = tuple(Event(pp_rank, instr, start, end) for instr, start, end in seconds(record))
     return Timeline(events, program.num_ranks, "measured", _meta(record, program),
-                    _inflight(program, record["train"]), peaks)
+                    _inflight(program, record["train"]), peaks, ranks=(pp_rank,))
 
 
 def gather_timeline(record: dict, program, pp_rank: int, group) -> Timeline:

@@ -217,7 +217,8 @@ def annotate_ranks(ax, timeline: Timeline, offset: float = 0.0) -> None:
     ax.text(1.01, -0.55 + offset, " " * 10 + "peak\nbubble  in-flight", transform=transform, fontsize=7.5,
             va="bottom", ha="left", family="monospace", color="#444444", clip_on=False)
     for rank, bubble in enumerate(timeline.bubble_per_rank()):
-        ax.text(1.01, rank + offset, f"{100 * bubble:5.1f}%  {peaks[rank]:>9d}", transform=transform,
+        shown = "    --" if bubble != bubble else f"{100 * bubble:5.1f}%"  # NaN: a rank the timeline does not hold
+        ax.text(1.01, rank + offset, f"{shown}  {peaks[rank]:>9d}", transform=transform,
                 fontsize=7.5, va="center", ha="left", family="monospace", clip_on=False,
                 gid=f"bubble-rank-{rank}")
 

@@ -157,7 +157,8 @@ def last_step_records(rank):
             "step_ops": sorted({e.instr.op.value for e in step_tl.events}), "step_events": len(step_tl.events),
             "forward_ops": sorted({e.instr.op.value for e in forward_tl.events}),
             "kinds": (step_tl.meta["step"], forward_tl.meta["step"], gathered.meta["step"], gathered_fwd.meta["step"]),
-            "gathered_events": (len(gathered.events), len(gathered_fwd.events))}
+            "gathered_events": (len(gathered.events), len(gathered_fwd.events)),
+            "bubbles": (step_tl.bubble_per_rank(), step_tl.bubble_fraction, gathered.bubble_per_rank())}
 
 
 def accumulate(rank):

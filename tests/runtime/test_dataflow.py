@@ -64,6 +64,9 @@ def test_timeline_and_peak_describe_the_last_step_not_a_later_forward(two_ranks)
         assert rec["forward_ops"] == (["F", "SEND_F"] if rank == 0 else ["F", "RECV_F"])
         assert rec["kinds"] == ("train", "forward", "train", "forward")
         assert rec["gathered_events"] == (32, 16)
+        local, fraction, gathered = rec["bubbles"]
+        assert math.isnan(local[1 - rank]) and 0 <= local[rank] < 1 and fraction == local[rank]
+        assert not any(math.isnan(b) for b in gathered)
 
 
 def _single(rank):
