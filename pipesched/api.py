@@ -25,6 +25,20 @@ def build(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: 
     return info.build(num_ranks, num_microbatches, v)
 
 
+def _flags(name: str, value, num_stages: int):
+    """``True``/``False`` as given, else the checked list of per-stage bools.
+
+    Raises:
+        ScheduleArgumentError: see :func:`pipesched.lower.stage_flags` (names ``name``).
+    """
+    if isinstance(value, bool):
+        return value
+    try:
+        return lower.stage_flags(value, num_stages, name)
+    except ValueError as exc:
+        raise ScheduleArgumentError(str(exc)) from None
+
+
 def compile_program(
     schedule: str,
     num_ranks: int,
@@ -56,14 +70,8 @@ def compile_program(
         raise ScheduleArgumentError(f"dp_size must be an integer >= 1, got {dp_size!r}")
     program = build(schedule, num_ranks, num_microbatches, virtual_stages)
     if split_backward is not False:
-        try:
-            program = lower.split_backward(program, split_backward)
-        except ValueError as exc:
-            raise ScheduleArgumentError(f"split_backward={split_backward!r}: {exc}") from None
+        program = lower.split_backward(program, _flags("split_backward", split_backward, program.num_stages))
     if recompute is not False:
-        try:
-            program = lower.add_recompute(program, recompute)
-        except ValueError as exc:
-            raise ScheduleArgumentError(f"recompute={recompute!r}: {exc}") from None
+        program = lower.add_recompute(program, _flags("recompute", recompute, program.num_stages))
     program = lower.add_all_reduce(lower.add_send_recv(program, check=False), dp_size)  # validated as a whole below
     return validate(program)

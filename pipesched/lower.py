@@ -41,7 +41,7 @@ def split_backward(program: Program, stages=True) -> Program:
     if stages is True:
         flags = [s > 0 and owner[s - 1] != owner[s] for s in range(program.num_stages)]
     else:
-        flags = _stage_flags(stages, program.num_stages, "split_backward")
+        flags = stage_flags(stages, program.num_stages)
     streams = []
     for stream in program.ranks:
         out = []
@@ -68,7 +68,7 @@ def add_recompute(program: Program, stages=True) -> Program:
     Raises:
         ValueError: ``stages`` has the wrong length, or the program already has SEND/RECV or R.
     """
-    flags = _stage_flags(stages, program.num_stages)
+    flags = stage_flags(stages, program.num_stages)
     if has_comm(program):
         raise ValueError("add_recompute takes a compute-only program; this one already has SEND/RECV "
                          "(apply add_recompute before add_send_recv)")
@@ -85,14 +85,24 @@ def add_recompute(program: Program, stages=True) -> Program:
     return program.replace(streams)
 
 
-def _stage_flags(stages, num_stages: int, name: str = "recompute") -> list[bool]:
-    if isinstance(stages, bool):
-        return [stages] * num_stages
-    if isinstance(stages, (str, bytes)) or not hasattr(stages, "__len__"):
-        raise ValueError(f"{name} must be True, False or one bool per stage, got {stages!r}")
-    flags = [bool(x) for x in stages]
+def stage_flags(value, num_stages: int, name: str = "stages") -> list[bool]:
+    """One bool per stage from ``True``, ``False`` or a sequence of ``num_stages`` bools.
+
+    Raises:
+        ValueError: anything else (a string, a number, a non-bool item, the wrong length); the message names
+            ``name``, the value and what is valid.
+    """
+    if isinstance(value, bool):
+        return [value] * num_stages
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise ValueError(f"{name} must be True, False or a list of one bool per stage, got {value!r}")
+    flags = list(value)
+    wrong = [x for x in flags if not isinstance(x, bool)]
+    if wrong:
+        raise ValueError(f"{name} must hold only True or False (one per stage), got {wrong[0]!r} in {flags!r}")
     if len(flags) != num_stages:
-        raise ValueError(f"{name} has {len(flags)} flags but the program has {num_stages} stages")
+        raise ValueError(f"{name} has {len(flags)} flag{'s' if len(flags) != 1 else ''} but the program has "
+                         f"{num_stages} stages (pipeline ranks x virtual stages): give one bool per stage")
     return flags
 
 

@@ -84,7 +84,8 @@ def test_recompute_goes_right_before_each_backward():
 def test_recompute_per_stage_flags():
     program = add_recompute(build("1f1b", 2, 1), [False, True])
     assert _streams(program) == ["F0.0 B0.0", "F1.0 R1.0 B1.0"]
-    with pytest.raises(ValueError, match="recompute has 3 flags but the program has 2 stages"):
+    with pytest.raises(ValueError, match=r"stages has 3 flags but the program has 2 stages \(pipeline ranks x "
+                                         r"virtual stages\): give one bool per stage"):
         add_recompute(build("1f1b", 2, 1), [True, True, True])
 
 
@@ -112,12 +113,18 @@ def test_split_backward_flags_per_stage_and_their_errors():
     both = split_backward(base, [True, True])
     assert [str(i) for i in both.ranks[0]] == ["F0.0", "F0.1", "I0.0", "W0.0", "I0.1", "W0.1"]
     assert split_backward(base, False).ranks == base.ranks
-    with pytest.raises(ValueError, match="split_backward has 3 flags but the program has 2 stages"):
+    with pytest.raises(ValueError, match="stages has 3 flags but the program has 2 stages"):
         split_backward(base, [True, True, False])
     with pytest.raises(ValueError, match="split_backward takes a compute-only program"):
         split_backward(add_send_recv(base), True)
-    with pytest.raises(ScheduleArgumentError, match=r"split_backward='yes': split_backward must be True, False"):
+    with pytest.raises(ScheduleArgumentError, match=r"split_backward must be True, False or a list of one bool "
+                                                    r"per stage, got 'yes'"):
         compile_program("gpipe", 2, 2, split_backward="yes")
+    with pytest.raises(ScheduleArgumentError, match=r"recompute must hold only True or False \(one per stage\), "
+                                                    r"got 'no' in \['no', 'no'\]"):
+        compile_program("gpipe", 2, 2, recompute=["no", "no"])
+    with pytest.raises(ScheduleArgumentError, match=r"split_backward has 1 flag but the program has 4 stages"):
+        compile_program("interleaved-1f1b", 2, 2, split_backward=[True])
 
 
 def test_split_backward_shortens_1f1b_when_messages_take_time():

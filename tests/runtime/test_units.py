@@ -89,7 +89,8 @@ def test_grid_layout():
     ({"dp_size": 2}, ValueError, "dp_size=2 does not divide the world size 1"),
     ({"balance": [4, 4]}, ValueError, r"balance has 2 entries but the pipeline has 1 stages"),
     ({"timeout": 0}, ValueError, "timeout must be a number of seconds > 0, got 0"),
-    ({"recompute": [True, False]}, ScheduleArgumentError, "recompute="),
+    ({"recompute": [True, False]}, ScheduleArgumentError, r"recompute has 2 flags but the program has 1 stages"),
+    ({"split_backward": ["no"]}, ScheduleArgumentError, r"split_backward must hold only True or False"),
     ({"loss_fn": "mse"}, TypeError, "loss_fn must be callable, got str"),
 ])
 def test_bad_arguments_fail_before_any_communication(kwargs, error, message):
