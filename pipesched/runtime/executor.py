@@ -44,6 +44,21 @@ def _hoist_recvs(stream, ahead: int) -> list:
     return out
 
 
+def _call_stage(module, arg, stage: int):
+    """``module(arg)``, explaining the one failure a pipeline adds: a stage's input is a leaf tensor that needs
+    a gradient, so a first layer that modifies it in place (``nn.ReLU(inplace=True)``) is refused by autograd
+    although the same layer works inside the unsplit model."""
+    try:
+        return module(arg)
+    except RuntimeError as exc:
+        if "leaf Variable that requires grad is being used in an in-place operation" not in str(exc):
+            raise
+        raise ValueError(f"stage {stage} modifies its input in place (e.g. nn.ReLU(inplace=True) as its first "
+                         f"layer); a stage's input is a leaf tensor that needs a gradient, which autograd does not "
+                         f"allow to change in place: make that layer out-of-place, or end stage {stage - 1} with it "
+                         f"(balance=...)") from exc
+
+
 def _reduced_params(params: dict, stream) -> dict:
     """{stage: the parameters its ALL_REDUCE averages}: a parameter shared by two of this rank's stages is
     averaged once, by the later of their ALL_REDUCEs, when both stages' gradients are in."""
@@ -211,7 +226,7 @@ class Executor:
         if redo:
             st.rng[(s, mb)] = rng_state(self.device)
         with (keep_nothing() if redo else self.counter.track()):
-            out = module(arg)
+            out = _call_stage(module, arg, s)
             loss = self._loss(out, mb) if s == self.last else None
         saved = self.counter.take()
         st.inputs[(s, mb)] = (inputs, is_tuple)
@@ -260,7 +275,7 @@ class Executor:
         inputs, is_tuple = st.inputs[(s, mb)]
         # the stage input is already held (counted at F): count only what the recompute adds
         with replay_rng(st.rng.pop((s, mb)), self.device), torch.enable_grad(), self.counter.track(inputs):
-            out = self.stages[s](inputs if is_tuple else inputs[0])
+            out = _call_stage(self.stages[s], inputs if is_tuple else inputs[0], s)
             loss = self._loss(out, mb) if s == self.last else None
         st.roots[(s, mb)] = (loss,) if loss is not None else as_tuple(out)[0]
         self._hold((s, mb), self.counter.take())

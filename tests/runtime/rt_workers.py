@@ -324,9 +324,20 @@ def mismatch_case(rank, schedules, ms):
     return {"rank": None}
 
 
+def inplace_case(rank):
+    """Stage 1 starts with ReLU(inplace=True): fine in the unsplit model, refused on a stage input."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(inplace=True), torch.nn.Linear(8, 8))
+    pipe = Pipeline(model, schedule="1f1b", num_microbatches=2, loss_fn=F.mse_loss, balance=[1, 2], timeout=30.0)
+    try:
+        pipe.step(*_data(0))
+    except PipelineError as exc:
+        return {"rank": exc.rank, "instr": exc.instr, "cause": exc.cause}
+    return {"rank": None}
+
+
 def failure_suite(rank):
     hang = hang_case(rank, timeout=3.0)  # first: its stalled rank arrives late at the next group creation
-    return {"hang": hang, "raise": failing_case(rank, fail_rank=1, fail_mb=2, world=2),
+    return {"hang": hang, "raise": failing_case(rank, fail_rank=1, fail_mb=2, world=2), "inplace": inplace_case(rank),
             "other_schedule": mismatch_case(rank, ("1f1b", "gpipe"), (4, 4)),
             "other_m": mismatch_case(rank, ("1f1b", "1f1b"), (4, 2))}
 

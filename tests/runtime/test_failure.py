@@ -36,6 +36,15 @@ def test_ranks_that_compiled_different_programs_fail_at_once_not_at_the_timeout(
         assert err["elapsed"] < 8.0, (rank, err)  # the timeout is 30 s
 
 
+def test_an_in_place_first_layer_of_a_stage_is_explained(failures):
+    for results in failures:
+        err = results["inplace"]
+        assert (err["rank"], err["instr"]) == (1, "F1.0"), err
+        assert err["cause"].startswith("ValueError: stage 1 modifies its input in place (e.g. nn.ReLU(inplace=True) "
+                                       "as its first layer)"), err
+        assert "end stage 0 with it (balance=...)" in err["cause"]
+
+
 def test_a_stalled_rank_ends_the_others_after_the_timeout(failures):
     waiting = failures[0]["hang"]
     assert waiting["type"] == "PipelineError"
