@@ -11,6 +11,7 @@ from .lower import add_recompute, split_backward
 from .cost import CostModel
 from .engine import has_comm
 from .errors import DeadlockError, ScheduleError, render_grid
+from .ir import Op
 from .schedules import SCHEDULES
 from .sim import simulate
 
@@ -91,6 +92,22 @@ def program_from_args(args: argparse.Namespace):
                            split_backward=bool(args.split_backward))
 
 
+def simulate_from_args(args: argparse.Namespace):
+    """``(program, timeline)``: the program the schedule options name, simulated with the cost options.
+
+    Raises:
+        ValueError: a bad option; or ``--input-grad``/``--weight-grad`` for a program without I and W
+            (they would be ignored: add ``--split-backward``).
+    """
+    program = program_from_args(args)
+    split = any(i.op in (Op.I, Op.W) for stream in program.ranks for i in stream)
+    for flag, value in (("--input-grad", args.input_grad), ("--weight-grad", args.weight_grad)):
+        if value is not None and not split:
+            raise ValueError(f"{flag} {value} sets the cost of I/W, but this program runs fused B backwards "
+                             f"(no I or W); add --split-backward, or drop {flag}")
+    return program, simulate(program, cost_from_args(args), check=False)
+
+
 def _cmd_list(args) -> int:
     if args.json:
         print(json.dumps([{"name": i.name, "summary": i.summary, "paper": i.paper, "bubble": i.bubble,
@@ -127,8 +144,7 @@ def _cmd_show(args) -> int:
 
 
 def _cmd_simulate(args) -> int:
-    program = program_from_args(args)
-    timeline = simulate(program, cost_from_args(args), check=False)
+    program, timeline = simulate_from_args(args)
     summary = timeline.summary()
     if args.json:
         print(json.dumps(summary, indent=2))

@@ -103,3 +103,13 @@ def test_split_backward_flag_shows_i_and_w_and_shortens_a_latency_bound_1f1b(cap
         code, out, _ = run(capsys, "simulate", "1f1b", "-p", "2", "-m", "4", "--latency", "0.5", "--json", *extra)
         spans.append(json.loads(out)["makespan"])
     assert spans == [17.0, 15.0]
+
+
+def test_input_and_weight_grad_costs_need_a_split_program(capsys):
+    code, _, err = run(capsys, "simulate", "1f1b", "-p", "2", "-m", "4", "--weight-grad", "1.5")
+    assert code == 2
+    assert "--weight-grad 1.5 sets the cost of I/W, but this program runs fused B backwards (no I or W); " \
+           "add --split-backward, or drop --weight-grad" in err
+    code, out, _ = run(capsys, "simulate", "1f1b", "-p", "2", "-m", "4", "--split-backward", "--input-grad", "0.5",
+                       "--weight-grad", "1.5", "--latency", "0.5", "--json")
+    assert code == 0 and json.loads(out)["makespan"] == 14.5

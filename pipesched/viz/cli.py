@@ -89,13 +89,9 @@ def _render(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace):
-    from ..api import compile_program
-    from ..cli import cost_from_args
-    from ..sim import simulate
+    from ..cli import simulate_from_args
 
-    program = compile_program(args.schedule, args.ranks, args.microbatches, args.virtual_stages,
-                              dp_size=args.dp, recompute=bool(args.recompute))
-    return simulate(program, cost_from_args(args), check=False)
+    return simulate_from_args(args)[1]
 
 
 def _load(path: str, as_recorded: bool):

@@ -22,6 +22,13 @@ def test_render_schedule_to_png_and_svg(tmp_path, capsys):
     assert b"<svg" in svg.read_bytes()[:400]
 
 
+def test_render_honours_split_backward(tmp_path, capsys):
+    out = tmp_path / "t.png"
+    for extra, bubble in (((), "0.2941"), (("--split-backward",), "0.2000")):  # as `simulate`: 17 s vs 15 s
+        assert main(["render", "1f1b", "-p", "2", "-m", "4", "--latency", "0.5", "-o", str(out), *extra]) == 0
+        assert f"bubble fraction {bubble}" in capsys.readouterr().out
+
+
 def test_render_schedule_to_chrome_trace(tmp_path):
     out = tmp_path / "t.json"
     assert main(["render", "gpipe", "-p", "2", "-m", "3", "-o", str(out)]) == 0
