@@ -1,4 +1,4 @@
-"""Split backward: the input gradient now (``I``), the weight gradient later (``W``), no matmul run twice.
+"""Split backward: the input gradient now (``I``), the weight gradient later (``W``), each matmul run once.
 
 The split is the zero-bubble one (Qi et al., "Zero Bubble Pipeline Parallelism", arXiv:2401.10241): the
 previous stage waits only for the gradient of this stage's input, so computing that first and sending it
@@ -10,7 +10,12 @@ are the *boundary*; a pre-hook on each records the gradient flowing into it. ``W
 boundary with those gradients, asking for the parameters only, so every node computes just the outputs
 it was skipped for: ``dX = dY W`` ran in ``I``, ``dW = dY^T X`` runs in ``W``. Gradients accumulate into
 ``.grad`` through the same accumulate nodes, in the same order, as a fused backward: results are bitwise
-those of ``torch.autograd.backward``.
+those of ``torch.autograd.backward``. One exception to "once": a parameter used at two points of a stage
+(a weight applied twice) restarts ``W`` from both, and the part of the graph between them runs again
+(its result is pinned to the recorded gradient, so nothing is counted twice).
+
+``I`` calls ``torch.autograd.grad``, which the reentrant form of ``torch.utils.checkpoint`` does not
+support; use ``use_reentrant=False`` in stages that are split.
 """
 from __future__ import annotations
 
