@@ -10,7 +10,7 @@ from .api import build, compile_program
 from .lower import add_recompute, split_backward
 from .cost import CostModel
 from .engine import has_comm
-from .errors import DeadlockError, ScheduleError, render_grid
+from .errors import DeadlockError, ScheduleArgumentError, ScheduleError, render_grid
 from .ir import Op
 from .schedules import SCHEDULES
 from .sim import simulate
@@ -85,11 +85,25 @@ def cost_from_args(args: argparse.Namespace) -> CostModel:
         raise ValueError(f"{_COST_FLAGS.get(field, 'cost option')}: {exc}") from None
 
 
+_SIZE_FLAGS = {"num_ranks": ("--ranks", "ranks"), "num_microbatches": ("--microbatches", "microbatches"),
+               "virtual_stages": ("--virtual-stages", "virtual_stages"), "dp_size": ("--dp", "dp")}
+
+
 def program_from_args(args: argparse.Namespace):
-    """Compile the program the schedule options name."""
-    return compile_program(args.schedule, args.ranks, args.microbatches, args.virtual_stages,
-                           dp_size=args.dp, recompute=bool(args.recompute),
-                           split_backward=bool(args.split_backward))
+    """Compile the program the schedule options name.
+
+    Raises:
+        ScheduleArgumentError: a size the schedule cannot run, prefixed with the option that set it.
+    """
+    try:
+        return compile_program(args.schedule, args.ranks, args.microbatches, args.virtual_stages,
+                               dp_size=args.dp, recompute=bool(args.recompute),
+                               split_backward=bool(args.split_backward))
+    except ScheduleArgumentError as exc:
+        named = [(flag, getattr(args, attr)) for name, (flag, attr) in _SIZE_FLAGS.items() if str(exc).startswith(name)]
+        if not named:
+            raise
+        raise ScheduleArgumentError(f"{named[0][0]} {named[0][1]}: {exc}") from None
 
 
 def simulate_from_args(args: argparse.Namespace):
@@ -105,7 +119,13 @@ def simulate_from_args(args: argparse.Namespace):
         if value is not None and not split:
             raise ValueError(f"{flag} {value} sets the cost of I/W, but this program runs fused B backwards "
                              f"(no I or W); add --split-backward, or drop {flag}")
-    return program, simulate(program, cost_from_args(args), check=False)
+    try:
+        return program, simulate(program, cost_from_args(args), check=False)
+    except ValueError as exc:  # a per-stage cost of the wrong length, found against the program
+        field = str(exc).split()[1] if str(exc).startswith("cost ") else ""
+        if field not in _COST_FLAGS:
+            raise
+        raise ValueError(f"{_COST_FLAGS[field]}: {exc}") from None
 
 
 def _cmd_list(args) -> int:

@@ -113,3 +113,14 @@ def test_input_and_weight_grad_costs_need_a_split_program(capsys):
     code, out, _ = run(capsys, "simulate", "1f1b", "-p", "2", "-m", "4", "--split-backward", "--input-grad", "0.5",
                        "--weight-grad", "1.5", "--latency", "0.5", "--json")
     assert code == 0 and json.loads(out)["makespan"] == 14.5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("simulate", "1f1b", "-p", "2", "-m", "0"), "--microbatches 0: num_microbatches must be an integer >= 1, got 0"),
+    (("show", "1f1b", "-p", "0", "-m", "2"), "--ranks 0: num_ranks must be an integer >= 1, got 0"),
+    (("simulate", "1f1b", "-p", "2", "-m", "4", "--split-backward", "--input-grad", "1,2,3"),
+     "--input-grad: cost input_grad has 3 values but the program has 2 stages"),
+])
+def test_size_and_cost_errors_name_the_option(capsys, argv, message):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and message in err
