@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..ir import RECV_OPS, SEND_OPS, Op
+from ..ir import Op
 from .accounting import SavedBytes, tensor_bytes
 from .failure import CommError
 from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, meta_of, tag_of
@@ -17,32 +17,8 @@ from .microbatch import as_tuple
 from .recompute import keep_nothing, replay_rng, rng_state
 from .split import backward_input, backward_weight
 from .clock import clock_for
+from .plan import loss_post_position, reduced_params, run_orders
 from .transport import Transport, wait
-
-FORWARD_OPS = (Op.F, Op.SEND_F, Op.RECV_F)
-RECV_AHEAD = 16  # stream positions a receive is posted ahead of where the program places it
-
-
-def _hoist_recvs(stream, ahead: int) -> list:
-    """The stream with every RECV moved up to ``ahead`` positions earlier (receives in the same relative
-    order). Posting a receive early never blocks and the peer's sends are unchanged, so the validator's
-    deadlock-freedom still holds; the transfer then overlaps this rank's compute. Costs at most ``ahead``
-    positions' worth of receive buffers allocated early."""
-    keyed = [((pos - ahead if instr.op in RECV_OPS else pos), 0 if instr.op in RECV_OPS else 1, pos, instr)
-             for pos, instr in enumerate(stream)]
-    hoisted = [item[3] for item in sorted(keyed)]
-    # within a run of communication, sends first: a send is on a peer's critical path, a post is not
-    out, run = [], []
-    for instr in hoisted + [None]:
-        if instr is not None and (instr.op in RECV_OPS or instr.op in SEND_OPS):
-            run.append(instr)
-            continue
-        out.extend([i for i in run if i.op in SEND_OPS] + [i for i in run if i.op in RECV_OPS])
-        run = []
-        if instr is not None:
-            out.append(instr)
-    return out
-
 
 def _call_stage(module, arg, stage: int):
     """``module(arg)``, explaining the one failure a pipeline adds: a stage's input is a leaf tensor that needs
@@ -57,18 +33,6 @@ def _call_stage(module, arg, stage: int):
                          f"layer); a stage's input is a leaf tensor that needs a gradient, which autograd does not "
                          f"allow to change in place: make that layer out-of-place, or end stage {stage - 1} with it "
                          f"(balance=...)") from exc
-
-
-def _reduced_params(params: dict, stream) -> dict:
-    """{stage: the parameters its ALL_REDUCE averages}: a parameter shared by two of this rank's stages is
-    averaged once, by the later of their ALL_REDUCEs, when both stages' gradients are in."""
-    order = {i.stage: k for k, i in enumerate(stream) if i.op is Op.ALL_REDUCE}
-    last: dict = {}  # id(param) -> the stage whose ALL_REDUCE comes last
-    for s, ps in params.items():
-        for p in ps:
-            if order.get(s, -1) >= order.get(last.get(id(p), s), -1):
-                last[id(p)] = s
-    return {s: [p for p in ps if last[id(p)] == s] for s, ps in params.items()}
 
 
 class StepInputs:
@@ -100,9 +64,10 @@ class Executor:
         dp_group: the data-parallel group (``None`` when ``program.dp_size == 1``).
         loss_fn: ``loss_fn(output, target) -> scalar tensor`` on the last stage.
         recompute: per stage, whether its forward is recomputed (the program has R for it).
-        hoist: post receives early (:func:`_hoist_recvs`) once message shapes are known. Only for a backend
-            that matches messages by tag and whose receives do not hold up later sends (gloo); with NCCL,
-            where the ops between two ranks share one stream, every message runs at its program position.
+        hoist: post receives early (:func:`~pipesched.runtime.plan.hoist_recvs`) once message shapes are
+            known. Only for a backend that matches messages by tag and whose receives do not hold up later
+            sends (gloo); with NCCL, where the ops between two ranks share one stream, every message runs at
+            its program position.
     """
 
     def __init__(self, program, pp_rank, stages, transport: Transport, dp_group, loss_fn, recompute, device,
@@ -114,19 +79,14 @@ class Executor:
         self.local = set(stages)
         self.params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in stages.items()}
         self.counter = SavedBytes(p for ps in self.params.values() for p in ps)
-        self.reduced = _reduced_params(self.params, program.ranks[pp_rank])
+        self.reduced = reduced_params(self.params, program.ranks[pp_rank])
         table = {Op.F: self._f, Op.B: self._b, Op.I: self._i, Op.W: self._w, Op.R: self._r,
                  Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b,
                  Op.RECV_B: self._recv_b, Op.ALL_REDUCE: self._all_reduce}
-        stream = program.ranks[pp_rank]
-        forward = [i for i in stream if i.op in FORWARD_OPS]
-        self.plans = {(train, early): [(table[i.op], i) for i in (_hoist_recvs(st, RECV_AHEAD) if early else st)]
-                      for train, st in ((True, stream), (False, forward)) for early in (False, hoist)}
-        last_rank = program.stage_to_rank[-1]
-        #: per plan, the position after which the loss receive is posted (-1: first): right after the last
-        #: receive from the last stage's rank, so it keeps that rank's send order (the loss is its last message)
-        self.loss_post = {key: max([k for k, (_, i) in enumerate(plan) if i.op in RECV_OPS and i.peer == last_rank],
-                                   default=-1) for key, plan in self.plans.items()}
+        orders = run_orders(program.ranks[pp_rank], hoist)
+        self.plans = {key: [(table[i.op], i) for i in order] for key, order in orders.items()}
+        #: per plan, the position after which the loss receive is posted (see :func:`loss_post_position`)
+        self.loss_post = {key: loss_post_position(order, program.stage_to_rank[-1]) for key, order in orders.items()}
         self.hoist = hoist
         self.current = None  # the instruction running now (for error reports)
         self.clock = clock_for(device)
