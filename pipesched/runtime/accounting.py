@@ -88,12 +88,13 @@ def stage_activation_bytes(model, microbatch, num_stages: int, balance=None, los
     counter = SavedBytes(p for layer in layers for p in layer.parameters())
     inputs, is_tuple = as_tuple(microbatch, "microbatch")
     stash, sizes, redone = [], [], []
-    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+    devices = sorted({p.device for layer in layers for p in layer.parameters() if p.device.type == "cuda"}, key=str)
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
         for s in range(num_stages):
             if s > 0:
                 inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in inputs)
             sizes.append(tensor_bytes(inputs))
-            with torch.random.fork_rng(devices=[]):  # the same forward twice: once as F, once as R
+            with torch.random.fork_rng(devices=devices):  # the same forward twice: once as F, once as R
                 with counter.track(inputs):
                     _run_stage(stages[s], inputs, is_tuple, s == num_stages - 1, loss_fn, target)
                 redone.append(sizes[-1] + counter.take())

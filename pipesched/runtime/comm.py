@@ -5,7 +5,8 @@ Rank layout: with ``p`` pipeline ranks and ``d = dp_size`` replicas, world rank 
 data-parallel group of pipeline rank ``r`` is world ranks ``r, r + p, ..., r + (d-1)*p``.
 
 A message is a tensor or a tuple of tensors. A tuple travels as one packed ``uint8`` buffer (each part
-16-byte aligned); a single tensor travels as itself. Activation messages have a *meta* (per tensor:
+16-byte aligned); a single tensor travels as itself, unless NCCL cannot send its dtype (int16, complex):
+then as bytes too. Activation messages have a *meta* (per tensor:
 shape, dtype, requires_grad, plus whether it was a tuple); while a rank is learning the metas of a new
 input signature it sends a fixed-size ``int64`` header before each activation, afterwards none.
 Gradient messages never need a header: their shapes are those of the activations they answer.
@@ -152,9 +153,19 @@ def _offsets(specs) -> tuple[list[int], int]:
     return offsets, total
 
 
+#: dtypes every backend sends as themselves (NCCL has no int16 or complex): others travel as bytes
+NATIVE_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                           torch.int8, torch.uint8, torch.bool})
+
+
+def _as_itself(specs) -> bool:
+    return len(specs) == 1 and specs[0][1] in NATIVE_DTYPES
+
+
 def pack(tensors) -> torch.Tensor:
-    """One tensor: itself (contiguous). Several: one ``uint8`` buffer holding each, 16-byte aligned."""
-    if len(tensors) == 1:
+    """One tensor of a native dtype (:data:`NATIVE_DTYPES`): itself (contiguous). Otherwise (several tensors,
+    or one int16 or complex tensor): one ``uint8`` buffer holding each, 16-byte aligned."""
+    if _as_itself([(t.shape, t.dtype) for t in tensors]):
         return tensors[0].detach().contiguous()
     offsets, total = _offsets([(t.shape, t.dtype) for t in tensors])
     buf = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
@@ -166,7 +177,7 @@ def pack(tensors) -> torch.Tensor:
 
 def empty_for(specs, device) -> torch.Tensor:
     """The receive buffer for a message of ``specs`` ((shape, dtype) per tensor), see :func:`pack`."""
-    if len(specs) == 1:
+    if _as_itself(specs):
         shape, dtype = specs[0]
         return torch.empty(shape, dtype=dtype, device=device)
     _, total = _offsets(specs)
@@ -175,7 +186,7 @@ def empty_for(specs, device) -> torch.Tensor:
 
 def unpack(buf: torch.Tensor, specs) -> tuple[torch.Tensor, ...]:
     """Inverse of :func:`pack`: views into ``buf``, one per (shape, dtype)."""
-    if len(specs) == 1:
+    if _as_itself(specs):
         return (buf,)
     offsets, _ = _offsets(specs)
     out = []

@@ -86,7 +86,8 @@ class Executor:
         orders = run_orders(program.ranks[pp_rank], hoist)
         self.plans = {key: [(table[i.op], i) for i in order] for key, order in orders.items()}
         #: per plan, the position after which the loss receive is posted (see :func:`loss_post_position`)
-        self.loss_post = {key: loss_post_position(order, program.stage_to_rank[-1]) for key, order in orders.items()}
+        self.loss_post = {(train, early): loss_post_position(order, program.stage_to_rank[-1], early)
+                          for (train, early), order in orders.items()}
         self.hoist = hoist
         self.current = None  # the instruction running now (for error reports)
         self.clock = clock_for(device)

@@ -38,8 +38,8 @@ class Pipeline:
     Args:
         model: ``nn.Sequential`` or list of modules, identical on every rank (this rank keeps its stages'
             layers, which stay shared with ``model``). A stage passes a tensor or a tuple of tensors
-            (any dtype) to the next, as ``nn.Sequential`` passes them from layer to layer. The device of this
-            rank's first parameter decides the rest: on CUDA, point-to-point messages use NCCL, the timeline
+            (any dtype) to the next, as ``nn.Sequential`` passes them from layer to layer. The stages' device
+            (``device``) decides the rest: on CUDA, point-to-point messages use NCCL, the timeline
             uses CUDA events, and that device is made current (``torch.cuda.set_device``); else gloo and
             ``time.perf_counter``.
         schedule: a registered schedule name (``pipesched.SCHEDULES``).
@@ -56,6 +56,8 @@ class Pipeline:
             ``False`` (default): a fused ``B``; ``True``: every stage whose input gradient goes to another
             rank; or one bool per stage. It pays off when a message's latency is large next to the
             weight-gradient half; on small layers its bookkeeping costs more (README, Benchmarks).
+        device: the device this rank's stages run on; ``None``: that of their first parameter or buffer (CPU
+            if they have neither). Pass it for a rank whose stages hold no tensors but run on a GPU.
         timeout: seconds any rank waits for a message or collective before failing the step.
     Raises:
         TypeError, ValueError (incl. ``ScheduleArgumentError``), UnknownScheduleError: a bad argument,
@@ -64,7 +66,7 @@ class Pipeline:
 
     def __init__(self, model, schedule: str = "1f1b", num_microbatches: int = 1, loss_fn=None,
                  virtual_stages: int | None = None, balance=None, dp_size: int = 1, recompute=False,
-                 split_backward=False, timeout: float = 300.0) -> None:
+                 split_backward=False, device=None, timeout: float = 300.0) -> None:
         check_positive("num_microbatches", num_microbatches, 1)
         check_positive("dp_size", dp_size, 1)
         if virtual_stages is not None:
@@ -82,8 +84,7 @@ class Pipeline:
         check_no_cross_rank_sharing(layers, self.balance, self.program.stage_to_rank)
         self.grid, self.loss_fn, self.timeout = grid, loss_fn, float(timeout)
         self.stages = build_stages(layers, self.balance, self.program.stages_of(grid.pp_rank))
-        params = [p for m in self.stages.values() for p in m.parameters()]
-        self.device = params[0].device if params else torch.device("cpu")
+        self.device = _stage_device(self.stages, device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL and all_gather_object use the current device
         _init_default_group(self.device)  # communication starts here
@@ -313,6 +314,16 @@ class Pipeline:
                     pass
         self._pp_group = self._dp_group = None
         gc.collect()
+
+
+def _stage_device(stages, device) -> torch.device:
+    """``device`` if given, else that of the stages' first parameter or buffer, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    for module in stages.values():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            return tensor.device
+    return torch.device("cpu")
 
 
 def _to(batch, device):

@@ -38,10 +38,17 @@ def run_orders(stream, hoist: bool) -> dict:
             for train, st in ((True, stream), (False, forward)) for early in (False, hoist)}
 
 
-def loss_post_position(order, last_rank: int) -> int:
-    """Where, in ``order``, a rank without the last stage posts the receive of the step's loss: right after
-    its last receive from the last stage's rank (-1: before everything), so that the loss, the last message
-    that rank sends it, is also the last it posts, as a backend matching by order (NCCL) needs."""
+def loss_post_position(order, last_rank: int, early: bool) -> int:
+    """Where, in ``order``, a rank without the last stage posts the receive of the step's loss, the last
+    message the last stage's rank sends it (-1: before everything).
+
+    ``early`` (gloo, which matches by tag): right after its last receive from that rank, so the loss is
+    there when the stream ends. Otherwise (NCCL, which matches by order, and where a posted receive holds up
+    every later send to that rank on the pair's stream): after the last instruction, so nothing this rank
+    still sends waits behind it.
+    """
+    if not early:
+        return len(order) - 1
     return max([k for k, i in enumerate(order) if i.op in RECV_OPS and i.peer == last_rank], default=-1)
 
 

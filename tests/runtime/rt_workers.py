@@ -173,19 +173,19 @@ def accumulate(rank):
 
 
 def message_order(rank, schedule, v, hoist):
-    """Every (peer, tag) this rank sends and every receive it posts, in call order, over a step that
-    learns the shapes, a step that knows them and a forward; ``hoist=False`` runs the NCCL discipline."""
+    """Every send and receive post this rank makes, in call order, as ("send" | "recv", peer, tag), over a step
+    that learns the shapes, a step that knows them and a forward; ``hoist=False`` runs the NCCL discipline."""
     pipe = Pipeline(mlp(), schedule=schedule, num_microbatches=4, loss_fn=F.mse_loss, virtual_stages=v)
     pipe._executor.hoist = hoist
-    transport, sent, posted = pipe._executor.transport, [], []
+    transport, ops = pipe._executor.transport, []
     send, post = transport.send, transport.post
 
     def logged_send(tensors, peer, tag):
-        sent.append((peer, tag))
+        ops.append(("send", peer, tag))
         return send(tensors, peer, tag)
 
     def logged_post(specs, peer, tag, what):
-        posted.append((peer, tag))
+        ops.append(("recv", peer, tag))
         return post(specs, peer, tag, what)
 
     transport.send, transport.post = logged_send, logged_post
@@ -193,7 +193,8 @@ def message_order(rank, schedule, v, hoist):
     pipe.step(x, target=y)
     pipe.step(x, target=y)
     pipe.forward(x)
-    return {"sent": sent, "posted": posted}
+    pipe.close()
+    return ops
 
 
 def two_rank_suite(rank):
@@ -291,6 +292,9 @@ def four_rank_suite(rank):
         results[("dp", schedule)] = dp_case(rank, schedule, v)
     results["dp_split"] = dp_case(rank, "1f1b", 1, split_backward=True)
     results["dp_tied"] = dp_case(rank, "interleaved-1f1b", 2, tied=True)
+    for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
+        for hoist in (True, False):
+            results[("order", schedule, hoist)] = message_order(rank, schedule, v, hoist)
     results["failure"] = failing_case(rank, fail_rank=2, fail_mb=1, world=4, linger=1.0)
     # DP x PP = 2 x 2: world rank 1 (replica 0, stage 1) fails; replica 1 learns it at its all-reduce
     results["dp_failure"] = failing_case(rank, fail_rank=1, fail_mb=1, world=4, dp_size=2, linger=1.0)

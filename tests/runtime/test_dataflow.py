@@ -87,16 +87,42 @@ def test_one_process_pipeline_equals_the_model():
     assert (loss_equal, count, bitwise) == (True, 6, True)
 
 
+def _check_message_order(logs, hoist):
+    """What rank a sends to rank b is what b posts from a, in the same order. Without early receives (the
+    NCCL discipline) also: the ops between a and b, both directions together, come in the same order on both
+    sides — NCCL runs them on one stream per pair, and a receive there holds up every later op."""
+    flip = {"send": "recv", "recv": "send"}
+    for a in range(len(logs)):
+        for b in range(len(logs)):
+            if a == b:
+                continue
+            sent = [tag for kind, peer, tag in logs[a] if kind == "send" and peer == b]
+            posted = [tag for kind, peer, tag in logs[b] if kind == "recv" and peer == a]
+            assert sent == posted, (a, b)
+            if not hoist:
+                mine = [(flip[kind], tag) for kind, peer, tag in logs[a] if peer == b]
+                theirs = [(kind, tag) for kind, peer, tag in logs[b] if peer == a]
+                assert mine == theirs, (a, b)
+
+
 @pytest.mark.parametrize("hoist", [True, False], ids=["gloo-early-receives", "program-order"])
 @pytest.mark.parametrize("schedule", [s for s, _ in SCHEDULES])
 def test_between_two_ranks_receives_are_posted_in_the_order_the_messages_are_sent(two_ranks, schedule, hoist):
-    # NCCL matches point-to-point messages by order, not tag: what rank a sends to rank b must be what b
-    # posts from a, in the same order — on the step that learns shapes (headers), the next and a forward
+    # NCCL matches point-to-point messages by order, not tag: on the step that learns shapes (headers),
+    # the next one and a forward
     logs = [results[("order", schedule, hoist)] for results in two_ranks]
-    for a, b in ((0, 1), (1, 0)):
-        sent = [tag for peer, tag in logs[a]["sent"] if peer == b]
-        posted = [tag for peer, tag in logs[b]["posted"] if peer == a]
-        assert len(sent) > 8 and sent == posted, (a, b)
+    assert all(len(log) > 16 for log in logs)
+    _check_message_order(logs, hoist)
+
+
+@pytest.mark.parametrize("hoist", [True, False], ids=["gloo-early-receives", "program-order"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+def test_message_order_on_four_ranks(four_ranks, schedule, hoist):
+    # with p >= 3, interleaved sends gradients to a rank after its last receive from it: the loss receive
+    # must not be posted before them on a per-pair stream
+    logs = [results[("order", schedule, hoist)] for results in four_ranks]
+    assert all(len(log) > 16 for log in logs)
+    _check_message_order(logs, hoist)
 
 
 def test_program_order_messaging_is_bitwise_too(two_ranks):

@@ -6,7 +6,7 @@ from torch import nn
 
 from pipesched.errors import ScheduleArgumentError, UnknownScheduleError
 from pipesched.runtime import Pipeline, stage_activation_bytes
-from pipesched.runtime.comm import decode_meta, encode_meta, make_grid, meta_of, pack, unpack
+from pipesched.runtime.comm import decode_meta, empty_for, encode_meta, make_grid, meta_of, pack, unpack
 from pipesched.runtime.microbatch import merge, split, split_sizes
 from pipesched.runtime.stage import min_max_partition, resolve_balance
 
@@ -73,6 +73,17 @@ def test_meta_round_trip_and_packing_is_bit_exact():
     out = unpack(pack(tensors), [(s, d) for s, d, _ in meta[1]])
     assert [o.dtype for o in out] == [torch.float32, torch.int64, torch.bool, torch.float64]
     assert all(torch.equal(a.detach(), b) for a, b in zip(tensors, out))
+
+
+@pytest.mark.parametrize("tensor", [torch.tensor([[1, -2], [3, 30000]], dtype=torch.int16),
+                                    torch.randn(3, 2, dtype=torch.complex64), torch.tensor(7, dtype=torch.int16)])
+def test_a_single_tensor_of_a_dtype_nccl_cannot_send_travels_as_bytes(tensor):
+    spec = [(tuple(tensor.shape), tensor.dtype)]
+    wire = pack((tensor,))
+    assert wire.dtype == torch.uint8 and empty_for(spec, "cpu").shape == wire.shape
+    (back,) = unpack(wire, spec)
+    assert back.dtype == tensor.dtype and torch.equal(back, tensor)
+    assert pack((torch.ones(2, 3),)).dtype == torch.float32  # a native dtype travels as itself
 
 
 def test_grid_layout():
@@ -208,3 +219,11 @@ def test_a_tensor_shared_by_stages_on_different_ranks_is_refused():
                                          r"\(weight\) of stage 1 \(pipeline rank 1\)"):
         check_no_cross_rank_sharing(layers, [2, 2], (0, 1))
     check_no_cross_rank_sharing(layers, [1, 1, 1, 1], (0, 1, 1, 0))  # stages 0 and 3 share rank 0: fine
+
+
+def test_the_stages_device_comes_from_a_parameter_or_buffer_or_the_argument():
+    from pipesched.runtime.pipeline import _stage_device
+
+    assert _stage_device({0: nn.Sequential(nn.ReLU(), nn.Linear(2, 2))}, None) == torch.device("cpu")
+    assert _stage_device({1: nn.Sequential(nn.ReLU())}, None) == torch.device("cpu")  # no tensors at all
+    assert _stage_device({1: nn.Sequential(nn.ReLU())}, "cuda:1") == torch.device("cuda", 1)  # not created
