@@ -185,7 +185,7 @@ class Executor:
             return
         redo = self.recompute[s]
         if redo:
-            st.rng[(s, mb)] = rng_state(self.device)
+            st.rng[(s, mb)] = (rng_state(self.device), [t._version for t in inputs])
         with (keep_nothing() if redo else self.counter.track()):
             out = _call_stage(module, arg, s)
             loss = self._loss(out, mb) if s == self.last else None
@@ -234,8 +234,14 @@ class Executor:
     def _r(self, instr):
         s, mb, st = instr.stage, instr.microbatch, self.step
         inputs, is_tuple = st.inputs[(s, mb)]
+        state, versions = st.rng.pop((s, mb))
+        if [t._version for t in inputs] != versions:  # autograd's count of in-place writes to each tensor
+            raise ValueError(f"stage {s} modified its input in place during its forward (e.g. an in-place "
+                             f"Dropout or x.mul_(...) on a tensor that needs no gradient), so recomputing it "
+                             f"from that input would give other gradients: make the operation out-of-place, "
+                             f"or turn recompute off for stage {s}")
         # the stage input is already held (counted at F): count only what the recompute adds
-        with replay_rng(st.rng.pop((s, mb)), self.device), torch.enable_grad(), self.counter.track(inputs):
+        with replay_rng(state, self.device), torch.enable_grad(), self.counter.track(inputs):
             out = _call_stage(self.stages[s], inputs if is_tuple else inputs[0], s)
             loss = self._loss(out, mb) if s == self.last else None
         st.roots[(s, mb)] = (loss,) if loss is not None else as_tuple(out)[0]

@@ -339,9 +339,28 @@ def inplace_case(rank):
     return {"rank": None}
 
 
+class _Double(torch.nn.Module):
+    def forward(self, x):
+        return x.mul_(2)  # in place, on stage 0's input (which needs no gradient): allowed by autograd
+
+
+def inplace_recompute_case(rank):
+    """Stage 0 changes its input in place; recomputing from that input would silently change gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Double(), torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    pipe = Pipeline(model, schedule="1f1b", num_microbatches=2, loss_fn=F.mse_loss, balance=[2, 2],
+                    recompute=True, timeout=30.0)
+    try:
+        pipe.step(*_data(0))
+    except PipelineError as exc:
+        return {"rank": exc.rank, "instr": exc.instr, "cause": exc.cause}
+    return {"rank": None}
+
+
 def failure_suite(rank):
     hang = hang_case(rank, timeout=3.0)  # first: its stalled rank arrives late at the next group creation
     return {"hang": hang, "raise": failing_case(rank, fail_rank=1, fail_mb=2, world=2), "inplace": inplace_case(rank),
+            "inplace_recompute": inplace_recompute_case(rank),
             "other_schedule": mismatch_case(rank, ("1f1b", "gpipe"), (4, 4)),
             "other_m": mismatch_case(rank, ("1f1b", "1f1b"), (4, 2))}
 

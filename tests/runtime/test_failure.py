@@ -45,6 +45,14 @@ def test_an_in_place_first_layer_of_a_stage_is_explained(failures):
         assert "end stage 0 with it (balance=...)" in err["cause"]
 
 
+def test_recompute_refuses_a_stage_that_changed_its_input_in_place(failures):
+    for results in failures:
+        err = results["inplace_recompute"]
+        assert (err["rank"], err["instr"]) == (0, "R0.0"), err
+        assert err["cause"].startswith("ValueError: stage 0 modified its input in place during its forward"), err
+        assert "or turn recompute off for stage 0" in err["cause"]
+
+
 def test_a_stalled_rank_ends_the_others_after_the_timeout(failures):
     waiting = failures[0]["hang"]
     assert waiting["type"] == "PipelineError"
