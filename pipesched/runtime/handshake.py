@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from ..program_io import fingerprint
 from .comm import DTYPE_CODE, TAG_SIGNATURE, TAG_TARGET
 from .microbatch import split
 from .transport import wait
@@ -29,7 +28,6 @@ class Handshake:
 
     def __init__(self, transport, program, pp_rank: int, device) -> None:
         self.transport, self.program, self.pp_rank, self.device = transport, program, pp_rank, device
-        self.fingerprint = fingerprint(program)
         self.sends: list = []  # this step's control sends, settled by :meth:`settle`
 
     def settle(self, what: str = "the step signature send") -> None:
@@ -45,9 +43,7 @@ class Handshake:
             ``(words, microbatches, is_tuple)``; ``microbatches`` is ``None`` on the other ranks.
         Raises:
             Rejected: stage 0's rank refused ``x`` (on every rank, with that rank's message).
-            RuntimeError: this rank called ``step()`` while stage 0's rank called ``forward()``, or the reverse;
-                or this rank compiled a different program than stage 0's rank (another schedule, sizes or
-                options), found from the program fingerprint the signature carries.
+            RuntimeError: this rank called ``step()`` while stage 0's rank called ``forward()``, or the reverse.
         """
         first = self.program.stage_to_rank[0]
         self.sends = []
@@ -60,8 +56,6 @@ class Handshake:
                 calls = ("forward()", "step()")
                 raise RuntimeError(f"pipeline rank {first} called {calls[words[1]]} while this rank called "
                                    f"{calls[int(train)]}; every rank must make the same calls")
-            if words[-1] != self.fingerprint:
-                raise RuntimeError(self._mismatch(first, words))
             return words, None, False
         m = self.program.num_microbatches
         try:
@@ -69,21 +63,13 @@ class Handshake:
                 raise ValueError(f"the rank of stage 0 (pipeline rank {first}) got no input x; pass the batch "
                                  f"as x there")
             micro, is_tuple = split(to_device(x), m, "x")
-            words = encode_signature(train, m, micro, is_tuple, self.fingerprint)
+            words = encode_signature(train, m, micro, is_tuple)
         except (TypeError, ValueError) as exc:
             self._broadcast(encode_text([1, int(train), m], str(exc)))
             self.settle("the step rejection send")
             raise Rejected(str(exc)) from None
         self._broadcast(words)
         return words, micro, is_tuple
-
-    def _mismatch(self, first: int, words) -> str:
-        mine = self.program
-        return (f"pipeline rank {first} compiled a different program (num_microbatches={words[2]}, fingerprint "
-                f"{words[-1]:014x}) than this rank ({mine.schedule}, num_microbatches={mine.num_microbatches}, "
-                f"{mine.num_stages} stages, dp_size={mine.dp_size}, fingerprint {self.fingerprint:014x}); every rank "
-                f"must construct Pipeline with the same schedule, num_microbatches, virtual_stages, dp_size, "
-                f"recompute and split_backward")
 
     def target_verdict(self, target, total: int, check_targets):
         """The last stage's rank checks ``target`` with ``check_targets(target, total)`` and tells the others.
@@ -143,9 +129,8 @@ def decode_text(words: list[int], head: int = 3) -> str:
     return data.decode(errors="replace")
 
 
-def encode_signature(train, m, micro, is_tuple, program_fingerprint: int) -> list[int]:
-    """The input's description: ``[0, train, m, batch, is_tuple, tensors, (dtype, dims, *shape[1:]) ...]``,
-    padded with zeros, and the program's fingerprint in the last word.
+def encode_signature(train, m, micro, is_tuple) -> list[int]:
+    """The input's description: ``[0, train, m, batch, is_tuple, tensors, (dtype, dims, *shape[1:]) ...]``.
 
     Raises:
         TypeError: a dtype that cannot cross a stage boundary.
@@ -158,6 +143,6 @@ def encode_signature(train, m, micro, is_tuple, program_fingerprint: int) -> lis
         if t.dtype not in DTYPE_CODE:
             raise TypeError(f"x has a tensor of dtype {t.dtype}, which cannot cross a stage boundary")
         words += [DTYPE_CODE[t.dtype], t.dim() - 1, *t.shape[1:]]
-    if len(words) > SIG_LEN - 1:
-        raise ValueError(f"x has too many tensors or dimensions to describe ({len(words)} > {SIG_LEN - 1} words)")
-    return words + [0] * (SIG_LEN - 1 - len(words)) + [program_fingerprint]
+    if len(words) > SIG_LEN:
+        raise ValueError(f"x has too many tensors or dimensions to describe ({len(words)} > {SIG_LEN} words)")
+    return words + [0] * (SIG_LEN - len(words))

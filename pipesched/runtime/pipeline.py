@@ -15,7 +15,9 @@ from .. import compile_program
 from ..ir import Program
 from ..schedules._common import check_positive
 from .comm import make_grid, make_groups
+from ..program_io import fingerprint
 from .accounting import cuda_memory_base, cuda_peak_since
+from .agreement import agree, refuse
 from .executor import StepInputs, Executor
 from .handshake import Handshake, Rejected
 from .failure import CommError, FailureChannel, PipelineError, failure_info
@@ -62,11 +64,44 @@ class Pipeline:
     Raises:
         TypeError, ValueError (incl. ``ScheduleArgumentError``), UnknownScheduleError: a bad argument,
             before any communication; the message names the argument, its value and what is valid.
+        ValueError: another rank of the job built its Pipeline with other arguments (names the first that
+            differs, both ranks and both values), or refused its own (quotes its error); checked on every rank
+            through the default group's store before any pipeline group exists, so no rank waits for the others.
+        TimeoutError: a rank did not construct its Pipeline within ``timeout`` seconds.
     """
 
     def __init__(self, model, schedule: str = "1f1b", num_microbatches: int = 1, loss_fn=None,
                  virtual_stages: int | None = None, balance=None, dp_size: int = 1, recompute=False,
                  split_backward=False, device=None, timeout: float = 300.0) -> None:
+        try:
+            layers = self._setup(model, schedule, num_microbatches, loss_fn, virtual_stages, balance, dp_size,
+                                 recompute, split_backward, device, timeout)
+        except Exception as exc:
+            if dist.is_available() and dist.is_initialized():  # the other ranks must not wait for this one
+                refuse(dist.distributed_c10d._get_default_store(), dist.get_rank(), exc)
+            raise
+        _init_default_group(self.device)  # communication starts here
+        agree(dist.distributed_c10d._get_default_store(), self.grid.world_rank, self.grid.world_size,
+              _description(self.program, self.balance, len(layers), self.grid), self.timeout)
+        grid = self.grid
+        self._pp_group, self._dp_group = make_groups(grid, self.timeout, self.device)
+        names = [self._pp_group.group_name] + ([self._dp_group.group_name] if self._dp_group else [])
+        self._failures = FailureChannel(dist.distributed_c10d._get_default_store(), names)
+        flags = _recompute_flags(self.program)
+        self._executor = Executor(self.program, grid.pp_rank, self.stages,
+                                  Transport(self._pp_group, self.program.num_stages, self.device),
+                                  self._dp_group, self.loss_fn, flags, self.device,
+                                  hoist=dist.get_backend(self._pp_group) == "gloo")
+        self._handshake = Handshake(self._executor.transport, self.program, grid.pp_rank, self.device)
+        self._metas: OrderedDict = OrderedDict()  # signature -> {("in"|"out", stage, mb): meta}
+        self._records = {"step": None, "forward": None}  # the last step()'s and the last forward()'s
+        self._broken: PipelineError | None = None
+        self._closed = False
+
+    def _setup(self, model, schedule, num_microbatches, loss_fn, virtual_stages, balance, dp_size, recompute,
+               split_backward, device, timeout) -> list:
+        """Everything decided locally, before any communication: checks, program, stages, device. Returns the
+        model's layers."""
         check_positive("num_microbatches", num_microbatches, 1)
         check_positive("dp_size", dp_size, 1)
         if virtual_stages is not None:
@@ -87,20 +122,7 @@ class Pipeline:
         self.device = _stage_device(self.stages, device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL and all_gather_object use the current device
-        _init_default_group(self.device)  # communication starts here
-        self._pp_group, self._dp_group = make_groups(grid, self.timeout, self.device)
-        names = [self._pp_group.group_name] + ([self._dp_group.group_name] if self._dp_group else [])
-        self._failures = FailureChannel(dist.distributed_c10d._get_default_store(), names)
-        flags = _recompute_flags(self.program)
-        self._executor = Executor(self.program, grid.pp_rank, self.stages,
-                                  Transport(self._pp_group, self.program.num_stages, self.device),
-                                  self._dp_group, loss_fn, flags, self.device,
-                                  hoist=dist.get_backend(self._pp_group) == "gloo")
-        self._handshake = Handshake(self._executor.transport, self.program, grid.pp_rank, self.device)
-        self._metas: OrderedDict = OrderedDict()  # signature -> {("in"|"out", stage, mb): meta}
-        self._records = {"step": None, "forward": None}  # the last step()'s and the last forward()'s
-        self._broken: PipelineError | None = None
-        self._closed = False
+        return layers
 
     # ---- public ----------------------------------------------------------------------------------------
 
@@ -314,6 +336,15 @@ class Pipeline:
                     pass
         self._pp_group = self._dp_group = None
         gc.collect()
+
+
+def _description(program: Program, balance, num_layers: int, grid) -> dict:
+    """What every rank of the job must agree on (see :mod:`pipesched.runtime.agreement`), most telling first."""
+    split = sorted({i.stage for stream in program.ranks for i in stream if i.op.value == "I"})
+    return {"world_size": grid.world_size, "dp_size": program.dp_size, "schedule": program.schedule,
+            "num_microbatches": program.num_microbatches, "stages": program.num_stages,
+            "recompute": _recompute_flags(program), "split_backward stages": split, "layers": num_layers,
+            "balance": list(balance), "program fingerprint": f"{fingerprint(program):014x}"}
 
 
 def _stage_device(stages, device) -> torch.device:

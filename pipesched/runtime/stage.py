@@ -95,8 +95,9 @@ def build_stages(layers: Sequence[nn.Module], balance: Sequence[int], stage_ids:
 
 
 def check_no_cross_rank_sharing(layers: Sequence[nn.Module], balance: Sequence[int], stage_to_rank) -> None:
-    """Refuse a parameter (or buffer) used by stages on different pipeline ranks, e.g. an embedding tied to
-    the output layer: each rank would update its own copy with only its own use's gradient, silently.
+    """Refuse a trainable parameter used by stages on different pipeline ranks, e.g. an embedding tied to the
+    output layer: each rank would update its own copy with only its own use's gradient, silently. (Frozen
+    parameters and buffers get no gradient: sharing them is harmless.)
 
     Raises:
         ValueError: names the tensor, the two stages and their ranks. Sharing between stages of one rank
@@ -106,7 +107,9 @@ def check_no_cross_rank_sharing(layers: Sequence[nn.Module], balance: Sequence[i
     start = 0
     for stage, count in enumerate(balance):
         for index in range(start, start + count):
-            for name, tensor in list(layers[index].named_parameters()) + list(layers[index].named_buffers()):
+            for name, tensor in layers[index].named_parameters():
+                if not tensor.requires_grad:
+                    continue
                 first = owner.setdefault(id(tensor), (stage, f"layer {index} ({name})"))
                 if stage_to_rank[first[0]] != stage_to_rank[stage]:
                     raise ValueError(

@@ -315,17 +315,17 @@ def hang_case(rank, timeout):
     return {"type": None}
 
 
-def mismatch_case(rank, schedules, ms):
-    """Rank r builds its Pipeline with ``schedules[r]`` and ``ms[r]`` microbatches: a user error to report,
-    not a hang."""
-    pipe = Pipeline(mlp(num_layers=2), schedule=schedules[rank], num_microbatches=ms[rank], loss_fn=F.mse_loss,
-                    timeout=30.0)
+def mismatch_case(rank, **per_rank):
+    """Rank r builds its Pipeline with ``{name: values[r]}`` for each keyword: a user error every rank must
+    report at construction, not a hang."""
+    kwargs = {"schedule": "1f1b", "num_microbatches": 4, "loss_fn": F.mse_loss, "timeout": 30.0}
+    kwargs.update({name: values[rank] for name, values in per_rank.items()})
     start = time.monotonic()
     try:
-        pipe.step(*_data(0))
-    except PipelineError as exc:
-        return {"rank": exc.rank, "cause": exc.cause, "elapsed": time.monotonic() - start}
-    return {"rank": None}
+        Pipeline(mlp(num_layers=2), **kwargs)
+    except (TypeError, ValueError) as exc:
+        return {"type": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - start}
+    return {"type": None}
 
 
 def inplace_case(rank):
@@ -361,8 +361,10 @@ def failure_suite(rank):
     hang = hang_case(rank, timeout=3.0)  # first: its stalled rank arrives late at the next group creation
     return {"hang": hang, "raise": failing_case(rank, fail_rank=1, fail_mb=2, world=2), "inplace": inplace_case(rank),
             "inplace_recompute": inplace_recompute_case(rank),
-            "other_schedule": mismatch_case(rank, ("1f1b", "gpipe"), (4, 4)),
-            "other_m": mismatch_case(rank, ("1f1b", "1f1b"), (4, 2))}
+            "other_schedule": mismatch_case(rank, schedule=("1f1b", "gpipe")),
+            "other_m": mismatch_case(rank, num_microbatches=(4, 2)),
+            "other_dp": mismatch_case(rank, dp_size=(1, 2)),
+            "refused": mismatch_case(rank, balance=(None, [2, 0]))}
 
 
 def store_host_exits(rank, timeout):

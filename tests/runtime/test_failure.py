@@ -24,16 +24,25 @@ def test_raising_layer_ends_both_ranks_with_that_ranks_error(failures):
     assert failures[1]["raise"]["cause_type"] == "ValueError"  # the failing rank chains the original
 
 
-@pytest.mark.parametrize("case, theirs, mine", [("other_schedule", "num_microbatches=4", "gpipe, num_microbatches=4"),
-                                                 ("other_m", "num_microbatches=4", "1f1b, num_microbatches=2")])
-def test_ranks_that_compiled_different_programs_fail_at_once_not_at_the_timeout(failures, case, theirs, mine):
+@pytest.mark.parametrize("case, field, values", [("other_schedule", "schedule", ("'1f1b'", "'gpipe'")),
+                                                  ("other_m", "num_microbatches", ("4", "2")),
+                                                  ("other_dp", "dp_size", ("1", "2"))])
+def test_ranks_built_with_different_arguments_fail_at_construction_not_at_the_timeout(failures, case, field, values):
     for rank, results in enumerate(failures):
         err = results[case]
-        assert err["rank"] == 1, (rank, err)  # rank 1 finds the mismatch in rank 0's step signature
-        assert err["cause"].startswith(f"RuntimeError: pipeline rank 0 compiled a different program ({theirs}, "), err
-        assert f"than this rank ({mine}, 2 stages, dp_size=1, fingerprint " in err["cause"], err
-        assert "every rank must construct Pipeline with the same schedule" in err["cause"]
+        other = 1 - rank
+        assert err["type"] == "ValueError", (rank, err)
+        assert err["message"] == (f"world rank {other} built its Pipeline with {field}={values[other]} but world rank "
+                                  f"{rank} with {field}={values[rank]}; every rank must construct Pipeline with the "
+                                  f"same arguments (and the same model)"), (rank, err)
         assert err["elapsed"] < 8.0, (rank, err)  # the timeout is 30 s
+
+
+def test_a_rank_that_refuses_its_arguments_ends_the_others_at_construction(failures):
+    own = "balance=[2, 0]: every stage needs at least one layer"
+    assert failures[1]["refused"]["message"] == own
+    assert failures[0]["refused"]["message"] == f"world rank 1 refused its Pipeline arguments: ValueError: {own}"
+    assert failures[0]["refused"]["elapsed"] < 8.0
 
 
 def test_an_in_place_first_layer_of_a_stage_is_explained(failures):

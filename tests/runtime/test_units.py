@@ -219,6 +219,8 @@ def test_a_tensor_shared_by_stages_on_different_ranks_is_refused():
                                          r"\(weight\) of stage 1 \(pipeline rank 1\)"):
         check_no_cross_rank_sharing(layers, [2, 2], (0, 1))
     check_no_cross_rank_sharing(layers, [1, 1, 1, 1], (0, 1, 1, 0))  # stages 0 and 3 share rank 0: fine
+    first.weight.requires_grad_(False)
+    check_no_cross_rank_sharing(layers, [2, 2], (0, 1))  # a frozen shared weight gets no gradient: fine
 
 
 def test_the_stages_device_comes_from_a_parameter_or_buffer_or_the_argument():

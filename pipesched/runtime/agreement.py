@@ -1,0 +1,64 @@
+"""Before any process group of a Pipeline exists: every rank of the job checks that all ranks built the same
+pipeline, through the default group's store, so a mismatch (another schedule, ``dp_size``, ``balance``, ...)
+or a rank that refused its arguments is a clear error on every rank instead of a collective that waits
+until the timeout.
+
+Each rank publishes, under the number of Pipelines it has constructed so far (counted in the store, so
+equal on every rank that constructs the same Pipelines in the same order), either a description of its
+pipeline or the error it raised; then it reads every rank's entry and compares.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+
+_PREFIX = "pipesched/construct"
+
+
+def agree(store, world_rank: int, world_size: int, description: dict, timeout: float) -> None:
+    """Publish this rank's ``description`` (JSON-ready) and check every rank published the same one.
+
+    Raises:
+        ValueError: a rank refused its arguments (names it and quotes its error), or a rank described another
+            pipeline (names the first differing field, both ranks and both values).
+        TimeoutError: some ranks published nothing within ``timeout`` seconds (names them).
+    """
+    key = _publish(store, world_rank, {"description": description})
+    entries = _read_all(store, key, world_size, timeout)
+    for rank, entry in enumerate(entries):
+        if "error" in entry:
+            raise ValueError(f"world rank {rank} refused its Pipeline arguments: {entry['error']}")
+    for rank, entry in enumerate(entries):
+        theirs = entry["description"]
+        for field, mine in description.items():
+            if theirs.get(field) != mine:
+                raise ValueError(f"world rank {rank} built its Pipeline with {field}={theirs.get(field)!r} but world "
+                                 f"rank {world_rank} with {field}={mine!r}; every rank must construct Pipeline with "
+                                 f"the same arguments (and the same model)")
+
+
+def refuse(store, world_rank: int, error: BaseException) -> None:
+    """Publish that this rank's Pipeline construction failed with ``error``, so the other ranks' :func:`agree`
+    raises at once (a no-op-safe call: it never raises itself)."""
+    try:
+        _publish(store, world_rank, {"error": f"{type(error).__name__}: {error}"})
+    except Exception:  # noqa: BLE001 - best effort: the local error is what the caller raises
+        pass
+
+
+def _publish(store, world_rank: int, entry: dict) -> str:
+    count = store.add(f"{_PREFIX}/count/{world_rank}", 1)
+    key = f"{_PREFIX}/{count}"
+    store.set(f"{key}/{world_rank}", json.dumps(entry))
+    return key
+
+
+def _read_all(store, key: str, world_size: int, timeout: float) -> list[dict]:
+    keys = [f"{key}/{rank}" for rank in range(world_size)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception as exc:  # noqa: BLE001 - the store reports a timeout as one of several types
+        missing = [rank for rank, k in enumerate(keys) if not store.check([k])]
+        raise TimeoutError(f"world ranks {missing} did not construct their Pipeline within {timeout:g} s; every "
+                           f"rank must construct the same Pipelines in the same order ({exc})") from None
+    return [json.loads(store.get(k)) for k in keys]
