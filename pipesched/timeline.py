@@ -147,6 +147,8 @@ class Timeline:
         data["num_ranks"] = self.num_ranks
         data["ranks"] = None if self.ranks is None else list(self.ranks)
         data["bubble_per_rank"] = [None if math.isnan(b) else b for b in data["bubble_per_rank"]]
+        if self.peak_activation_bytes is not None:  # NaN (a rank not held) is not JSON: written as null
+            data["peak_activation_bytes"] = [None if math.isnan(b) else b for b in self.peak_activation_bytes]
         data["events"] = [[e.rank, str(e.instr), e.start, e.end] for e in self.events]
         return data
 
@@ -160,7 +162,7 @@ class Timeline:
             source=data.get("source", "measured"),
             meta=dict(data.get("meta", {})),
             peak_inflight=tuple(data.get("peak_inflight", ())),
-            peak_activation_bytes=None if peak_bytes is None else tuple(peak_bytes),
+            peak_activation_bytes=None if peak_bytes is None else tuple(math.nan if b is None else b for b in peak_bytes),
             ranks=None if data.get("ranks") is None else tuple(data["ranks"]),
         )
 

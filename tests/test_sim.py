@@ -93,5 +93,8 @@ def test_a_timeline_of_one_rank_leaves_the_others_bubbles_unknown_not_idle():
     assert math.isnan(bubbles[0]) and bubbles[1] == 0.25
     assert one.bubble_fraction == 0.25  # over the ranks held; counting rank 0 as idle would give 0.625
     assert Timeline(events, 2, "measured").bubble_fraction == 0.625
-    back = Timeline.from_json_dict(json.loads(json.dumps(one.to_json_dict())))
+    one = Timeline(events, 2, "measured", ranks=(1,), peak_activation_bytes=(math.nan, 4096.0))
+    text = json.dumps(one.to_json_dict(), allow_nan=False)  # strict JSON: no NaN literal for the rank not held
+    back = Timeline.from_json_dict(json.loads(text))
     assert back.ranks == (1,) and back.bubble_fraction == 0.25
+    assert math.isnan(back.peak_activation_bytes[0]) and back.peak_activation_bytes[1] == 4096.0

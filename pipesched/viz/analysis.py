@@ -41,10 +41,14 @@ def bubble_breakdown(timeline: Timeline) -> dict:
         ``{"makespan": s, "idle": rank-seconds, "seconds": {category: rank-seconds, "total": ...},
         "fraction": {category: rank-seconds / (ranks * makespan), "total": bubble fraction},
         "per_rank": [{category: seconds, "idle": seconds}, ...]}``. ``fraction["total"]`` equals
-        ``timeline.bubble_fraction`` and the categories sum to it.
+        ``timeline.bubble_fraction`` and the categories sum to it. A timeline of some ranks only
+        (``timeline.ranks``, e.g. ``Pipeline.timeline()``) is broken down over those: ``per_rank`` has
+        ``None`` for the others.
     """
     span = timeline.makespan
-    per_rank = [_rank_breakdown(timeline, rank) for rank in range(timeline.num_ranks)]
+    held = range(timeline.num_ranks) if timeline.ranks is None else timeline.ranks
+    rows = [_rank_breakdown(timeline, rank) if rank in held else None for rank in range(timeline.num_ranks)]
+    per_rank = [row for row in rows if row is not None]
     most = max((row["busy"] for row in per_rank), default=0.0)
     for row in per_rank:
         excess = min(most - row.pop("busy"), row["idle"] - row["communication"])
@@ -55,10 +59,10 @@ def bubble_breakdown(timeline: Timeline) -> dict:
             excess -= taken
     seconds = {name: sum(row[name] for row in per_rank) for name in CATEGORIES}
     seconds["total"] = sum(row["idle"] for row in per_rank)
-    denominator = timeline.num_ranks * span
+    denominator = len(per_rank) * span
     fraction = {name: (value / denominator if denominator > 0 else 0.0) for name, value in seconds.items()}
     return {"makespan": span, "idle": seconds["total"], "seconds": seconds, "fraction": fraction,
-            "per_rank": per_rank}
+            "per_rank": rows}
 
 
 def communication_waits(timeline: Timeline) -> list[list[tuple[float, float, str]]]:

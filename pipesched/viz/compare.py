@@ -58,10 +58,17 @@ def predict_for(measured: Timeline, cost: CostModel | None = None) -> Timeline:
     splitting the backward of those that have ``I`` events.
 
     Raises:
-        ValueError: ``meta`` does not name a registered schedule and its sizes.
+        ValueError: ``meta`` does not name a registered schedule and its sizes; the timeline holds only some
+            ranks (``Pipeline.timeline()``) or is of a ``forward()``.
         UnknownScheduleError, ScheduleArgumentError: as :func:`pipesched.compile_program`.
     """
     meta = measured.meta
+    if measured.ranks is not None and len(measured.ranks) < measured.num_ranks:
+        raise ValueError(f"the measured timeline holds ranks {list(measured.ranks)} of {measured.num_ranks}; a "
+                         f"prediction needs every rank's costs: save Pipeline.gather_timeline(), not .timeline()")
+    if meta.get("step") == "forward":
+        raise ValueError("the measured timeline is of a forward() (no backward); predictions are of training "
+                         "steps: save the timeline of a step()")
     missing = [k for k in ("schedule", "microbatches") if k not in meta]
     if missing:
         raise ValueError(f"the measured timeline's meta lacks {missing}; it has {sorted(meta)} — cannot "

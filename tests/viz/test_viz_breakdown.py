@@ -110,3 +110,14 @@ def test_starts_after_receives_moves_compute_that_was_stamped_before_its_input_l
     assert fixed[(1, "B1.0")] == (4, 6) and fixed[(0, "F0.0")] == (0, 1)  # no receive: unchanged
     # busy 1 + 1.5 (rank 0), 1 + 2 (rank 1) over makespan 8 -> bubble (5.5 + 5) / 16
     assert starts_after_receives(raw).bubble_fraction == pytest.approx(10.5 / 16)
+
+
+def test_breakdown_of_a_one_rank_timeline_covers_that_rank_only():
+    from pipesched import Timeline
+
+    _, timeline = sim("1f1b", 2, 4)
+    one = Timeline(tuple(e for e in timeline.events if e.rank == 0), 2, "measured", ranks=(0,))
+    result = bubble_breakdown(one)
+    assert result["per_rank"][1] is None
+    assert result["fraction"]["total"] == pytest.approx(one.bubble_fraction)
+    assert sum(v for k, v in result["fraction"].items() if k != "total") == pytest.approx(one.bubble_fraction)

@@ -86,3 +86,14 @@ def test_package_exports_what_the_training_example_uses(tmp_path):
     assert exported is plot_comparison
     write_chrome_trace(measured, tmp_path / "t.json")
     assert len([e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "X"]) == len(program)
+
+
+def test_prediction_refuses_a_one_rank_timeline_and_a_forward_timeline():
+    _, timeline = sim("1f1b", 2, 4, cost=CostModel(forward=1e-3, backward=2e-3))
+    one = Timeline(tuple(e for e in timeline.events if e.rank == 1), 2, "measured", dict(timeline.meta), ranks=(1,))
+    with pytest.raises(ValueError, match=r"holds ranks \[1\] of 2; a prediction needs every rank's costs: save "
+                                         r"Pipeline.gather_timeline\(\), not .timeline\(\)"):
+        predict_for(one)
+    forward = Timeline(timeline.events, 2, "measured", {**timeline.meta, "step": "forward"})
+    with pytest.raises(ValueError, match=r"is of a forward\(\) \(no backward\)"):
+        predict_for(forward)
