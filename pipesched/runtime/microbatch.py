@@ -76,9 +76,14 @@ def merge(microbatches, is_tuple: bool):
     """Concatenate microbatches (tuples of tensors) along dim 0; a tensor if ``not is_tuple``.
 
     Raises:
-        ValueError: no microbatches.
+        ValueError: no microbatches, or an output with no batch dimension to concatenate along (0-dim).
     """
     if not microbatches:
         raise ValueError("merge needs at least one microbatch")
+    for k, t in enumerate(microbatches[0]):
+        if t.dim() == 0:
+            where = f"element {k} of the model's output tuple" if is_tuple else "the model's output"
+            raise ValueError(f"forward() merges each microbatch's output along dim 0, but {where} is 0-dim "
+                             f"(shape ()); return it with a batch dimension, e.g. x.expand(n) or x[None]")
     merged = tuple(torch.cat(column, dim=0) for column in zip(*microbatches))
     return merged if is_tuple else merged[0]

@@ -180,7 +180,11 @@ class Pipeline:
             ValueError, PipelineError: as :meth:`step`.
         """
         self._check_local(x, None)
-        return self._guarded(lambda: self._run(x, None, train=False))
+        outputs = self._guarded(lambda: self._run(x, None, train=False))
+        if not outputs:
+            return None
+        m = self.program.num_microbatches  # merged after the step: a merge error leaves the pipeline usable
+        return merge([as_tuple(outputs[i])[0] for i in range(m)], as_tuple(outputs[0])[1])
 
     __call__ = forward
 
@@ -265,7 +269,7 @@ class Pipeline:
             "allocated": cuda_peak_since(self.device, base), "train": train, "dp_rank": self.grid.dp_rank}
         if train:
             return loss
-        return merge([as_tuple(outputs[i])[0] for i in range(m)], as_tuple(outputs[0])[1]) if outputs else None
+        return outputs
 
     def _targets(self, target, total):
         if target is None:

@@ -24,6 +24,12 @@ def test_batch_smaller_than_microbatches_is_a_value_error():
         split(torch.zeros(3, 2), 4)
 
 
+def test_merge_explains_a_0_dim_output():
+    with pytest.raises(ValueError, match=r"element 1 of the model's output tuple is 0-dim \(shape \(\)\); return it "
+                                         r"with a batch dimension"):
+        merge([(torch.ones(2), torch.tensor(1.0)), (torch.ones(2), torch.tensor(2.0))], True)
+
+
 def test_split_and_merge_tuples_are_views_and_round_trip():
     x = (torch.arange(20.).view(10, 2), torch.arange(10), torch.arange(10) % 2 == 0)
     parts, is_tuple = split(x, 4)
