@@ -117,8 +117,10 @@ def simulate_from_args(args: argparse.Namespace):
     split = any(i.op in (Op.I, Op.W) for stream in program.ranks for i in stream)
     for flag, value in (("--input-grad", args.input_grad), ("--weight-grad", args.weight_grad)):
         if value is not None and not split:
+            hint = ("with --split-backward only stages whose input gradient goes to another rank are split, and "
+                    "this program has none" if args.split_backward else "add --split-backward, or drop " + flag)
             raise ValueError(f"{flag} {value} sets the cost of I/W, but this program runs fused B backwards "
-                             f"(no I or W); add --split-backward, or drop {flag}")
+                             f"(no I or W); {hint}")
     try:
         return program, simulate(program, cost_from_args(args), check=False)
     except ValueError as exc:  # a per-stage cost of the wrong length, found against the program
