@@ -110,10 +110,13 @@ def simulate_from_args(args: argparse.Namespace):
     """``(program, timeline)``: the program the schedule options name, simulated with the cost options.
 
     Raises:
-        ValueError: a bad option; or ``--input-grad``/``--weight-grad`` for a program without I and W
-            (they would be ignored: add ``--split-backward``).
+        ValueError: a bad option; or ``--input-grad``/``--weight-grad`` for a program without I and W, or
+            ``--recompute-cost`` without ``--recompute`` (they would be ignored).
     """
     program = program_from_args(args)
+    if args.recompute_cost is not None and not args.recompute:
+        raise ValueError(f"--recompute-cost {args.recompute_cost} sets the cost of R, but this program recomputes "
+                         f"nothing; add --recompute, or drop --recompute-cost")
     split = any(i.op in (Op.I, Op.W) for stream in program.ranks for i in stream)
     for flag, value in (("--input-grad", args.input_grad), ("--weight-grad", args.weight_grad)):
         if value is not None and not split:

@@ -124,3 +124,12 @@ def test_input_and_weight_grad_costs_need_a_split_program(capsys):
 def test_size_and_cost_errors_name_the_option(capsys, argv, message):
     code, _, err = run(capsys, *argv)
     assert code == 2 and message in err
+
+
+def test_recompute_cost_needs_recompute(capsys):
+    code, _, err = run(capsys, "simulate", "1f1b", "-p", "2", "-m", "4", "--recompute-cost", "0.5")
+    assert code == 2 and "--recompute-cost 0.5 sets the cost of R, but this program recomputes nothing; " \
+                         "add --recompute, or drop --recompute-cost" in err
+    code, out, _ = run(capsys, "simulate", "1f1b", "-p", "2", "-m", "4", "--recompute", "--recompute-cost", "0.5",
+                       "--json")
+    assert code == 0 and json.loads(out)["makespan"] == 17.0  # 1 + 4 x (F + R + B on rank 1) + B = 15 + 4 x 0.5

@@ -91,7 +91,8 @@ def draw_rows(ax, timeline: Timeline, offset: float = 0.0, height: float = 0.8, 
     if factor is None:
         factor = _style.time_unit(timeline.makespan)[1]
     half = height / 2
-    for rank in range(timeline.num_ranks):
+    held = range(timeline.num_ranks) if timeline.ranks is None else timeline.ranks
+    for rank in held:  # a rank the timeline does not hold is left blank, not drawn idle
         y = rank + offset
         ax.add_patch(Rectangle((0.0, y - half), (t1 - t0) * factor, height,
                                facecolor=_style.IDLE, edgecolor="none", zorder=0, gid=f"{tag}idle:{rank}"))
@@ -217,8 +218,9 @@ def annotate_ranks(ax, timeline: Timeline, offset: float = 0.0) -> None:
     ax.text(1.01, -0.55 + offset, " " * 10 + "peak\nbubble  in-flight", transform=transform, fontsize=7.5,
             va="bottom", ha="left", family="monospace", color="#444444", clip_on=False)
     for rank, bubble in enumerate(timeline.bubble_per_rank()):
-        shown = "    --" if bubble != bubble else f"{100 * bubble:5.1f}%"  # NaN: a rank the timeline does not hold
-        ax.text(1.01, rank + offset, f"{shown}  {peaks[rank]:>9d}", transform=transform,
+        # NaN: a rank the timeline does not hold
+        shown = f"{'--':>6}  {'--':>9}" if bubble != bubble else f"{100 * bubble:5.1f}%  {peaks[rank]:>9d}"
+        ax.text(1.01, rank + offset, shown, transform=transform,
                 fontsize=7.5, va="center", ha="left", family="monospace", clip_on=False,
                 gid=f"bubble-rank-{rank}")
 

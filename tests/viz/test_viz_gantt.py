@@ -141,3 +141,13 @@ def test_split_backward_and_recompute_kinds_get_their_own_colours_and_legend_ent
     assert labels == ["forward F", "input grad I", "weight grad W", "recompute R", "idle (bubble)"]
     # no labels in meta: sizes are read off the events
     assert "custom  ·  p=2 ranks  ·  m=1 microbatches  ·  v=1  ·  measured" in fig.axes[0].get_title(loc="left")
+
+
+def test_a_one_rank_timeline_draws_only_that_rank():
+    _, timeline = sim("1f1b", 2, 4)
+    one = Timeline(tuple(e for e in timeline.events if e.rank == 1), 2, "measured", dict(timeline.meta), ranks=(1,))
+    fig = plot_timeline(one)
+    gids = {p.get_gid() for ax in fig.axes for p in ax.patches}
+    assert "idle:1" in gids and "idle:0" not in gids
+    texts = {t.get_gid(): t.get_text() for ax in fig.axes for t in ax.texts if t.get_gid()}
+    assert texts["bubble-rank-0"].split() == ["--", "--"]
