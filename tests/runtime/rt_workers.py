@@ -295,6 +295,8 @@ def four_rank_suite(rank):
     for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
         for hoist in (True, False):
             results[("order", schedule, hoist)] = message_order(rank, schedule, v, hoist)
+    # replica 1 (world ranks 2 and 3) asks for 8 microbatches, replica 0 for 4: every rank must refuse at once
+    results["replica_mismatch"] = mismatch_case(rank, num_microbatches=(4, 4, 8, 8), dp_size=(2, 2, 2, 2))
     results["failure"] = failing_case(rank, fail_rank=2, fail_mb=1, world=4, linger=1.0)
     # DP x PP = 2 x 2: world rank 1 (replica 0, stage 1) fails; replica 1 learns it at its all-reduce
     results["dp_failure"] = failing_case(rank, fail_rank=1, fail_mb=1, world=4, dp_size=2, linger=1.0)

@@ -38,6 +38,16 @@ def test_ranks_built_with_different_arguments_fail_at_construction_not_at_the_ti
         assert err["elapsed"] < 8.0, (rank, err)  # the timeout is 30 s
 
 
+def test_a_replica_built_differently_is_refused_on_every_rank(four_ranks):
+    tail = "; every rank must construct Pipeline with the same arguments (and the same model)"
+    for rank, results in enumerate(four_ranks):
+        err = results["replica_mismatch"]
+        expected = ("world rank 2 built its Pipeline with num_microbatches=8 but world rank {} with num_microbatches=4"
+                    if rank < 2 else
+                    "world rank 0 built its Pipeline with num_microbatches=4 but world rank {} with num_microbatches=8")
+        assert (err["type"], err["message"]) == ("ValueError", expected.format(rank) + tail), (rank, err)
+
+
 def test_a_rank_that_refuses_its_arguments_ends_the_others_at_construction(failures):
     own = "balance=[2, 0]: every stage needs at least one layer"
     assert failures[1]["refused"]["message"] == own
