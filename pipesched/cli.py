@@ -81,8 +81,13 @@ def cost_from_args(args: argparse.Namespace) -> CostModel:
             grad_bytes=args.grad_bytes,
         )
     except ValueError as exc:
-        field = str(exc).split()[1] if str(exc).startswith("cost ") else ""
-        raise ValueError(f"{_COST_FLAGS.get(field, 'cost option')}: {exc}") from None
+        raise ValueError(f"{_cost_flag(exc) or 'cost option'}: {exc}") from None
+
+
+def _cost_flag(exc: ValueError) -> str | None:
+    """The command-line option of the cost a ``CostModel`` error names ("cost input_grad has ..."), if any."""
+    words = str(exc).split()
+    return _COST_FLAGS.get(words[1]) if len(words) > 1 and words[0] == "cost" else None
 
 
 _SIZE_FLAGS = {"num_ranks": ("--ranks", "ranks"), "num_microbatches": ("--microbatches", "microbatches"),
@@ -127,10 +132,10 @@ def simulate_from_args(args: argparse.Namespace):
     try:
         return program, simulate(program, cost_from_args(args), check=False)
     except ValueError as exc:  # a per-stage cost of the wrong length, found against the program
-        field = str(exc).split()[1] if str(exc).startswith("cost ") else ""
-        if field not in _COST_FLAGS:
+        flag = _cost_flag(exc)
+        if flag is None:
             raise
-        raise ValueError(f"{_COST_FLAGS[field]}: {exc}") from None
+        raise ValueError(f"{flag}: {exc}") from None
 
 
 def _cmd_list(args) -> int:

@@ -16,6 +16,7 @@ whatever order the receives are posted in; with gloo a send completes only once 
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,24 @@ def make_grid(world_rank: int, world_size: int, dp_size: int) -> Grid:
         raise ValueError(f"dp_size={dp_size} does not divide the world size {world_size}; "
                          f"world size = pipeline ranks x dp_size")
     return Grid(world_rank, world_size, world_size // dp_size, dp_size)
+
+
+def world_and_rank() -> tuple[int, int]:
+    """(world size, rank) from the default group, or from torchrun's environment, or (1, 0)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+
+
+def init_default_group(device: torch.device) -> None:
+    """Create the default process group if there is none: env:// under torchrun, else a 1-process group."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "MASTER_ADDR" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def make_groups(grid: Grid, timeout: float, device: torch.device):

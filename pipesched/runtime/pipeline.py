@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import gc
 import inspect
-import os
 import time
 import traceback
 from collections import OrderedDict
@@ -12,18 +11,18 @@ import torch
 import torch.distributed as dist
 
 from .. import compile_program
-from ..ir import Program
+from ..ir import Op, Program
 from ..schedules._common import check_positive
-from .comm import make_grid, make_groups
-from ..program_io import fingerprint
+from .comm import init_default_group, make_grid, make_groups, world_and_rank
 from .accounting import cuda_memory_base, cuda_peak_since
-from .agreement import agree, refuse
+from .agreement import agree, describe, refuse
 from .executor import StepInputs, Executor
 from .handshake import Handshake, Rejected
 from .failure import CommError, FailureChannel, PipelineError, failure_info
 from .measured import gather_timeline, local_timeline
 from .microbatch import as_tuple, batch_size, merge, split, split_sizes
-from .stage import build_stages, check_no_cross_rank_sharing, layers_of, resolve_balance
+from .plan import stages_with
+from .stage import build_stages, check_no_cross_rank_sharing, layers_of, resolve_balance, stage_device
 from .transport import Transport
 
 _CACHE_SIZE = 32  # input signatures whose message metas are remembered
@@ -80,14 +79,15 @@ class Pipeline:
             if dist.is_available() and dist.is_initialized():  # the other ranks must not wait for this one
                 refuse(dist.distributed_c10d._get_default_store(), dist.get_rank(), exc)
             raise
-        _init_default_group(self.device)  # communication starts here
+        init_default_group(self.device)  # communication starts here
         agree(dist.distributed_c10d._get_default_store(), self.grid.world_rank, self.grid.world_size,
-              _description(self.program, self.balance, len(layers), self.grid), self.timeout)
+              describe(self.program, self.balance, len(layers), self.grid.world_size), self.timeout)
         grid = self.grid
         self._pp_group, self._dp_group = make_groups(grid, self.timeout, self.device)
         names = [self._pp_group.group_name] + ([self._dp_group.group_name] if self._dp_group else [])
         self._failures = FailureChannel(dist.distributed_c10d._get_default_store(), names)
-        flags = _recompute_flags(self.program)
+        recomputed = stages_with(self.program, Op.R)
+        flags = [s in recomputed for s in range(self.program.num_stages)]
         self._executor = Executor(self.program, grid.pp_rank, self.stages,
                                   Transport(self._pp_group, self.program.num_stages, self.device),
                                   self._dp_group, self.loss_fn, flags, self.device,
@@ -111,7 +111,7 @@ class Pipeline:
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         layers = layers_of(model)
-        world, rank = _world()
+        world, rank = world_and_rank()
         grid = make_grid(rank, world, dp_size)
         self.program: Program = compile_program(schedule, grid.pp_size, num_microbatches, virtual_stages,
                                                 dp_size, recompute, split_backward)
@@ -119,7 +119,7 @@ class Pipeline:
         check_no_cross_rank_sharing(layers, self.balance, self.program.stage_to_rank)
         self.grid, self.loss_fn, self.timeout = grid, loss_fn, float(timeout)
         self.stages = build_stages(layers, self.balance, self.program.stages_of(grid.pp_rank))
-        self.device = _stage_device(self.stages, device)
+        self.device = stage_device(self.stages, device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL and all_gather_object use the current device
         return layers
@@ -342,25 +342,6 @@ class Pipeline:
         gc.collect()
 
 
-def _description(program: Program, balance, num_layers: int, grid) -> dict:
-    """What every rank of the job must agree on (see :mod:`pipesched.runtime.agreement`), most telling first."""
-    split = sorted({i.stage for stream in program.ranks for i in stream if i.op.value == "I"})
-    return {"world_size": grid.world_size, "dp_size": program.dp_size, "schedule": program.schedule,
-            "num_microbatches": program.num_microbatches, "stages": program.num_stages,
-            "recompute": _recompute_flags(program), "split_backward stages": split, "layers": num_layers,
-            "balance": list(balance), "program fingerprint": f"{fingerprint(program):014x}"}
-
-
-def _stage_device(stages, device) -> torch.device:
-    """``device`` if given, else that of the stages' first parameter or buffer, else the CPU."""
-    if device is not None:
-        return torch.device(device)
-    for module in stages.values():
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            return tensor.device
-    return torch.device("cpu")
-
-
 def _to(batch, device):
     if isinstance(batch, torch.Tensor):
         return batch.to(device)
@@ -376,30 +357,3 @@ def _needs_target(loss_fn) -> bool:
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     required = [p for p in params if p.kind in kinds and p.default is inspect.Parameter.empty]
     return len(required) >= 2
-
-
-def _recompute_flags(program: Program) -> list[bool]:
-    flags = [False] * program.num_stages
-    for stream in program.ranks:
-        for instr in stream:
-            if instr.op.value == "R":
-                flags[instr.stage] = True
-    return flags
-
-
-def _world() -> tuple[int, int]:
-    """(world size, rank) from the default group, or from torchrun's environment, or (1, 0)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-
-
-def _init_default_group(device: torch.device) -> None:
-    """Create the default process group if there is none: env:// under torchrun, else a 1-process group."""
-    if dist.is_initialized():
-        return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if "MASTER_ADDR" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

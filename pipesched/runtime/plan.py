@@ -62,3 +62,9 @@ def reduced_params(params: dict, stream) -> dict:
             if order.get(s, -1) >= order.get(last.get(id(p), s), -1):
                 last[id(p)] = s
     return {s: [p for p in ps if last[id(p)] == s] for s, ps in params.items()}
+
+
+def stages_with(program, op: Op) -> frozenset:
+    """The stages that have an instruction of kind ``op`` anywhere in ``program`` (``R``: the recomputed
+    ones; ``I``: those with a split backward)."""
+    return frozenset(i.stage for stream in program.ranks for i in stream if i.op is op)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 
@@ -118,3 +119,13 @@ def check_no_cross_rank_sharing(layers: Sequence[nn.Module], balance: Sequence[i
                         f"shared by stages on different ranks would get only part of its gradient on each; "
                         f"untie it, or choose a balance that puts both uses on one rank")
         start += count
+
+
+def stage_device(stages, device) -> torch.device:
+    """``device`` if given, else that of the stages' first parameter or buffer, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    for module in stages.values():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            return tensor.device
+    return torch.device("cpu")
