@@ -66,37 +66,21 @@ rank 1: RECV_F1.1<0 RECV_F1.0<0 F1.0 B1.0 SEND_B1.0>0 F1.1 B1.1 SEND_B1.1>0
     _check(text, PairingError, 0, "SEND_F0.0>1", "out of the order of its sends")
 
 
-def test_missing_backward():
-    text = "microbatches: 2\nstage_to_rank: 0\nrank 0: F0.0 F0.1 B0.0\n"
-    _check(text, InvalidProgramError, 0, "B0.1", "its backward is missing")
+ONE_RANK = "microbatches: {m}\nstage_to_rank: 0\nrank 0: {stream}\n"
 
 
-def test_duplicate_forward():
-    text = "microbatches: 1\nstage_to_rank: 0\nrank 0: F0.0 F0.0 B0.0\n"
-    _check(text, InvalidProgramError, 0, "F0.0", "appears twice")
-
-
-def test_instruction_on_the_wrong_rank():
-    text = HEADER.format(m=1) + "rank 0: F0.0 F1.0 B1.0 B0.0\nrank 1:\n"
-    _check(text, InvalidProgramError, 0, "F1.0", "stage 1 is placed on rank 1, not on rank 0")
-
-
-def test_wrong_peer():
-    text = HEADER.format(m=1) + """
-rank 0: F0.0 SEND_F0.0>0 RECV_B0.0<1 B0.0
-rank 1: RECV_F1.0<0 F1.0 B1.0 SEND_B1.0>0
-"""
-    _check(text, InvalidProgramError, 0, "SEND_F0.0>0", "peer must be rank 1")
-
-
-def test_split_backward_needs_both_halves():
-    text = "microbatches: 1\nstage_to_rank: 0\nrank 0: F0.0 I0.0\n"
-    _check(text, InvalidProgramError, 0, "W0.0", "has an I but no W")
-
-
-def test_split_backward_w_before_i():
-    text = "microbatches: 1\nstage_to_rank: 0\nrank 0: F0.0 W0.0 I0.0\n"
-    _check(text, DependencyError, 0, "W0.0", "the input-gradient backward I0.0")
+@pytest.mark.parametrize("text, error, instr, reason", [
+    (ONE_RANK.format(m=2, stream="F0.0 F0.1 B0.0"), InvalidProgramError, "B0.1", "its backward is missing"),
+    (ONE_RANK.format(m=1, stream="F0.0 F0.0 B0.0"), InvalidProgramError, "F0.0", "appears twice"),
+    (HEADER.format(m=1) + "rank 0: F0.0 F1.0 B1.0 B0.0\nrank 1:\n", InvalidProgramError, "F1.0",
+     "stage 1 is placed on rank 1, not on rank 0"),
+    (HEADER.format(m=1) + "rank 0: F0.0 SEND_F0.0>0 RECV_B0.0<1 B0.0\nrank 1: RECV_F1.0<0 F1.0 B1.0 SEND_B1.0>0\n",
+     InvalidProgramError, "SEND_F0.0>0", "peer must be rank 1"),
+    (ONE_RANK.format(m=1, stream="F0.0 I0.0"), InvalidProgramError, "W0.0", "has an I but no W"),
+    (ONE_RANK.format(m=1, stream="F0.0 W0.0 I0.0"), DependencyError, "W0.0", "the input-gradient backward I0.0"),
+], ids=["missing-backward", "duplicate-forward", "wrong-rank", "wrong-peer", "i-without-w", "w-before-i"])
+def test_ill_formed_program_names_rank_0_the_instruction_and_the_reason(text, error, instr, reason):
+    _check(text, error, 0, instr, reason)
 
 
 def test_compute_only_program_that_deadlocks():

@@ -230,8 +230,8 @@ def test_a_tensor_shared_by_stages_on_different_ranks_is_refused():
 
 
 def test_the_stages_device_comes_from_a_parameter_or_buffer_or_the_argument():
-    from pipesched.runtime.pipeline import _stage_device
+    from pipesched.runtime.stage import stage_device
 
-    assert _stage_device({0: nn.Sequential(nn.ReLU(), nn.Linear(2, 2))}, None) == torch.device("cpu")
-    assert _stage_device({1: nn.Sequential(nn.ReLU())}, None) == torch.device("cpu")  # no tensors at all
-    assert _stage_device({1: nn.Sequential(nn.ReLU())}, "cuda:1") == torch.device("cuda", 1)  # not created
+    assert stage_device({0: nn.Sequential(nn.ReLU(), nn.Linear(2, 2))}, None) == torch.device("cpu")
+    assert stage_device({1: nn.Sequential(nn.ReLU())}, None) == torch.device("cpu")  # no tensors at all
+    assert stage_device({1: nn.Sequential(nn.ReLU())}, "cuda:1") == torch.device("cuda", 1)  # not created
