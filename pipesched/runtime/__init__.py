@@ -19,8 +19,9 @@ Example (``torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 295
 Without torchrun, ``launch(fn, world_size, *args)`` runs ``fn(rank, *args)`` on local processes.
 """
 from .accounting import stage_activation_bytes
+from .comm import SingleProcessWarning
 from .failure import PipelineError
 from .launch import ChildTraceback, launch
 from .pipeline import Pipeline
 
-__all__ = ["ChildTraceback", "Pipeline", "PipelineError", "launch", "stage_activation_bytes"]
+__all__ = ["ChildTraceback", "Pipeline", "PipelineError", "SingleProcessWarning", "launch", "stage_activation_bytes"]

@@ -68,7 +68,8 @@ def stage_activation_bytes(model, microbatch, num_stages: int, balance=None, los
 
     Runs ``model`` (split as :class:`~pipesched.runtime.Pipeline` splits it) on ``microbatch`` with grad
     enabled, each stage from its own leaf inputs as in the pipeline, counting saved tensors as the executor
-    does; the caller's RNG state is left untouched.
+    does; the caller's RNG state and the model's buffers (BatchNorm's running statistics, ...) are left
+    untouched: the stages run on scratch copies of the buffers.
 
     Args:
         microbatch: one microbatch, ``(n, ...)`` tensor or tuple of tensors.
@@ -81,6 +82,7 @@ def stage_activation_bytes(model, microbatch, num_stages: int, balance=None, los
         TypeError, ValueError: as :func:`~pipesched.runtime.stage.resolve_balance`.
     """
     from .microbatch import as_tuple
+    from .recompute import scratch_buffers
     from .stage import build_stages, layers_of, resolve_balance
 
     layers = layers_of(model)
@@ -89,7 +91,7 @@ def stage_activation_bytes(model, microbatch, num_stages: int, balance=None, los
     inputs, is_tuple = as_tuple(microbatch, "microbatch")
     stash, sizes, redone = [], [], []
     devices = sorted({p.device for layer in layers for p in layer.parameters() if p.device.type == "cuda"}, key=str)
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+    with torch.random.fork_rng(devices=devices), scratch_buffers(torch.nn.ModuleList(layers)), torch.enable_grad():
         for s in range(num_stages):
             if s > 0:
                 inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in inputs)
@@ -101,7 +103,8 @@ def stage_activation_bytes(model, microbatch, num_stages: int, balance=None, los
             with counter.track():
                 out = _run_stage(stages[s], inputs, is_tuple, s == num_stages - 1, loss_fn, target)
             stash.append(counter.take())
-            inputs, is_tuple = as_tuple(out, f"the output of stage {s}")
+            if s < num_stages - 1:  # the last stage's output goes to loss_fn only: it may be a dict, hold non-tensors
+                inputs, is_tuple = as_tuple(out, f"the output of stage {s}")
     return {"stash_bytes": tuple(stash), "input_bytes": tuple(sizes), "recompute_bytes": tuple(redone)}
 
 

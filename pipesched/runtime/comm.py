@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +32,7 @@ HEADER_LEN = 256  # int64 words of a meta header
 _ALIGN = 16
 
 # tags: 0..15 control, then 4 per (stage, microbatch): act header, act payload, grad payload
-TAG_SIGNATURE, TAG_LOSS, TAG_TARGET = 1, 2, 3
+TAG_LOSS, TAG_TARGET = 2, 3  # (the step signature is an all-gather, see handshake.py)
 _KIND = {"act_header": 0, "act": 1, "grad": 2}
 
 
@@ -84,6 +86,29 @@ def world_and_rank() -> tuple[int, int]:
     return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
 
 
+class SingleProcessWarning(UserWarning):
+    """A ``Pipeline`` built where nothing launched other ranks: it has one rank and splits nothing."""
+
+
+def warn_if_unlaunched(stacklevel: int = 4) -> None:
+    """Warn (:class:`SingleProcessWarning`) when no launcher started this process: no default process group is
+    initialized and ``WORLD_SIZE`` is not in the environment (``python train.py`` without torchrun), so the pipeline
+    gets one rank and the whole model runs here. Silent under torchrun or :func:`~pipesched.runtime.launch` (even
+    with one process) and when the caller initialized a default group itself (one process on purpose); once a
+    ``Pipeline`` has created its own default group, later ones in the process are silent too. ``stacklevel``
+    points the warning at the caller's ``Pipeline(...)`` line (this function, ``_setup``, ``__init__``)."""
+    if (dist.is_available() and dist.is_initialized()) or "WORLD_SIZE" in os.environ:
+        return
+    script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else "train.py"
+    warnings.warn(
+        "pipesched: no launcher started this process (no torch.distributed process group is initialized and "
+        "WORLD_SIZE is not set), so this Pipeline has 1 rank and splits nothing: the whole model runs in this one "
+        f"process. To pipeline it over N processes, launch them: `torchrun --nproc-per-node N {script}`, or from "
+        "Python `pipesched.runtime.launch(fn, N)`. To run one process on purpose without this warning, call "
+        "torch.distributed.init_process_group first (or use torchrun --nproc-per-node 1).",
+        SingleProcessWarning, stacklevel=stacklevel)
+
+
 def init_default_group(device: torch.device) -> None:
     """Create the default process group if there is none: env:// under torchrun, else a 1-process group."""
     if dist.is_initialized():
@@ -123,6 +148,22 @@ Meta = tuple  # (is_tuple, ((shape, dtype, requires_grad), ...))
 def meta_of(tensors, is_tuple: bool) -> Meta:
     """The meta of a message: ``(is_tuple, ((shape, dtype, requires_grad), ...))``."""
     return (is_tuple, tuple((tuple(t.shape), t.dtype, bool(t.requires_grad)) for t in tensors))
+
+
+def describe_change(what: str, now: Meta, before: Meta) -> str:
+    """What differs between two metas of one message, in words: ``"{what} was a tensor, is now a tuple"``,
+    ``"element 0 of {what}: requires_grad False -> True"``... (empty if they are equal)."""
+    kinds = ("a tensor", "a tuple")
+    if now[0] != before[0]:
+        return f"{what} was {kinds[before[0]]}, is now {kinds[now[0]]}"
+    if len(now[1]) != len(before[1]):
+        return f"{what} had {len(before[1])} tensors, has {len(now[1])} now"
+    changes = []
+    for k, (new, old) in enumerate(zip(now[1], before[1])):
+        for name, a, b in zip(("shape", "dtype", "requires_grad"), old, new):
+            if a != b:
+                changes.append(f"element {k} of {what}: {name} {a} -> {b}")
+    return "; ".join(changes)
 
 
 def encode_meta(meta: Meta) -> torch.Tensor:

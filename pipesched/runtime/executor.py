@@ -12,9 +12,10 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from ..ir import Op
 from .accounting import SavedBytes, tensor_bytes
 from .failure import CommError
-from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, meta_of, tag_of
+from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, describe_change, meta_of, tag_of
 from .microbatch import as_tuple
-from .recompute import keep_nothing, replay_rng, rng_state
+from .recompute import BufferLedger, check_no_forward_hooks, keep_nothing, replay_rng, rng_state
+from .settings import SETTINGS
 from .split import backward_input, backward_weight
 from .clock import clock_for
 from .plan import loss_post_position, reduced_params, run_orders
@@ -35,9 +36,17 @@ def _call_stage(module, arg, stage: int):
                          f"(balance=...)") from exc
 
 
+def _grad_specs(meta) -> list:
+    """(shape, dtype) of the gradients a message of ``meta`` gets back: one per tensor that requires grad."""
+    return [(shape, dtype) for shape, dtype, requires_grad in meta[1] if requires_grad]
+
+
 class StepInputs:
     """What one step needs: microbatches (tuples of tensors) for the first stage, targets and loss
-    weights for the last, whether it trains, and the metas of its input signature (filled while learning)."""
+    weights for the last, whether it trains, and the metas of its input signature and settings (filled while
+    learning): ``("in" | "out", stage, mb)``: the meta of that stage's input / output message;
+    ``("in_grad" | "out_grad", stage, mb)``: which of the gradients of that stage's input / output come (a
+    bool per tensor that requires grad)."""
 
     def __init__(self, train, microbatches, is_tuple, targets, weights, metas, learning):
         self.train, self.microbatches, self.is_tuple = train, microbatches, is_tuple
@@ -53,6 +62,7 @@ class _Step:
         self.pending, self.recv_event, self.rng, self.held, self.wgrad = {}, {}, {}, {}, {}
         self.act_sends, self.other_sends, self.reductions = {}, [], []
         self.losses, self.outputs, self.loss_recv = {}, {}, None
+        self.buffers = BufferLedger()  # the buffers of recomputed stages at each F, for their R
         self.live = self.peak = 0
 
 
@@ -64,6 +74,8 @@ class Executor:
         dp_group: the data-parallel group (``None`` when ``program.dp_size == 1``).
         loss_fn: ``loss_fn(output, target) -> scalar tensor`` on the last stage.
         recompute: per stage, whether its forward is recomputed (the program has R for it).
+        first_layers: per stage, the index in the model of its first layer (names layers in errors; default:
+            each stage counts its layers from 0).
         hoist: post receives early (:func:`~pipesched.runtime.plan.hoist_recvs`) once message shapes are
             known. Only for a backend that matches messages by tag and whose receives do not hold up later
             sends (gloo); with NCCL, where the ops between two ranks share one stream, every message runs at
@@ -71,10 +83,11 @@ class Executor:
     """
 
     def __init__(self, program, pp_rank, stages, transport: Transport, dp_group, loss_fn, recompute, device,
-                 hoist: bool = True):
+                 hoist: bool = True, first_layers=None):
         self.program, self.pp_rank, self.stages = program, pp_rank, stages
         self.transport, self.dp_group, self.loss_fn = transport, dp_group, loss_fn
         self.recompute, self.device = recompute, device
+        self.first_layers = first_layers if first_layers is not None else [0] * program.num_stages
         self.last = program.num_stages - 1
         self.local = set(stages)
         self.params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in stages.items()}
@@ -167,7 +180,7 @@ class Executor:
         if meta is not None:
             st.io.metas[("in", s, mb)] = meta
         meta = st.io.metas[("in", s, mb)]
-        out = tuple(t.detach().requires_grad_(True) if rg and t.is_floating_point() else t
+        out = tuple(t.detach().requires_grad_(True) if rg else t
                     for t, (_, _, rg) in zip(tensors, meta[1]))
         return out, meta[0]
 
@@ -184,8 +197,8 @@ class Executor:
                 self._stash(s, mb, out)
             return
         redo = self.recompute[s]
-        if redo:
-            st.rng[(s, mb)] = (rng_state(self.device), [t._version for t in inputs])
+        if redo:  # what R must replay: the RNG, the buffers; and the input's versions, to check them
+            st.rng[(s, mb)] = (rng_state(self.device), [t._version for t in inputs], st.buffers.snapshot(module))
         with (keep_nothing() if redo else self.counter.track()):
             out = _call_stage(module, arg, s)
             loss = self._loss(out, mb) if s == self.last else None
@@ -206,7 +219,11 @@ class Executor:
         value = self.loss_fn(out) if target is None else self.loss_fn(out, target)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+            raise ValueError(f"loss_fn must return a scalar tensor (one element: shape (), (1,), ...), got {shape}")
+        floats = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # sent exactly as a float64 value
+        if value.dtype not in floats:
+            raise ValueError(f"loss_fn must return a floating-point tensor ({', '.join(map(str, floats))}), "
+                             f"got {value.dtype}")
         return value * io.weights[mb]
 
     def _stash(self, s, mb, out):
@@ -218,11 +235,13 @@ class Executor:
         return outs
 
     def _total_loss(self):
+        """The step loss, 0-dim (whatever one-element shape ``loss_fn`` returned) of the loss dtype: summed in
+        microbatch order, as the other ranks receive it."""
         losses = self.step.losses
         total = losses[0]
         for mb in range(1, self.program.num_microbatches):
             total = total + losses[mb]
-        return total
+        return total.reshape(())
 
     def _send_loss(self):
         total = self._total_loss()
@@ -234,14 +253,16 @@ class Executor:
     def _r(self, instr):
         s, mb, st = instr.stage, instr.microbatch, self.step
         inputs, is_tuple = st.inputs[(s, mb)]
-        state, versions = st.rng.pop((s, mb))
+        state, versions, buffers = st.rng.pop((s, mb))
         if [t._version for t in inputs] != versions:  # autograd's count of in-place writes to each tensor
             raise ValueError(f"stage {s} modified its input in place during its forward (e.g. an in-place "
                              f"Dropout or x.mul_(...) on a tensor that needs no gradient), so recomputing it "
                              f"from that input would give other gradients: make the operation out-of-place, "
                              f"or turn recompute off for stage {s}")
-        # the stage input is already held (counted at F): count only what the recompute adds
-        with replay_rng(state, self.device), torch.enable_grad(), self.counter.track(inputs):
+        check_no_forward_hooks(self.stages[s], s, self.first_layers[s], self.recompute)  # one added since
+        # the stage input is already held (counted at F): count only what the recompute adds. Copies of F's
+        # buffer values are swapped in for the forward and the module's own put back after it
+        with replay_rng(state, self.device), buffers.replayed(), torch.enable_grad(), self.counter.track(inputs):
             out = _call_stage(self.stages[s], inputs if is_tuple else inputs[0], s)
             loss = self._loss(out, mb) if s == self.last else None
         st.roots[(s, mb)] = (loss,) if loss is not None else as_tuple(out)[0]
@@ -262,18 +283,24 @@ class Executor:
         if s + 1 in self.local:
             return st.input_grads.pop((s + 1, mb))
         pending = st.pending.pop(("grad", s, mb), None)
-        if pending is None:
-            return ()
-        tensors, _ = self.transport.wait(pending)
+        if pending is None:  # no output needs a gradient, or (learned) none gets one
+            return (None,) * len(st.io.metas.get(("out_grad", s, mb), ()))
+        grads, mask = self.transport.wait_grads(pending)
         self.waited = self.clock.mark()
         self.events[st.recv_event.pop(("grad", s, mb))][2] = self.waited
-        return tensors
+        if st.io.learning:
+            st.io.metas[("out_grad", s, mb)] = mask
+        return grads
 
     def _backward_roots(self, s, mb):
+        """The outputs to run the backward of (s, mb) from, and their gradients: only outputs that got one,
+        so an output the next stage does not use (or detaches) gets none, as in the unsplit model."""
         roots = self.step.roots.pop((s, mb))
         if s == self.last:
             return list(roots), None
-        return [o for o in roots if o.requires_grad], self._output_grads(s, mb)
+        pairs = [(r, g) for r, g in zip([o for o in roots if o.requires_grad], self._output_grads(s, mb))
+                 if g is not None]
+        return [r for r, _ in pairs], [g for _, g in pairs]
 
     def _b(self, instr):
         s, mb = instr.stage, instr.microbatch
@@ -281,9 +308,8 @@ class Executor:
         if roots:
             torch.autograd.backward(roots, grads)
         inputs, _ = self.step.inputs.pop((s, mb))
-        if s > 0:
-            self.step.input_grads[(s, mb)] = tuple(
-                t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.requires_grad)
+        if s > 0:  # None where no gradient reached an input, as .grad in the unsplit model
+            self.step.input_grads[(s, mb)] = tuple(t.grad for t in inputs if t.requires_grad)
         self._release(s, mb)
 
     def _i(self, instr):
@@ -312,8 +338,10 @@ class Executor:
         outs, is_tuple = st.fwd_out.pop((s, mb))
         meta = meta_of(outs, is_tuple)
         if not st.io.learning and meta != st.io.metas[("out", s, mb)]:
-            raise RuntimeError(f"stage {s} returned {meta} for microbatch {mb} but {st.io.metas[('out', s, mb)]} "
-                               f"for the same input shapes before; data-dependent output shapes are not supported")
+            change = describe_change(f"the output of stage {s}", meta, st.io.metas[("out", s, mb)])
+            raise RuntimeError(f"microbatch {mb}: {change}, with the same input signature and settings "
+                               f"({SETTINGS}); a stage's output shapes, dtypes and requires_grad must follow "
+                               f"from those (data-dependent ones are not supported)")
         sends = self.transport.send_act(outs, meta, instr.peer, s, mb, st.io.learning)
         if st.io.train:
             st.act_sends[(s, mb)] = sends
@@ -330,16 +358,31 @@ class Executor:
     def _send_b(self, instr):
         s, mb, st = instr.stage, instr.microbatch, self.step
         grads = st.input_grads.pop((s, mb))
-        if grads:
-            st.other_sends.append(self.transport.send(grads, instr.peer, tag_of("grad", s, mb, self.program.num_stages)))
+        if not grads:
+            return
+        mask = tuple(g is not None for g in grads)
+        if st.io.learning:
+            st.io.metas[("in_grad", s, mb)] = mask
+        elif mask != st.io.metas[("in_grad", s, mb)]:
+            raise RuntimeError(f"microbatch {mb}: the input gradients of stage {s} present "
+                               f"{list(mask)} (True: a gradient, False: none), "
+                               f"{list(st.io.metas[('in_grad', s, mb)])} before, with the same input signature "
+                               f"and settings ({SETTINGS}); which inputs get a gradient must follow from those")
+        tag = tag_of("grad", s, mb, self.program.num_stages)
+        specs = _grad_specs(st.io.metas[("in", s, mb)])
+        st.other_sends.extend(self.transport.send_grads(grads, specs, instr.peer, tag, st.io.learning))
 
     def _recv_b(self, instr):
         s, mb, st = instr.stage, instr.microbatch, self.step
-        specs = [(shape, dt) for shape, dt, rg in st.io.metas[("out", s, mb)][1] if rg]
-        if specs:
-            what = f"RECV_B{s}.{mb} from pipeline rank {instr.peer}"
-            tag = tag_of("grad", s + 1, mb, self.program.num_stages)
-            st.pending[("grad", s, mb)] = self.transport.post(specs, instr.peer, tag, what)
+        specs = _grad_specs(st.io.metas[("out", s, mb)])
+        if not specs:
+            return
+        mask = None if st.io.learning else st.io.metas[("out_grad", s, mb)]
+        what = f"RECV_B{s}.{mb} from pipeline rank {instr.peer}"
+        tag = tag_of("grad", s + 1, mb, self.program.num_stages)
+        pending = self.transport.post_grads(specs, mask, instr.peer, tag, what)
+        if pending is not None:
+            st.pending[("grad", s, mb)] = pending
             st.recv_event[("grad", s, mb)] = len(self.events)
 
     def _all_reduce(self, instr):

@@ -1,10 +1,13 @@
-"""The messages that open every step: stage 0's rank describes the input (or rejects it), the last
-stage's rank rules on the target, so a bad batch is the same ``ValueError`` on every rank before any work."""
+"""The messages that open every step: an all-gather in which stage 0's rank describes the input (or rejects
+it) and every rank gives its settings fingerprint, then the last stage's rank rules on the target, so a bad
+batch is the same ``ValueError`` on every rank before any work, and a changed setting on any rank makes every
+rank re-learn the step's message metas."""
 from __future__ import annotations
 
 import torch
 
-from .comm import DTYPE_CODE, TAG_SIGNATURE, TAG_TARGET
+from .comm import DTYPE_CODE, TAG_TARGET
+from .failure import CommError
 from .microbatch import split
 from .transport import wait
 
@@ -36,40 +39,42 @@ class Handshake:
             wait(work, what)
         self.sends = []
 
-    def signature(self, x, train: bool, to_device):
-        """Stage 0's rank tells the others the input's shapes (or that it rejected it).
+    def signature(self, x, train: bool, to_device, settings: int):
+        """Every rank learns the step's input (stage 0's rank describes ``x`` or rejects it) and every rank's
+        settings fingerprint (:func:`~pipesched.runtime.settings.fingerprint`), in one all-gather over the
+        pipeline group.
 
         Returns:
-            ``(words, microbatches, is_tuple)``; ``microbatches`` is ``None`` on the other ranks.
+            ``(words, settings, microbatches, is_tuple)``: the input's description, every pipeline rank's
+            fingerprint by rank; ``microbatches`` is ``None`` on the other ranks.
         Raises:
-            Rejected: stage 0's rank refused ``x`` (on every rank, with that rank's message).
-            RuntimeError: this rank called ``step()`` while stage 0's rank called ``forward()``, or the reverse.
+            Rejected: stage 0's rank refused ``x``, or ranks disagree on ``step()`` versus ``forward()`` (on
+                every rank, with the same message).
         """
         first = self.program.stage_to_rank[0]
         self.sends = []
-        if self.pp_rank != first:
-            words = self._receive(first, TAG_SIGNATURE, "the step signature")
-            if words[0]:
-                raise Rejected(f"the rank of stage 0 (pipeline rank {first}) rejected the step input: "
-                               f"{decode_text(words)}")
-            if words[1] != int(train):
-                calls = ("forward()", "step()")
-                raise RuntimeError(f"pipeline rank {first} called {calls[words[1]]} while this rank called "
-                                   f"{calls[int(train)]}; every rank must make the same calls")
-            return words, None, False
         m = self.program.num_microbatches
-        try:
-            if x is None:
-                raise ValueError(f"the rank of stage 0 (pipeline rank {first}) got no input x; pass the batch "
-                                 f"as x there")
-            micro, is_tuple = split(to_device(x), m, "x")
-            words = encode_signature(train, m, micro, is_tuple)
-        except (TypeError, ValueError) as exc:
-            self._broadcast(encode_text([1, int(train), m], str(exc)))
-            self.settle("the step rejection send")
-            raise Rejected(str(exc)) from None
-        self._broadcast(words)
-        return words, micro, is_tuple
+        words, micro, is_tuple = [0] * SIG_LEN, None, False
+        if self.pp_rank == first:
+            try:
+                if x is None:
+                    raise ValueError(f"the rank of stage 0 (pipeline rank {first}) got no input x; pass the batch "
+                                     f"as x there")
+                micro, is_tuple = split(to_device(x), m, "x")
+                words = encode_signature(train, m, micro, is_tuple)
+            except (TypeError, ValueError) as exc:
+                words = encode_text([1, int(train), m], str(exc))
+        rows = self._gather([settings, int(train)] + words)
+        words = rows[first][2:]
+        if words[0]:
+            raise Rejected(decode_text(words) if self.pp_rank == first else
+                           f"the rank of stage 0 (pipeline rank {first}) rejected the step input: {decode_text(words)}")
+        calls = ("forward()", "step()")
+        made = [row[1] for row in rows]
+        if len(set(made)) > 1:
+            raise Rejected("every rank of a pipeline must make the same call; "
+                           + ", ".join(f"pipeline rank {r} called {calls[c]}" for r, c in enumerate(made)))
+        return words, tuple(row[0] for row in rows), micro, is_tuple
 
     def target_verdict(self, target, total: int, check_targets):
         """The last stage's rank checks ``target`` with ``check_targets(target, total)`` and tells the others.
@@ -99,11 +104,23 @@ class Handshake:
             raise Rejected(text)
         return targets
 
+    def _gather(self, words: list[int]) -> list[list[int]]:
+        """All-gather one row of int64 ``words`` from every pipeline rank; returns the rows by rank."""
+        mine = torch.tensor(words, dtype=torch.int64, device=self.device)
+        rows = [torch.empty_like(mine) for _ in range(self.program.num_ranks)]
+        group = self.transport.group
+        try:
+            work = group.allgather([rows], [mine])
+        except RuntimeError as exc:
+            raise CommError("the step signature", exc) from None
+        wait(work, "the step signature")
+        return [row.tolist() for row in rows]
+
     def _receive(self, peer: int, tag: int, what: str) -> list[int]:
         tensors, _ = self.transport.wait(self.transport.post([((SIG_LEN,), torch.int64)], peer, tag, what))
         return tensors[0].tolist()
 
-    def _broadcast(self, words, tag: int = TAG_SIGNATURE) -> None:
+    def _broadcast(self, words, tag: int) -> None:
         message = torch.tensor(words, dtype=torch.int64, device=self.device)
         for peer in range(self.program.num_ranks):
             if peer != self.pp_rank:

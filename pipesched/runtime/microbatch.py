@@ -1,7 +1,9 @@
-"""Split a batch (a tensor or a tuple of tensors) into microbatches along dim 0, and merge them back."""
+"""Split a batch (a tensor or a tuple of tensors) into microbatches along dim 0; merge the last stage's
+outputs (any pytree of tensors and other values) back."""
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 Batch = "torch.Tensor | tuple[torch.Tensor, ...]"
 
@@ -10,16 +12,22 @@ def as_tuple(batch, name: str = "batch") -> tuple[tuple[torch.Tensor, ...], bool
     """``(tensors, is_tuple)``: a tensor becomes a 1-tuple; a tuple/list is checked to hold only tensors.
 
     Raises:
-        TypeError: ``batch`` is neither a tensor nor a tuple/list of tensors (names the bad item).
+        TypeError: ``batch`` is neither a tensor nor a tuple/list of tensors (names the bad item; for ``name``
+            ``"the output of stage S"`` it adds that only the last stage's output may hold other values).
     """
     if isinstance(batch, torch.Tensor):
         return (batch,), False
+    stage = name.startswith("the output of stage ")  # sent to the next stage (Executor._stash)
+    hint = (" (it is sent to the next stage; only the last stage's output, which goes to loss_fn and forward() "
+            "as-is, may be a dict or hold other values)") if stage else ""
     if isinstance(batch, (tuple, list)) and batch:
         for i, item in enumerate(batch):
             if not isinstance(item, torch.Tensor):
-                raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(item).__name__}")
+                where = f"element {i} of {name}" if stage else f"{name}[{i}]"
+                raise TypeError(f"{where} must be a torch.Tensor, got {type(item).__name__}; {name} must be a tensor "
+                                f"or a non-empty tuple of tensors{hint}")
         return tuple(batch), True
-    raise TypeError(f"{name} must be a tensor or a non-empty tuple of tensors, got {type(batch).__name__}")
+    raise TypeError(f"{name} must be a tensor or a non-empty tuple of tensors, got {type(batch).__name__}{hint}")
 
 
 def batch_size(batch, name: str = "batch") -> int:
@@ -72,18 +80,98 @@ def split(batch, num_microbatches: int, name: str = "batch") -> tuple[list[tuple
     return [tuple(p[i] for p in parts) for i in range(num_microbatches)], is_tuple
 
 
-def merge(microbatches, is_tuple: bool):
-    """Concatenate microbatches (tuples of tensors) along dim 0; a tensor if ``not is_tuple``.
+def merge(outputs: list, what: str = "the last stage's output"):
+    """Merge the last stage's per-microbatch outputs into one, as ``forward()`` returns it.
+
+    Each output is flattened with ``torch.utils._pytree`` (tuples, lists, dicts, namedtuples and registered
+    containers are walked; everything else is a leaf); all must have the same structure. Per leaf position:
+
+    - tensors on every microbatch: concatenated along dim 0, ``(n_0 + ... + n_{m-1}, ...)``;
+    - non-tensors (a string, a number, ``None``, ...) of the same type and equal (``==``) on every microbatch:
+      kept once; otherwise a list of the ``m`` per-microbatch values.
+
+    The result has the outputs' structure (a single tensor stays a tensor, a list a list, a dict a dict).
 
     Raises:
-        ValueError: no microbatches, or an output with no batch dimension to concatenate along (0-dim).
+        ValueError: no outputs; outputs of different structures; a position holding a tensor on some
+            microbatches and something else on others; a 0-dim tensor (no dim 0 to concatenate along); tensors
+            that ``torch.cat`` refuses (other shapes beyond dim 0). The message names the element
+            (``element 'aux' of the last stage's output``) and, where they differ, the microbatches.
     """
-    if not microbatches:
+    if not outputs:
         raise ValueError("merge needs at least one microbatch")
-    for k, t in enumerate(microbatches[0]):
+    flat = [tree_flatten(out) for out in outputs]
+    spec = flat[0][1]
+    for i, (_, other) in enumerate(flat[1:], 1):
+        if other != spec:
+            raise ValueError(f"forward() merges the microbatches' outputs element by element, but {what} has "
+                             f"another structure on microbatch {i} than on microbatch 0: {_skeleton(flat[i])} vs "
+                             f"{_skeleton(flat[0])}")
+    merged = []
+    for k, column in enumerate(zip(*(leaves for leaves, _ in flat))):
+        tensors = [isinstance(v, torch.Tensor) for v in column]
+        if all(tensors):
+            merged.append(_cat(column, lambda: _element(outputs[0], k, what)))
+        elif any(tensors):
+            i = tensors.index(not tensors[0])
+            raise ValueError(f"{_element(outputs[0], k, what)} is a {type(column[0]).__name__} on microbatch 0 but "
+                             f"a {type(column[i]).__name__} on microbatch {i}; forward() concatenates tensors and "
+                             f"keeps other values, so each element must be a tensor on every microbatch or on none")
+        elif all(type(v) is type(column[0]) and _equal(v, column[0]) for v in column[1:]):
+            merged.append(column[0])
+        else:
+            merged.append(list(column))
+    return tree_unflatten(merged, spec)
+
+
+def _cat(column, element) -> torch.Tensor:
+    for i, t in enumerate(column):
         if t.dim() == 0:
-            where = f"element {k} of the model's output tuple" if is_tuple else "the model's output"
-            raise ValueError(f"forward() merges each microbatch's output along dim 0, but {where} is 0-dim "
-                             f"(shape ()); return it with a batch dimension, e.g. x.expand(n) or x[None]")
-    merged = tuple(torch.cat(column, dim=0) for column in zip(*microbatches))
-    return merged if is_tuple else merged[0]
+            raise ValueError(f"{element()} is 0-dim (shape ()) on microbatch {i}; forward() concatenates each "
+                             f"tensor of it along dim 0 (the batch dimension): return it with one, e.g. "
+                             f"x.expand(n) or x[None], or as a non-tensor (x.item())")
+    try:
+        return torch.cat(column, dim=0)
+    except RuntimeError as exc:
+        shapes = [tuple(t.shape) for t in column]
+        raise ValueError(f"{element()} cannot be concatenated along dim 0 over the microbatches (shapes "
+                         f"{shapes}): {exc}") from exc
+
+
+class _TypeName:
+    def __init__(self, value) -> None:
+        self.name = type(value).__name__
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _skeleton(flat) -> str:
+    """An output's structure with each leaf shown as its type name: ``{'logits': Tensor, 'aux': str}``."""
+    leaves, spec = flat
+    return repr(tree_unflatten([_TypeName(v) for v in leaves], spec))
+
+
+def _equal(a, b) -> bool:
+    """``a == b`` as a bool; ``False`` where that comparison raises or is not a truth value (arrays)."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an object without a usable ==: not equal, kept per microbatch
+        return False
+
+
+def _element(output, k: int, what: str) -> str:
+    """``"element 'aux' of <what>"`` for leaf ``k`` of ``output`` (``what`` itself for a bare leaf)."""
+    try:  # key paths: torch >= 2.2, and only for containers registered with them
+        from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, keystr, tree_flatten_with_path
+        path = tree_flatten_with_path(output)[0][k][0]
+    except Exception:  # noqa: BLE001 - a registered container without key paths
+        return f"leaf {k} of {what}"
+    if not path:
+        return what
+    if len(path) == 1:
+        key = path[0]
+        name = (repr(key.key) if isinstance(key, MappingKey) else key.idx if isinstance(key, SequenceKey)
+                else key.name if isinstance(key, GetAttrKey) else keystr(path))
+        return f"element {name} of {what}"
+    return f"element {keystr(path)} of {what}"

@@ -13,16 +13,19 @@ import torch.distributed as dist
 from .. import compile_program
 from ..ir import Op, Program
 from ..schedules._common import check_positive
-from .comm import init_default_group, make_grid, make_groups, world_and_rank
+from .comm import init_default_group, make_grid, make_groups, warn_if_unlaunched, world_and_rank
 from .accounting import cuda_memory_base, cuda_peak_since
 from .agreement import agree, describe, refuse
+from .devices import checked_device, move_to
 from .executor import StepInputs, Executor
 from .handshake import Handshake, Rejected
+from .settings import fingerprint
 from .failure import CommError, FailureChannel, PipelineError, failure_info
 from .measured import gather_timeline, local_timeline
-from .microbatch import as_tuple, batch_size, merge, split, split_sizes
+from .microbatch import batch_size, merge, split, split_sizes
 from .plan import stages_with
-from .stage import build_stages, check_no_cross_rank_sharing, layers_of, resolve_balance, stage_device
+from .recompute import refuse_forward_hooks
+from .stage import build_stages, check_no_cross_rank_sharing, layer_starts, layers_of, resolve_balance
 from .transport import Transport
 
 _CACHE_SIZE = 32  # input signatures whose message metas are remembered
@@ -50,7 +53,9 @@ class Pipeline:
         balance: ``None`` (even by layer count), ``"params"`` or a list of layers per stage.
         dp_size: data-parallel replicas of the pipeline.
         recompute: ``False``, ``True`` or one bool per stage: keep only the stage input for backward and
-            re-run the forward (same RNG state) right before it.
+            re-run the forward right before it, with the RNG state and the buffer values its first run saw,
+            leaving the buffers as they were (:mod:`pipesched.runtime.recompute`); forward hooks on a recomputed
+            stage are refused (they would run twice).
         split_backward: run the backward of a stage as ``I`` (input gradient), then the send of that
             gradient, then ``W`` (weight gradients), so the previous stage's rank does not wait for this
             one's weight gradients (see :mod:`pipesched.runtime.split`; gradients are bitwise the same).
@@ -58,7 +63,9 @@ class Pipeline:
             rank; or one bool per stage. It pays off when a message's latency is large next to the
             weight-gradient half; on small layers its bookkeeping costs more (README, Benchmarks).
         device: the device this rank's stages run on; ``None``: that of their first parameter or buffer (CPU
-            if they have neither). Pass it for a rank whose stages hold no tensors but run on a GPU.
+            if they have neither). Pass it for a rank whose stages hold no tensors but run on a GPU. It must be the
+            CPU or an available CUDA device holding all of this rank's stage tensors, else a ``ValueError`` naming
+            both devices (:func:`~pipesched.runtime.devices.checked_device`); ``x`` and ``target`` are moved there.
         timeout: seconds any rank waits for a message or collective before failing the step.
     Raises:
         TypeError, ValueError (incl. ``ScheduleArgumentError``), UnknownScheduleError: a bad argument,
@@ -66,6 +73,9 @@ class Pipeline:
         ValueError: another rank of the job built its Pipeline with other arguments (names the first that
             differs, both ranks and both values), or refused its own (quotes its error); checked on every rank
             through the default group's store before any pipeline group exists, so no rank waits for the others.
+        ValueError: a layer of a recomputed stage on this rank has a forward hook or pre-hook, or a global module
+            forward hook is registered (names the layer, its class and the hook; see
+            :func:`~pipesched.runtime.recompute.check_no_forward_hooks`); the other ranks raise it too, as above.
         TimeoutError: a rank did not construct its Pipeline within ``timeout`` seconds.
     """
 
@@ -91,9 +101,9 @@ class Pipeline:
         self._executor = Executor(self.program, grid.pp_rank, self.stages,
                                   Transport(self._pp_group, self.program.num_stages, self.device),
                                   self._dp_group, self.loss_fn, flags, self.device,
-                                  hoist=dist.get_backend(self._pp_group) == "gloo")
+                                  hoist=dist.get_backend(self._pp_group) == "gloo", first_layers=self.first_layers)
         self._handshake = Handshake(self._executor.transport, self.program, grid.pp_rank, self.device)
-        self._metas: OrderedDict = OrderedDict()  # signature -> {("in"|"out", stage, mb): meta}
+        self._metas: OrderedDict = OrderedDict()  # (signature, settings) -> {(kind, stage, mb): meta}
         self._records = {"step": None, "forward": None}  # the last step()'s and the last forward()'s
         self._broken: PipelineError | None = None
         self._closed = False
@@ -119,9 +129,13 @@ class Pipeline:
         check_no_cross_rank_sharing(layers, self.balance, self.program.stage_to_rank)
         self.grid, self.loss_fn, self.timeout = grid, loss_fn, float(timeout)
         self.stages = build_stages(layers, self.balance, self.program.stages_of(grid.pp_rank))
-        self.device = stage_device(self.stages, device)
+        self.first_layers = layer_starts(self.balance)
+        recomputed = stages_with(self.program, Op.R)  # their forward runs twice: no forward hooks there
+        refuse_forward_hooks(self.stages, [s in recomputed for s in range(self.program.num_stages)], self.first_layers)
+        self.device = checked_device(self.stages, device)  # ValueError naming device and both devices
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL and all_gather_object use the current device
+        warn_if_unlaunched()  # plain `python train.py`: one rank, nothing split (SingleProcessWarning)
         return layers
 
     # ---- public ----------------------------------------------------------------------------------------
@@ -149,19 +163,27 @@ class Pipeline:
     def step(self, x=None, target=None) -> torch.Tensor:
         """One training step: forward and backward of every microbatch; gradients accumulate into ``.grad``.
 
+        ``loss_fn`` gets the last stage's output as the stage returns it (a tensor, or a tuple, list or dict that
+        may hold non-tensors: only outputs of the other stages cross the wire and must be tensors or tuples of
+        tensors) and must return a floating tensor of one element, shape ``()``, ``(1,)``, ``(1, 1)``, ... (anything
+        else fails the step: ``PipelineError`` caused by a ``ValueError`` on the last stage's rank).
+
         Args:
             x: the batch, a tensor or tuple of tensors with batch dim 0, ``(N, ...)``. Needed on the rank of
                 stage 0 (which checks it and tells the others its shapes); other ranks ignore it (may pass None).
             target: ``(N, ...)`` tensor or tuple, needed on the rank of the last stage; others may pass None.
         Returns:
-            The loss, a 0-dim tensor of the loss dtype, the same on every rank of this pipeline:
-            ``sum_i loss_fn(out_i, target_i) * n_i / N`` over microbatches ``i`` of ``n_i`` samples
-            (the full-batch mean loss for a mean ``loss_fn``). With ``dp_size > 1`` it is this replica's loss.
+            The loss, the same on every rank of this pipeline: a 0-dim tensor (shape ``()`` whatever shape of one
+            element ``loss_fn`` returns) of the dtype ``loss_fn`` returns, on this rank's device, not requiring
+            grad; ``sum_i loss_fn(out_i, target_i) * n_i / N`` over microbatches ``i`` of ``n_i`` samples, summed
+            in microbatch order in that dtype (the full-batch mean loss for a mean ``loss_fn``). With
+            ``dp_size > 1`` it is this replica's loss.
         Raises:
             ValueError: no ``loss_fn``; or the first stage's rank rejects ``x`` (``N < num_microbatches``, tensors
                 of different batch sizes, not tensors, missing); or the last stage's rank rejects ``target``
                 (missing while ``loss_fn`` takes ``(output, target)``, batch size other than ``N``). A plain
                 ``ValueError`` raised on every rank, carrying the checking rank's message; the pipeline stays usable.
+                Also when some ranks call ``step()`` and others ``forward()`` (names each rank's call).
             PipelineError: any rank failed during the step (names the rank, the instruction and the cause);
                 the pipeline is unusable afterwards. The rank that failed first, and world rank 0 (which hosts
                 the store carrying the failure record), keep their processes up at exit until every rank has
@@ -174,17 +196,26 @@ class Pipeline:
 
     def forward(self, x=None):
         """Forward only (no autograd graph, no loss): the model's output on the rank of the last stage,
-        merged over microbatches, ``(N, ...)`` (a tuple if the model returns one); ``None`` on other ranks.
+        merged over microbatches; ``None`` on other ranks.
+
+        The last stage's output may be a tensor or any ``torch.utils._pytree`` container (tuple, list, dict,
+        namedtuple) of tensors and other values; it keeps its structure, merged element by element
+        (:func:`~pipesched.runtime.microbatch.merge`): a tensor is concatenated along dim 0, ``(N, ...)``; a
+        non-tensor equal (same type, ``==``) on every microbatch is kept once, else it becomes the list of the
+        ``m`` per-microbatch values. E.g. ``{"logits": (n_i, C), "tag": "x"}`` -> ``{"logits": (N, C), "tag": "x"}``.
 
         Raises:
             ValueError, PipelineError: as :meth:`step`.
+            ValueError: on the last stage's rank only, after the step (the pipeline stays usable): the output
+                cannot be merged (a 0-dim tensor, a structure or shape that differs between microbatches); the
+                message names the element of the last stage's output.
         """
         self._check_local(x, None)
         outputs = self._guarded(lambda: self._run(x, None, train=False))
         if not outputs:
             return None
         m = self.program.num_microbatches  # merged after the step: a merge error leaves the pipeline usable
-        return merge([as_tuple(outputs[i])[0] for i in range(m)], as_tuple(outputs[0])[1])
+        return merge([outputs[i] for i in range(m)])
 
     __call__ = forward
 
@@ -249,11 +280,12 @@ class Pipeline:
             raise error from (None if isinstance(exc, CommError) else exc)
 
     def _run(self, x, target, train: bool):
-        words, micro, is_tuple = self._handshake.signature(x, train, lambda batch: _to(batch, self.device))
+        words, settings, micro, is_tuple = self._handshake.signature(x, train, lambda batch: _to(batch, self.device),
+                                                                     fingerprint(self.stages, self.device))
         m, total = self.program.num_microbatches, words[3]
         sizes = split_sizes(total, m)
         targets = self._handshake.target_verdict(target, total, self._targets) if train else None
-        key = tuple(words[1:])
+        key = (tuple(words[1:]), settings)  # metas follow from the input and every rank's settings
         metas = self._metas.get(key)
         learning = metas is None
         inputs = StepInputs(train, micro, is_tuple, targets, [n / total for n in sizes],
@@ -279,7 +311,7 @@ class Pipeline:
             return None
         if batch_size(target, "target") != total:
             raise ValueError(f"target has batch size {batch_size(target, 'target')} but x has {total}")
-        parts, is_tuple = split(_to(target, self.device), self.program.num_microbatches, "target")
+        parts, is_tuple = split(_to(target, self.device, "target"), self.program.num_microbatches, "target")
         return [p if is_tuple else p[0] for p in parts]
 
     def _remember(self, key, metas) -> None:
@@ -342,10 +374,8 @@ class Pipeline:
         gc.collect()
 
 
-def _to(batch, device):
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    return tuple(t.to(device) for t in batch)
+def _to(batch, device, name: str = "x"):
+    return move_to(batch, device, name)  # a tensor that cannot get there: ValueError naming it and both devices
 
 
 def _needs_target(loss_fn) -> bool:

@@ -1,9 +1,26 @@
-"""Activation recomputation: save the RNG state at the forward, replay it at the recompute (bitwise)."""
+"""Activation recomputation must leave no trace a plain run would not.
+
+The ``R`` of (stage, microbatch) re-runs the forward its ``F`` ran, so that run must see what ``F`` saw and
+change nothing ``F`` did not already change:
+
+- **RNG**: :func:`rng_state` at ``F``, :func:`replay_rng` at ``R`` (bitwise the same draws, Dropout included;
+  the caller's RNG continues as if ``R`` had not run).
+- **Buffers** (BatchNorm's running statistics and ``num_batches_tracked``, counters, spectral-norm vectors):
+  :class:`BufferLedger` snapshots a stage's buffers at each ``F`` (a buffer that keeps its value shares one
+  snapshot between microbatches) and ``R`` runs on scratch copies of that snapshot, so it computes with
+  ``F``'s buffers (even if later forwards changed them) and leaves the module's buffers as they were.
+- **Forward hooks** (a module's or torch's global ones) would run twice per microbatch, with whatever they count
+  or register: :func:`check_no_forward_hooks` refuses them on a recomputed stage.
+- **Inputs changed in place** by the forward are refused by the executor at ``R`` (it compares versions).
+
+Python attributes a forward assigns (not buffers) are not replayed.
+"""
 from __future__ import annotations
 
 import contextlib
 
 import torch
+from torch import nn
 
 
 def rng_state(device: torch.device) -> tuple:
@@ -32,3 +49,196 @@ def _refuse(_):
 def keep_nothing():
     """Record the autograd graph (so outputs know whether they require grad) but save no tensor for backward."""
     return torch.autograd.graph.saved_tensors_hooks(lambda _t: None, _refuse)
+
+
+# ---- buffers ------------------------------------------------------------------------------------------------
+
+def _buffer_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Every ``(owner, name)`` that holds a buffer (or ``None``) in ``module``, each once; one tensor registered
+    in two places gives two slots."""
+    return [(owner, name) for owner in module.modules() for name in owner._buffers]
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its element size, so comparing tells ``-0.0`` from ``0.0``."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.is_floating_point():
+        t = t.view(_BITS[t.element_size()])
+    return t
+
+
+def _same_bits(pairs) -> list[bool]:
+    """For each ``(a, b)``: whether they have the same dtype, shape, strides, device and bits (a NaN compares
+    unequal to itself: a buffer holding one is cloned again). One host synchronisation for all pairs on a GPU."""
+    flags: list = []
+    for a, b in pairs:
+        if (a.dtype, a.shape, a.stride(), a.device) != (b.dtype, b.shape, b.stride(), b.device):
+            flags.append(False)
+            continue
+        try:
+            flags.append((_bits(a) == _bits(b)).all())
+        except (RuntimeError, KeyError, TypeError):  # sparse, quantized, an unusual element size: clone again
+            flags.append(False)
+    lazy = [i for i, f in enumerate(flags) if isinstance(f, torch.Tensor)]
+    if lazy:
+        devices = {flags[i].device for i in lazy}
+        values = (torch.stack([flags[i] for i in lazy]).tolist() if len(devices) == 1
+                  else [bool(flags[i]) for i in lazy])
+        for i, value in zip(lazy, values):
+            flags[i] = bool(value)
+    return flags
+
+
+@contextlib.contextmanager
+def _swapped(slots, values):
+    """Put ``values[i]`` in buffer slot ``slots[i]`` for the block; put back the tensors that were there after it,
+    whatever the block did to the slots (a forward that assigns a new tensor to a buffer included)."""
+    current = [owner._buffers[name] for owner, name in slots]
+    try:
+        for (owner, name), value in zip(slots, values):
+            owner._buffers[name] = value
+        yield
+    finally:
+        for (owner, name), value in zip(slots, current):
+            owner._buffers[name] = value
+
+
+class BufferLedger:
+    """The values the buffers of recomputed stages had at each forward, for one step.
+
+    :meth:`snapshot`, called right before the ``F`` of a recomputed stage, returns a :class:`BufferSnapshot`
+    of every buffer of the stage: a clone of its value, shared with the previous snapshot of the same tensor
+    when the buffer still has those bits (a constant such as a causal mask is then held once per step, not once
+    per microbatch). Whether a forward changed a buffer is decided by comparing values, not autograd's version
+    counter: ``batch_norm`` updates BatchNorm's running statistics in place without bumping it. Snapshots are
+    never written (a recompute runs on scratch copies), so sharing them is safe in any order of ``R``.
+    """
+
+    def __init__(self) -> None:
+        self._latest: dict[int, torch.Tensor] = {}  # id(buffer) -> the clone of its value at the last snapshot
+
+    def snapshot(self, module: nn.Module) -> BufferSnapshot:
+        """Every buffer of ``module`` as it is now (see the class)."""
+        slots = _buffer_slots(module)
+        tensors = {id(t): t for t in (owner._buffers[name] for owner, name in slots) if t is not None}
+        known = [(key, t, self._latest[key]) for key, t in tensors.items() if key in self._latest]
+        same = _same_bits([(t, clone) for _, t, clone in known])
+        values = {key: clone for (key, _, clone), keep in zip(known, same) if keep}
+        made = 0
+        with torch.no_grad():
+            for key, t in tensors.items():
+                if key not in values:
+                    values[key] = self._latest[key] = t.detach().clone()
+                    made += t.numel() * t.element_size()
+        return BufferSnapshot(slots, [None if owner._buffers[name] is None else values[id(owner._buffers[name])]
+                                      for owner, name in slots], made)
+
+
+class BufferSnapshot:
+    """The buffers of one stage at one forward (from :meth:`BufferLedger.snapshot`), and how to replay them.
+
+    Attributes:
+        nbytes: bytes of the clones this snapshot made (those it shares with an earlier one are not counted).
+    """
+
+    def __init__(self, slots, values, nbytes: int) -> None:
+        self._slots, self._values, self.nbytes = slots, values, nbytes
+
+    def replayed(self):
+        """A context for the recompute: every buffer slot holds a scratch copy of its value at the snapshot
+        (slots that shared a tensor share one copy), so the recompute computes with the values its forward saw,
+        also when another microbatch's forward changed them since, and writes only to the copies; on exit (also
+        on an exception) every slot holds again the very tensor it held on entry, untouched. Tensors the
+        recompute's autograd graph saved from a buffer are the copies, which nothing changes any more."""
+        with torch.no_grad():
+            scratch: dict[int, torch.Tensor] = {}
+            values = [None if v is None else scratch.setdefault(id(v), v.clone()) for v in self._values]
+        return _swapped(self._slots, values)
+
+
+def scratch_buffers(module: nn.Module):
+    """A context in which every buffer of ``module`` is a scratch copy, so a forward run inside it (a
+    measurement) leaves the module's buffers exactly as they were."""
+    slots = _buffer_slots(module)
+    with torch.no_grad():
+        scratch: dict[int, torch.Tensor] = {}
+        values = [None if t is None else scratch.setdefault(id(t), t.detach().clone())
+                  for t in (owner._buffers[name] for owner, name in slots)]
+    return _swapped(slots, values)
+
+
+# ---- hooks --------------------------------------------------------------------------------------------------
+
+def _hook_name(hook) -> str:
+    target = getattr(hook, "func", hook)  # functools.partial
+    qualname = getattr(target, "__qualname__", None) or type(target).__qualname__
+    module = getattr(target, "__module__", None) or type(target).__module__
+    return f"{module}.{qualname}"
+
+
+def _global_hooks() -> list[tuple[str, object]]:
+    from torch.nn.modules import module as torch_module
+    found = []
+    for kind, attr in (("forward pre-hook", "_global_forward_pre_hooks"), ("forward hook", "_global_forward_hooks")):
+        found += [(kind, hook) for hook in getattr(torch_module, attr, {}).values()]
+    return found
+
+
+def check_no_forward_hooks(module: nn.Module, stage: int, first_layer: int, recompute) -> None:
+    """Refuse forward hooks on a recomputed stage: its forward runs twice per microbatch (``F``, then ``R``
+    before the backward), so each hook would run twice and repeat whatever it counts or registers.
+
+    Args:
+        module: the stage (an ``nn.Sequential`` of the model's layers).
+        stage: its index; ``first_layer``: the index in the model of its first layer (for the message).
+        recompute: the recompute flag of every stage (the message suggests the same list with this stage off).
+    Raises:
+        ValueError: a forward hook or forward pre-hook is registered on a layer of ``module`` or on one of its
+            submodules (names the layer's index in the model and class, the submodule, and the hook), or a
+            global module forward (pre-)hook is registered (``register_module_forward_hook``); says what to do.
+            Raised by ``Pipeline`` at construction (before any communication) and by the executor at the
+            stage's ``R`` (a hook registered after construction).
+    """
+    off = [bool(flag) for flag in recompute]
+    off[stage] = False
+    fix = f"remove the hook, or turn recompute off for stage {stage} (recompute={off})"
+    note = ("(torch.nn.utils.spectral_norm and torch.nn.utils.weight_norm are hook-based: use "
+            "torch.nn.utils.parametrizations.spectral_norm / weight_norm, which have no hooks)")
+    for kind, hook in _global_hooks():
+        raise ValueError(f"a global module {kind} ({_hook_name(hook)}, from torch.nn.modules.module."
+                         f"register_module_{kind.replace(' ', '_').replace('-', '_')}) is registered and stage "
+                         f"{stage} is recomputed: its forward runs twice per microbatch, so the hook would run "
+                         f"twice on each of its layers; remove the global hook, or turn recompute off "
+                         f"(recompute=False)")
+    for name, sub in module.named_modules():
+        for kind, hooks in (("forward pre-hook", sub._forward_pre_hooks), ("forward hook", sub._forward_hooks)):
+            for hook in hooks.values():
+                if name:
+                    index, _, rest = name.partition(".")
+                    where = f"layer {first_layer + int(index)} ({type(module[int(index)]).__name__})"
+                    if rest:
+                        where += f", submodule {rest} ({type(sub).__name__}),"
+                    where += f" of stage {stage}"
+                else:
+                    where = f"the {type(module).__name__} of stage {stage}"
+                raise ValueError(f"{where} has a {kind} ({_hook_name(hook)}) and stage {stage} is "
+                                 f"recomputed: its forward runs twice per microbatch (F, then R before the backward), "
+                                 f"so the hook would run twice and repeat whatever it counts or registers; {fix} "
+                                 f"{note}")
+
+
+def refuse_forward_hooks(stages: dict, recompute, first_layers) -> None:
+    """:func:`check_no_forward_hooks` for each recomputed stage of ``stages`` ({stage: module}).
+
+    Args:
+        recompute: the recompute flag of every stage; ``first_layers``: per stage, the index of its first layer.
+    Raises:
+        ValueError: as :func:`check_no_forward_hooks`.
+    """
+    for stage, module in stages.items():
+        if recompute[stage]:
+            check_no_forward_hooks(module, stage, first_layers[stage], recompute)

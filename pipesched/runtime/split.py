@@ -47,12 +47,13 @@ def backward_input(roots, grads, inputs, params):
         inputs: the stage's input tensors (leaves); those that require grad get a gradient.
         params: the stage's parameters that require grad.
     Returns:
-        ``(input_grads, weight_grad)``: one gradient per input that requires grad (zeros where the root does
-        not depend on it), and the :class:`WeightGrad` to pass to :func:`backward_weight`.
+        ``(input_grads, weight_grad)``: one gradient per input that requires grad (``None`` where no root
+        depends on it, as ``.grad`` after a fused backward), and the :class:`WeightGrad` to pass to
+        :func:`backward_weight`.
     """
     need = [t for t in inputs if t.requires_grad]
     if not need or not roots:
-        return tuple(torch.zeros_like(t) for t in need), WeightGrad([], (roots, grads) if roots else None)
+        return (None,) * len(need), WeightGrad([], (roots, grads) if roots else None)
     parents = _parents([_node(r) for r in roots])
     closure = _upward({_node(t) for t in need}, parents, stop=())
     groups = _groups(params, parents, closure)
@@ -70,8 +71,7 @@ def backward_input(roots, grads, inputs, params):
         starts = [(node, records[node]) for node in nodes if node in records]
         if starts:
             work.append((starts, group_params))
-    input_grads = tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(got, need))
-    return input_grads, WeightGrad(work)
+    return tuple(got), WeightGrad(work)
 
 
 def backward_weight(work: WeightGrad) -> None:

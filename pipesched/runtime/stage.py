@@ -40,7 +40,10 @@ def resolve_balance(layers: Sequence[nn.Module], num_stages: int, balance=None) 
     n = len(layers)
     if n < num_stages:
         raise ValueError(f"the model has {n} layers but the pipeline needs {num_stages} stages "
-                         f"(ranks x virtual_stages); every stage needs at least one layer")
+                         f"(ranks x virtual_stages); every stage needs at least one layer: give the model at "
+                         f"least {num_stages} layers (split a layer in two, or add layers)"
+                         + (f", or use fewer ranks or virtual stages, so that ranks x virtual_stages <= {n}"
+                            if n else ""))
     if balance is None:
         base, extra = divmod(n, num_stages)
         return tuple(base + 1 if i < extra else base for i in range(num_stages))
@@ -87,11 +90,17 @@ def min_max_partition(costs: Sequence[float], num_stages: int) -> tuple[int, ...
     return tuple(reversed(sizes))
 
 
-def build_stages(layers: Sequence[nn.Module], balance: Sequence[int], stage_ids: Sequence[int]) -> dict[int, nn.Sequential]:
-    """``{stage: nn.Sequential of its layers}`` for the requested stages; the layers are shared, not copied."""
+def layer_starts(balance: Sequence[int]) -> list[int]:
+    """Per stage, the index in the model of its first layer, then the layer count: ``[2, 3] -> [0, 2, 5]``."""
     starts = [0]
     for count in balance:
         starts.append(starts[-1] + count)
+    return starts
+
+
+def build_stages(layers: Sequence[nn.Module], balance: Sequence[int], stage_ids: Sequence[int]) -> dict[int, nn.Sequential]:
+    """``{stage: nn.Sequential of its layers}`` for the requested stages; the layers are shared, not copied."""
+    starts = layer_starts(balance)
     return {s: nn.Sequential(*layers[starts[s]:starts[s + 1]]) for s in stage_ids}
 
 

@@ -69,6 +69,43 @@ class Transport:
         pending.meta = meta
         return pending
 
+    def send_grads(self, grads, specs, peer: int, tag: int, learning: bool) -> list:
+        """Send the gradients of a stage's inputs that need one, ``None`` where the stage's backward gave an
+        input no gradient (the unsplit model's ``.grad is None``). While learning: every one (zeros standing
+        in for ``None``) plus a ``uint8`` presence mask, as one packed message, so the receiver learns which
+        come; afterwards only the present ones (none present: no message). ``specs``: (shape, dtype) per
+        gradient. Returns the works."""
+        if learning:
+            mask = torch.tensor([g is not None for g in grads], dtype=torch.uint8, device=self.device)
+            full = [torch.zeros(shape, dtype=dtype, device=self.device) if g is None else g
+                    for g, (shape, dtype) in zip(grads, specs)]
+            return [self.send((*full, mask), peer, tag)]
+        present = [g for g in grads if g is not None]
+        return [self.send(present, peer, tag)] if present else []
+
+    def post_grads(self, specs, mask, peer: int, tag: int, what: str) -> Pending | None:
+        """Post the receive matching :meth:`send_grads`: ``mask`` (which gradients come) is ``None`` while
+        learning (the message carries it), else the learned one. Returns ``None`` when no message comes."""
+        if mask is None:
+            pending = self.post(list(specs) + [((len(specs),), torch.uint8)], peer, tag, what)
+        else:
+            present = [spec for spec, bit in zip(specs, mask) if bit]
+            if not present:
+                return None
+            pending = self.post(present, peer, tag, what)
+        pending.meta = mask
+        return pending
+
+    def wait_grads(self, pending: Pending):
+        """Wait for a :meth:`post_grads` receive; returns ``(gradients with None where none came, mask)``."""
+        tensors, mask = self.wait(pending)
+        if mask is None:
+            *grads, bits = tensors
+            mask = tuple(bool(b) for b in bits.tolist())
+            return tuple(g if bit else None for g, bit in zip(grads, mask)), mask
+        present = iter(tensors)
+        return tuple(next(present) if bit else None for bit in mask), mask
+
     def wait(self, pending: Pending):
         """Wait for a posted receive; returns ``(tensors, meta or None)`` (the meta when a header came).
 

@@ -22,7 +22,7 @@ def _fused_and_split(module, inputs, grads=None, loss=False):
             backward_weight(work)
         else:
             torch.autograd.backward(roots, given)
-            got = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in xs if x.requires_grad)
+            got = tuple(x.grad for x in xs if x.requires_grad)  # None where no gradient reached an input
         results.append((got, [p.grad for p in net.parameters()]))
     return results
 
@@ -109,3 +109,15 @@ def test_a_scalar_loss_root_with_an_input_gradient():
     net = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
     (fused_in, fused_p), (split_in, split_p) = _fused_and_split(net, (torch.randn(5, 4),), loss=True)
     assert _bitwise(fused_in, split_in) and _bitwise(fused_p, split_p)
+
+
+def test_an_input_no_root_depends_on_gets_none_not_zeros():
+    # the unsplit model leaves .grad None there; a zero tensor would make the previous stage run its backward
+    lin = nn.Linear(4, 4)
+    a, b = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    got, work = backward_input([lin(a)], [torch.ones(3, 4)], [a, b], list(lin.parameters()))
+    assert got[0] is not None and got[1] is None
+    backward_weight(work)
+    assert lin.weight.grad is not None
+    got, work = backward_input([], [], [a, b], list(lin.parameters()))  # no output got a gradient
+    assert got == (None, None) and work.whole is None and work.groups == []

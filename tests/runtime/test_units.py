@@ -25,9 +25,9 @@ def test_batch_smaller_than_microbatches_is_a_value_error():
 
 
 def test_merge_explains_a_0_dim_output():
-    with pytest.raises(ValueError, match=r"element 1 of the model's output tuple is 0-dim \(shape \(\)\); return it "
-                                         r"with a batch dimension"):
-        merge([(torch.ones(2), torch.tensor(1.0)), (torch.ones(2), torch.tensor(2.0))], True)
+    with pytest.raises(ValueError, match=r"element 1 of the last stage's output is 0-dim \(shape \(\)\) on microbatch 0; "
+                                         r"forward\(\) concatenates each tensor of it along dim 0 \(the batch dimension\)"):
+        merge([(torch.ones(2), torch.tensor(1.0)), (torch.ones(2), torch.tensor(2.0))])
 
 
 def test_split_and_merge_tuples_are_views_and_round_trip():
@@ -35,7 +35,7 @@ def test_split_and_merge_tuples_are_views_and_round_trip():
     parts, is_tuple = split(x, 4)
     assert is_tuple and [p[0].shape[0] for p in parts] == [3, 3, 2, 2]
     assert parts[1][0].data_ptr() == x[0][3:].data_ptr()  # a view, not a copy
-    back = merge(parts, is_tuple)
+    back = merge(parts)
     assert all(torch.equal(a, b) for a, b in zip(back, x))
 
 
@@ -67,8 +67,12 @@ def test_bad_balance_names_the_numbers(balance, message):
 
 
 def test_too_few_layers_for_the_stages():
-    with pytest.raises(ValueError, match="the model has 3 layers but the pipeline needs 4 stages"):
-        resolve_balance(list(mlp(num_layers=3)), 4)
+    with pytest.raises(ValueError) as info:
+        resolve_balance(list(mlp(num_layers=7)), 8)  # e.g. 4 ranks x 2 virtual stages
+    assert str(info.value) == (
+        "the model has 7 layers but the pipeline needs 8 stages (ranks x virtual_stages); every stage needs at least "
+        "one layer: give the model at least 8 layers (split a layer in two, or add layers), or use fewer ranks or "
+        "virtual stages, so that ranks x virtual_stages <= 7")
 
 
 def test_meta_round_trip_and_packing_is_bit_exact():

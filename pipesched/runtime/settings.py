@@ -1,0 +1,29 @@
+"""The local settings a stage's messages depend on besides the input: a fingerprint every rank contributes to
+the step signature, so a change on any rank (a stage frozen or unfrozen, ``train()``/``eval()``, a dtype,
+grad or autocast mode) makes every rank re-learn the message metas of the step together."""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+#: the settings :func:`fingerprint` covers, in words (quoted by errors about metas that changed anyway)
+SETTINGS = ("requires_grad and dtype of each parameter, dtype of each buffer, train/eval mode of each module, "
+            "grad mode, autocast")
+
+
+def fingerprint(stages: dict, device: torch.device) -> int:
+    """A signed 64-bit digest of this rank's settings (:data:`SETTINGS`) for its ``stages`` ({stage: module}).
+
+    Deterministic across processes (a hash of their text, not Python's per-process ``hash``); it costs one
+    pass over the stages' modules and tensors, a few microseconds per parameter.
+    """
+    kind = device.type
+    words = [torch.is_grad_enabled(), torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)]
+    for s in sorted(stages):
+        for module in stages[s].modules():
+            words.append(module.training)
+            words.extend((p.requires_grad, p.dtype) for p in module.parameters(recurse=False))
+            words.extend(b.dtype for b in module.buffers(recurse=False))
+    digest = hashlib.blake2b(repr(words).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
