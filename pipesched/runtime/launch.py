@@ -1,13 +1,20 @@
 """``launch``: run a function on N local processes (gloo on 127.0.0.1) for tests and notebooks; never hangs."""
 from __future__ import annotations
 
+import ast
+import codecs
 import multiprocessing as mp
 import os
 import pickle
+import pickletools
 import queue
 import socket
+import sys
+import tempfile
 import time
 import traceback
+
+_TAIL_CHARS = 3000  # of a child's stderr quoted when it dies without reporting
 
 
 class ChildTraceback(Exception):
@@ -22,18 +29,36 @@ def free_port() -> int:
 
 
 def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20.0, threads: int = 1,
-           start_method: str = "spawn") -> list:
+           start_method: str | None = None) -> list:
     """Run ``fn(rank, *args)`` on ``world_size`` local processes that share a gloo default process group.
 
     Each child gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1`` and a free
     ``MASTER_PORT``, sets ``torch.set_num_threads(threads)``, and calls ``fn`` after
-    ``init_process_group("gloo")``. With ``start_method="spawn"`` (default) ``fn`` must be importable
-    (defined at module level of a file); in a notebook, define it in a module or use ``"fork"`` (CPU only).
+    ``init_process_group("gloo")``. The children's standard error is relayed to this process's
+    ``sys.stderr`` (so it shows in a notebook) and kept, to be quoted if a child dies without reporting.
+
+    How the children start (``start_method``):
+
+    - ``None`` (default): ``"spawn"`` (a fresh interpreter that imports ``fn`` by module and name) when a
+      spawned child can run ``fn``; else ``"fork"`` (a copy of this process, which needs no import). A
+      spawned child cannot run ``fn`` when it is defined in ``__main__`` of a notebook, ``python -c`` or a
+      script read from stdin (nothing to import it from), when it is a lambda or defined inside a function,
+      or when ``launch`` is called from the top level of a script outside an ``if __name__ == "__main__":``
+      block (a spawned child re-runs the script's top level, which would launch again).
+    - ``"fork"`` is refused (``ValueError``) where it is unsafe: CUDA is initialized in this process (a
+      forked child cannot use it; launch before touching CUDA, or move ``fn`` into an importable module
+      and call ``launch`` under the ``__main__`` guard so that it spawns); this process already has a
+      default process group; or ``threads > 1`` after this process imported torch (a forked child that
+      runs more than one OpenMP thread can hang, GNU OpenMP's thread pool does not survive ``fork``).
+      Not available on Windows.
+    - ``"spawn"`` / ``"forkserver"``: refused (``ValueError``, before any child starts) for an ``fn`` a
+      spawned child cannot run (above), with the reason and what to do.
 
     Args:
         timeout: seconds for the whole run; grace: seconds the others get to end after one child fails, and
             the most a child whose rank failed first stays up (keeping the store reachable) until the others
-            have read its failure record. Children start with ``TORCH_CPP_LOG_LEVEL=ERROR`` unless it is set.
+            have read its failure record. Children start with ``TORCH_CPP_LOG_LEVEL=ERROR`` unless it is set
+            (a forked child that inherits an imported torch keeps this process's level).
 
     Returns:
         The return values of ``fn``, by rank (they must be picklable).
@@ -41,27 +66,30 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
         The first failing child's exception (preferring the rank a :class:`PipelineError` names as the
         origin), re-raised with the child's traceback as ``__cause__``; the other children get ``grace``
         seconds to end on their own and are then terminated.
+        ValueError: a ``start_method`` that cannot run ``fn`` here (says why and what to do).
         TimeoutError: the children did not all finish within ``timeout`` seconds (all are terminated).
-        RuntimeError: a child died without reporting (e.g. killed); names its rank and exit code.
+        RuntimeError: a child died without reporting (killed, ``os._exit``, or failed while starting, e.g.
+            could not unpickle an argument); names its rank and exit code and quotes the end of its stderr.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-    ctx = mp.get_context(start_method)
+    ctx = mp.get_context(choose_start_method(fn, start_method, threads))
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(rank, world_size, port, threads, fn, args, results, grace), daemon=True)
              for rank in range(world_size)]
+    logs = _Stderr(world_size)
     quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ
     if quiet:  # children inherit it at start: no C++ warning stacks when a peer's process (or the store) is gone
         os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     try:
-        for proc in procs:
-            proc.start()
+        for rank, proc in enumerate(procs):
+            logs.start(rank, proc)
     finally:
         if quiet:
             del os.environ["TORCH_CPP_LOG_LEVEL"]
     try:
-        return _collect(procs, results, timeout, grace)
+        return _collect(procs, results, timeout, grace, logs)
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -70,13 +98,183 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
             proc.join(5)
             if proc.is_alive():
                 proc.kill()
+        logs.close()
 
 
-def _collect(procs, results, timeout: float, grace: float) -> list:
+def choose_start_method(fn, start_method: str | None, threads: int = 1) -> str:
+    """The multiprocessing start method :func:`launch` uses for ``fn`` (see its docstring).
+
+    Raises:
+        ValueError: ``start_method`` cannot run ``fn`` in this process; the message says why and what to do.
+    """
+    if start_method not in (None, "spawn", "fork", "forkserver"):
+        raise ValueError(f"start_method must be None, 'spawn', 'fork' or 'forkserver', got {start_method!r}")
+    obstacle = spawn_obstacle(fn) if start_method != "fork" else None
+    if start_method is None:
+        if obstacle is None:
+            return "spawn"
+        unsafe = fork_obstacle(threads)
+        if unsafe is None:
+            return "fork"
+        raise ValueError(f"launch cannot start children for this fn: {obstacle}; and it cannot fork them, as it "
+                         f"would otherwise: {unsafe}")
+    if start_method == "fork":
+        unsafe = fork_obstacle(threads)
+        if unsafe is not None:
+            raise ValueError(f"launch cannot fork its children: {unsafe}")
+        return "fork"
+    if obstacle is not None:
+        raise ValueError(f"launch cannot use start_method={start_method!r} for this fn: {obstacle}; or leave "
+                         f"start_method=None, which forks the children instead (CPU only)")
+    return start_method
+
+
+def spawn_obstacle(fn) -> str | None:
+    """Why a spawned child could not run ``fn`` (``None`` if it can): it must import ``fn`` by module and
+    name, and it re-runs the main script's top level (as ``__mp_main__``) when this process has one."""
+    main = sys.modules.get("__main__")
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    try:
+        modules = {arg.split(" ")[0] for op, arg, _ in pickletools.genops(pickle.dumps(fn, protocol=2))
+                   if op.name == "GLOBAL"}
+    except Exception as exc:  # noqa: BLE001 - any pickling error means a spawned child cannot get fn
+        if "<lambda>" in name or "<locals>" in name:
+            return (f"fn {name} is a lambda or is defined inside a function, so a spawned child cannot import it; "
+                    f"define fn with def at the top level of a module")
+        return f"fn {name} cannot be pickled for a spawned child ({type(exc).__name__}: {exc})"
+    script = _main_script(main)
+    if "__main__" in modules and script is None:
+        return (f"fn {name} is defined in __main__ of a notebook, python -c or a script read from stdin, which "
+                f"a spawned child cannot import; define fn in a module (a .py file) and import it")
+    line = _unguarded_call_line(main, script)
+    if line is not None:
+        return (f"launch is called at line {line} of {script} outside an `if __name__ == \"__main__\":` block, and "
+                f"a spawned child re-runs that script's top level, which would launch again; put the call under "
+                f"that block")
+    return None
+
+
+def fork_obstacle(threads: int) -> str | None:
+    """Why forking this process's children would be unsafe now (``None`` if it is not)."""
+    if "fork" not in mp.get_all_start_methods():
+        return "fork is not available on this platform"
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if torch.cuda.is_initialized():
+        return ("CUDA is initialized in this process, and a forked child cannot use it; call launch before "
+                "anything touches CUDA, or make fn importable so that launch spawns")
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return "this process already has a default process group, which a forked child would inherit"
+    if threads > 1:
+        return (f"threads={threads} after this process imported torch: a forked child running more than one "
+                f"OpenMP thread can hang (GNU OpenMP's thread pool does not survive fork); use threads=1")
+    return None
+
+
+def _main_script(main) -> str | None:
+    """The file a spawned child re-runs as ``__mp_main__`` (``None``: a notebook, ``-c``, stdin)."""
+    if getattr(main, "__spec__", None) is not None:
+        return getattr(main, "__file__", None) or main.__spec__.name
+    path = getattr(main, "__file__", None)
+    return path if path and os.path.isfile(path) else None
+
+
+def _unguarded_call_line(main, script: str | None) -> int | None:
+    """The line of the main script's top level that is calling :func:`launch` now, if it is not inside an
+    ``if __name__ == "__main__":`` block (``None``: guarded, not called from there, or the source is unreadable)."""
+    if script is None or main is None:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    line = frame.f_lineno
+    try:
+        with open(frame.f_code.co_filename, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_main_test(node.test) and node.body:
+            if node.body[0].lineno <= line <= node.body[-1].end_lineno:
+                return None
+    return line
+
+
+def _is_main_test(test) -> bool:
+    """``__name__ == "__main__"`` (either way round)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = (test.left, test.comparators[0])
+    return (any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides)
+            and any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides))
+
+
+class _Stderr:
+    """Each child's standard error (file descriptor 2) goes to a temporary file of its own from its first
+    instruction, so that even a failure before ``fn`` runs (a spawned child that cannot unpickle its
+    arguments) is kept; :meth:`relay` copies what is new to this process's ``sys.stderr``."""
+
+    def __init__(self, n: int) -> None:
+        self.files = [tempfile.TemporaryFile() for _ in range(n)]
+        self.offsets = [0] * n
+        self.decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(n)]
+
+    def start(self, rank: int, proc) -> None:
+        """Start ``proc`` with its fd 2 on this rank's file (this process's fd 2 is restored at once)."""
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed or missing stream
+                pass
+        saved = os.dup(2)
+        try:
+            os.dup2(self.files[rank].fileno(), 2)
+            proc.start()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+    def relay(self) -> None:
+        """Write what the children added to their stderr since the last call to ``sys.stderr``."""
+        for rank, handle in enumerate(self.files):
+            handle.seek(self.offsets[rank])
+            data = handle.read()
+            if not data:
+                continue
+            self.offsets[rank] += len(data)
+            text = self.decoders[rank].decode(data)
+            if text and sys.stderr is not None:
+                try:
+                    sys.stderr.write(text)
+                    sys.stderr.flush()
+                except Exception:  # noqa: BLE001 - nowhere to relay to
+                    pass
+
+    def tail(self, rank: int) -> str:
+        """The last characters the child wrote to its stderr."""
+        handle = self.files[rank]
+        handle.seek(0, os.SEEK_END)
+        size = handle.tell()
+        handle.seek(max(0, size - 4 * _TAIL_CHARS))
+        text = handle.read().decode("utf-8", errors="replace").strip()
+        return text[-_TAIL_CHARS:]
+
+    def close(self) -> None:
+        self.relay()
+        for handle in self.files:
+            handle.close()
+
+
+def _collect(procs, results, timeout: float, grace: float, logs: _Stderr) -> list:
     outcome: dict[int, tuple] = {}
     errors: list[tuple[int, bytes, str]] = []
     deadline = time.monotonic() + timeout
     while len(outcome) < len(procs):
+        logs.relay()
         now = time.monotonic()
         if now >= deadline:
             if errors:
@@ -97,10 +295,24 @@ def _collect(procs, results, timeout: float, grace: float) -> list:
                 time.sleep(0.2)  # its report may still be in the pipe
                 if not _drain(results, outcome, errors):
                     if rank not in outcome:
-                        raise RuntimeError(f"launch: rank {rank} exited with code {proc.exitcode} without reporting")
+                        raise RuntimeError(_unreported(rank, proc.exitcode, logs.tail(rank)))
     if errors:
         _reraise(errors)
     return [pickle.loads(outcome[r][1]) for r in range(len(procs))]
+
+
+def _unreported(rank: int, code: int, tail: str) -> str:
+    """The error for a child that ended without putting a result or an exception on the queue."""
+    text = f"launch: rank {rank} exited with code {code} without reporting"
+    if code < 0:
+        text += f" (killed by signal {-code})"
+    if not tail:
+        return text + "; its stderr is empty"
+    text += f"; the end of its stderr:\n{tail}"
+    if "on <module '__main__'" in tail:
+        text += ("\n(a spawned child could not find something defined in __main__ that fn or its arguments "
+                 "refer to: define it in a module (a .py file) and import it, or pass start_method='fork')")
+    return text
 
 
 def _drain(results, outcome, errors) -> bool:

@@ -78,3 +78,24 @@ def test_two_gpus_over_nccl_match_the_unsplit_model():
     for result in launch(two_gpus, 2, timeout=300):
         for schedule, (loss_close, count, worst, clock) in result.items():
             assert loss_close and count == 8 and worst <= 1e-6 and clock == "cuda events", (schedule, result)
+
+
+def test_the_stages_cuda_device_is_checked_and_inputs_are_moved_there():
+    from torch import nn
+
+    from pipesched.runtime.devices import checked_device, move_to
+
+    current = torch.device("cuda", torch.cuda.current_device())
+    assert checked_device({0: nn.Sequential(nn.ReLU())}, "cuda") == current  # no index: the current device
+    assert checked_device({0: nn.Sequential(nn.Linear(2, 2).cuda())}, None) == current
+    with pytest.raises(ValueError) as info:
+        checked_device({0: nn.Sequential(nn.Linear(2, 2))}, "cuda:0")
+    assert str(info.value) == ("device='cuda:0', but stage 0's parameter 0.weight (Linear) is on cpu; move the model "
+                               "there first (model.to('cuda:0')) or pass device='cpu'")
+    count = torch.cuda.device_count()
+    with pytest.raises(ValueError) as info:
+        checked_device({0: nn.Sequential(nn.ReLU())}, f"cuda:{count}")
+    assert str(info.value) == (f"device='cuda:{count}', but this process sees {count} CUDA device(s), "
+                               f"cuda:0 to cuda:{count - 1}")
+    x = move_to((torch.ones(2), torch.ones(2, device=current)), current, "x")
+    assert [t.device for t in x] == [current, current]
