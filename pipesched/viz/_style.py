@@ -6,6 +6,8 @@ so kinds and chunks stay apart in greyscale and for colour-blind readers.
 """
 from __future__ import annotations
 
+import re
+
 from ..ir import Op
 
 BASE = {
@@ -18,7 +20,9 @@ BASE = {
 KIND_NAME = {Op.F: "forward F", Op.B: "backward B", Op.I: "input grad I", Op.W: "weight grad W",
              Op.R: "recompute R"}
 IDLE = "#f0f0f0"
-COMM_WAIT = "#8c8c8c"
+COMM_WAIT = "#8c8c8c"  # hatch and edge of a communication wait
+COMM_WAIT_FILL = "#c8c8c8"  # its fill: a wait too short for the hatch still shows as a thin grey mark
+COMM_WAIT_LABEL = "comm wait: message in flight (thin grey mark if short)"
 ALL_REDUCE = "#000000"
 DARK_TEXT = {Op.F, Op.B}  # kinds dark enough for white microbatch numbers on the first chunk
 CHUNK_HATCH = ("", "////", "\\\\\\\\", "xxx")
@@ -51,3 +55,32 @@ def time_unit(span: float) -> tuple[str, float]:
     if span >= 1e-3:
         return "ms", 1e3
     return "µs", 1e6
+
+
+_TIME_COST = re.compile(r"\b(F|B|I|W|R)=(\[[^\]]*\]|[0-9.eE+-]+)")
+_LATENCY = re.compile(r"\blatency=([0-9.eE+-]+)s\b")
+_BANDWIDTH = re.compile(r"\bbw=([0-9.eE+-]+)B/s\b")
+
+
+def cost_in_unit(text: str, unit: str, factor: float) -> str:
+    """A :meth:`~pipesched.cost.CostModel.describe` line (seconds) in ``unit``, ``seconds * factor``:
+    ``"F=0.001 B=0.002 latency=0.0001s bw=2e+06B/s"`` in ms is ``"F=1 B=2 latency=0.1ms bw=2e+03B/ms"``,
+    so a picture whose time axis is in ms says ms everywhere. Parts it does not recognise stay as they are."""
+    if factor == 1.0:
+        return text
+
+    def scale(value: str, by: float) -> str:
+        try:
+            return f"{float(value) * by:g}"
+        except ValueError:
+            return value
+
+    def costs(match) -> str:
+        value = match.group(2)
+        if value.startswith("["):
+            return f"{match.group(1)}=[" + ",".join(scale(v, factor) for v in value[1:-1].split(",")) + "]"
+        return f"{match.group(1)}={scale(value, factor)}"
+
+    text = _TIME_COST.sub(costs, text)
+    text = _LATENCY.sub(lambda m: f"latency={scale(m.group(1), factor)}{unit}", text)
+    return _BANDWIDTH.sub(lambda m: f"bw={float(m.group(1)) / factor:.3g}B/{unit}", text)

@@ -44,9 +44,9 @@ def plot_bubble_vs_microbatches(num_ranks: int = 4, microbatches=None, schedules
 
     Markers are simulated bubbles (:func:`pipesched.simulate` of the compiled program with ``cost``,
     default F=1 B=2, each schedule at its default virtual stages); lines of the same colour are the
-    registry's closed forms, drawn over continuous m (a form's ``for`` condition, shown in the legend,
-    says where it is exact; elsewhere the markers leave the curve). Coincident schedules show as nested
-    hollow markers. A schedule whose size is invalid at some m skips that point.
+    registry's closed forms, drawn over continuous m, or, for a form with a ``for`` condition (shown in the
+    legend), as small filled dots only at the m where it holds (interleaved: multiples of p). Coincident
+    schedules show as nested hollow markers. A schedule whose size is invalid at some m skips that point.
 
     Args:
         num_ranks: pipeline ranks ``p`` >= 1.
@@ -103,16 +103,28 @@ def simulated_bubbles(schedule: str, num_ranks: int, ms, v: int, cost: CostModel
 
 
 def _closed_form_curve(ax, info, p: int, ms, v: int, colour: str, index: int) -> None:
+    """The registry's closed form: a curve over continuous m when it holds for every m; with a ``for``
+    condition (interleaved: ``m % p == 0``) only at the integer m in range where it holds, as filled dots
+    (no line: a chord between them would pass beside exact points), so that the simulated points where it
+    does not hold (m < p) are not read as off the curve."""
     import numpy as np
 
-    xs = np.linspace(min(ms), max(ms), 200)
-    expression = info.bubble.partition(" for ")[0]
-    ys = [closed_form_bubble(expression, p, float(x), v) for x in xs]
-    if any(y is None for y in ys):
-        return
+    expression, _, condition = info.bubble.partition(" for ")
     style = ("-", "--", "-.", ":")[index % 4]
-    ax.plot(xs, ys, linestyle=style, linewidth=1.2, color=colour, alpha=0.8,
-            label=f"{info.name}: closed form {info.bubble}", gid=f"closed:{info.name}")
+    if condition:
+        xs = [m for m in range(int(np.ceil(min(ms))), int(max(ms)) + 1)
+              if closed_form_bubble(info.bubble, p, m, v) is not None]
+        ys = [closed_form_bubble(info.bubble, p, m, v) for m in xs]
+        style, marker = "none", "o"
+    else:
+        xs = np.linspace(min(ms), max(ms), 200)
+        ys = [closed_form_bubble(expression, p, float(x), v) for x in xs]
+        marker = None
+    if not len(xs) or any(y is None for y in ys):
+        return
+    ax.plot(xs, ys, linestyle=style, linewidth=1.2, color=colour, alpha=0.8, marker=marker, markersize=3,
+            label=f"{info.name}: closed form {info.bubble}" + (" (drawn where it holds)" if condition else ""),
+            gid=f"closed:{info.name}")
 
 
 def _figure(ax):

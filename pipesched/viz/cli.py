@@ -36,7 +36,8 @@ def add_render_parser(subparsers) -> argparse.ArgumentParser:
                              "(default: start them when it landed, as the timeline contract says)")
     parser.add_argument("--mode", choices=("side-by-side", "overlay"), default="side-by-side",
                         help="layout of --compare (default side-by-side)")
-    parser.add_argument("--output", "-o", required=True, metavar="FILE", help="FILE.png|.svg|.pdf|.json")
+    parser.add_argument("--output", "-o", required=True, metavar="FILE",
+                        help="FILE.png|.svg|.pdf|.json (missing folders are created)")
     parser.add_argument("--title", default=None, help="replace the first title line")
     parser.add_argument("--dpi", type=int, default=110, help="dots per inch of a .png (default 110)")
     parser.set_defaults(func=run_render)
@@ -69,10 +70,14 @@ def _render(args: argparse.Namespace) -> int:
     if args.compare and (args.trace is None or suffix == ".json"):
         raise ValueError("--compare needs --trace and an image output (.png/.svg/.pdf)")
     timeline = _load(args.trace, args.as_recorded) if args.trace else _simulate(args)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"-o {out}: cannot create its folder {out.parent}: {exc.strerror or exc}") from None
     if suffix == ".json":
         from .trace import save_chrome_trace
 
-        save_chrome_trace(timeline, out)
+        _write(out, lambda: save_chrome_trace(timeline, out))
         print(f"wrote {out}: Chrome trace, {len(timeline.events)} events on {timeline.num_ranks} ranks")
         return 0
     if args.compare:
@@ -83,9 +88,17 @@ def _render(args: argparse.Namespace) -> int:
         from .gantt import plot_timeline
 
         figure = plot_timeline(timeline, title=args.title)
-    figure.savefig(out, dpi=args.dpi)
+    _write(out, lambda: figure.savefig(out, dpi=args.dpi))
     print(f"wrote {out}: {timeline.source} timeline, bubble fraction {timeline.bubble_fraction:.4f}")
     return 0
+
+
+def _write(out: Path, write) -> None:
+    """Run ``write()``; an OSError becomes a ValueError naming ``-o``."""
+    try:
+        write()
+    except OSError as exc:
+        raise ValueError(f"-o {out}: cannot write it: {exc.strerror or exc}") from None
 
 
 def _simulate(args: argparse.Namespace):
@@ -100,6 +113,8 @@ def _load(path: str, as_recorded: bool):
 
     try:
         timeline = Timeline.load(path)
+    except OSError as exc:
+        raise ValueError(f"--trace {path}: cannot read it: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not JSON ({exc.msg} at line {exc.lineno}); expected a file written "
                          f"by Timeline.save") from None

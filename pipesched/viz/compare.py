@@ -141,7 +141,7 @@ def plot_comparison(simulated: Timeline, measured: Timeline, mode: str = "side-b
             source = "" if timeline.source == name else f" ({timeline.source})"
             set_title(ax, f"{name}{source}  ·  bubble {100 * timeline.bubble_fraction:.2f}%  ·  "
                           f"makespan {timeline.makespan * factor:.4g} {unit}\n"
-                          f"{_cost_label(timeline)}")
+                          f"{_cost_label(timeline, unit, factor)}")
         gantt_axes[0].set_xlabel("")
         _share_xlim(gantt_axes)
         add_legend(gantt_axes[1], measured)
@@ -162,7 +162,8 @@ def _overlay(ax, simulated: Timeline, measured: Timeline, factor: float, unit: s
                 va="center", ha="left", family="monospace", clip_on=False, gid=f"bubble-rank-{rank}")
     ax.text(1.01, -0.62, "bubble\npred/meas", transform=transform, fontsize=7, va="bottom", color="#444444")
     time_axis(ax, measured, unit)
-    set_title(ax, f"each row: predicted (top) and measured (bottom)\npredicted with {_cost_label(simulated)}")
+    set_title(ax, f"each row: predicted (top) and measured (bottom)\npredicted with "
+                  f"{_cost_label(simulated, unit, factor)}")
     add_legend(ax, measured)
 
 
@@ -204,15 +205,15 @@ def _layout(timeline: Timeline, panels: list[float]):
         cursor -= panel_title + height
         axes.append(fig.add_axes([left / fig_w, cursor / fig_h, width / fig_w, height / fig_h]))
         cursor -= axis
-    bar_w = min(width, 7.5)
-    bar = fig.add_axes([left / fig_w, bottom / fig_h, bar_w / fig_w, BREAKDOWN_IN / fig_h])
+    bar = fig.add_axes([left / fig_w, bottom / fig_h, width / fig_w, BREAKDOWN_IN / fig_h])  # as wide as the charts
     return fig, axes, bar
 
 
-def _cost_label(timeline: Timeline) -> str:
+def _cost_label(timeline: Timeline, unit: str, factor: float) -> str:
+    """The costs in the picture's time unit (``unit``, ``seconds * factor``), or where they were measured."""
     cost, host = timeline.meta.get("cost"), timeline.meta.get("host")
     if cost:
-        return f"costs [s]: {cost}"
+        return f"costs [{unit}]: {_style.cost_in_unit(cost, unit, factor)}"
     return f"costs as measured on {host}" if host else "costs as measured"
 
 

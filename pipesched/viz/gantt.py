@@ -18,11 +18,13 @@ def plot_timeline(timeline: Timeline, ax=None, title: str | None = None):
     One row per rank (rank 0 on top); one box per compute instruction (F, B, I, W, R) coloured by kind,
     later virtual stages lighter and hatched, with the microbatch number inside where it fits. Idle
     time shows as light-grey gaps; the part of a gap spent waiting for a message in flight
-    ("communication wait", see :func:`~pipesched.viz.analysis.bubble_breakdown`) is hatched grey, and
+    ("communication wait", see :func:`~pipesched.viz.analysis.bubble_breakdown`) is hatched grey (a
+    short one a thin grey mark, as the legend says), and
     all-reduces are thin black bars at the bottom of their row. The title names the schedule, p, m, v,
-    the source and the cost assumptions, and ends with the overall bubble fraction; the right margin
-    gives each rank's bubble fraction and peak in-flight microbatches. Times are seconds, shown in s,
-    ms or µs depending on the makespan.
+    the source (and, for a timeline of some ranks only, which: ``rank 1 only``) and the cost assumptions,
+    and ends with the overall bubble fraction; the right margin gives each rank's bubble fraction and peak
+    in-flight microbatches. Times are seconds, shown in s, ms or µs depending on the makespan: one unit
+    for the axis, the makespan and the costs in the title.
 
     Args:
         timeline: a simulated or measured :class:`~pipesched.timeline.Timeline`.
@@ -100,8 +102,8 @@ def draw_rows(ax, timeline: Timeline, offset: float = 0.0, height: float = 0.8, 
         for start, end, kind in waits:
             if kind == "p2p":
                 ax.add_patch(Rectangle(((start - t0) * factor, rank + offset - half), (end - start) * factor,
-                                       height, facecolor="white", edgecolor=_style.COMM_WAIT, hatch="xxxx",
-                                       linewidth=0, zorder=1, gid=f"{tag}wait:{rank}"))
+                                       height, facecolor=_style.COMM_WAIT_FILL, edgecolor=_style.COMM_WAIT,
+                                       hatch="xxxx", linewidth=0, zorder=1, gid=f"{tag}wait:{rank}"))
     chunks = stage_chunks(timeline)
     counts = _chunk_counts(chunks)
     points_per_unit = _points_per_data_unit(ax, timeline.makespan * factor)
@@ -139,13 +141,23 @@ def title_text(timeline: Timeline, title: str | None = None) -> str:
     first = title or SEP.join(
         [f"{meta.get('schedule', 'custom')}", f"p={meta.get('ranks', timeline.num_ranks)} ranks",
          f"m={meta.get('microbatches', '?')} microbatches", f"v={meta.get('virtual_stages', '?')}"]
-        + ([f"dp={meta['dp_size']}"] if meta.get("dp_size", 1) != 1 else []) + [timeline.source])
+        + ([f"dp={meta['dp_size']}"] if meta.get("dp_size", 1) != 1 else []) + [timeline.source]
+        + ([held_ranks(timeline)] if held_ranks(timeline) else []))
     unit, factor = _style.time_unit(timeline.makespan)
     cost = meta.get("cost") or ("costs as measured" if timeline.source == "measured" else "default costs")
-    cost_label = f"costs [s per stage and microbatch]: {cost}" if meta.get("cost") else cost
+    cost_label = (f"costs [{unit} per stage and microbatch]: {_style.cost_in_unit(cost, unit, factor)}"
+                  if meta.get("cost") else cost)
     second = (f"bubble {100 * timeline.bubble_fraction:.2f}%{SEP}makespan {timeline.makespan * factor:.4g} "
               f"{unit}{SEP}{cost_label}")
     return first + "\n" + second
+
+
+def held_ranks(timeline: Timeline) -> str:
+    """``"rank 1 only"`` (``"ranks 0, 2 only"``) for a timeline of some ranks (``Pipeline.timeline()``), else ``""``."""
+    held = timeline.ranks
+    if held is None or len(held) >= timeline.num_ranks:
+        return ""
+    return ("rank " if len(held) == 1 else "ranks ") + ", ".join(str(r) for r in sorted(held)) + " only"
 
 
 def set_title(ax, text: str, fontsize: float = 9.5) -> int:
@@ -201,7 +213,8 @@ def add_legend(ax, timeline: Timeline, extra: tuple = ()) -> None:
                                  hatch=_style.chunk_hatch(chunk), label=_style.KIND_NAME[op] + suffix))
     handles.append(Patch(facecolor=_style.IDLE, label="idle (bubble)"))
     if any(waits for waits in communication_waits(timeline)):
-        handles.append(Patch(facecolor="white", edgecolor=_style.COMM_WAIT, hatch="xxxx", label="comm wait"))
+        handles.append(Patch(facecolor=_style.COMM_WAIT_FILL, edgecolor=_style.COMM_WAIT, hatch="xxxx",
+                             label=_style.COMM_WAIT_LABEL))
     if any(e.instr.op is Op.ALL_REDUCE for e in timeline.events):
         handles.append(Patch(facecolor=_style.ALL_REDUCE, label="all-reduce"))
     handles.extend(extra)

@@ -89,3 +89,20 @@ def test_render_trace_starts_compute_when_its_input_landed_unless_as_recorded(tm
     assert main(["render", "--trace", str(saved), "--as-recorded", "-o", str(tmp_path / "b.png")]) == 0
     out = capsys.readouterr()
     assert out.err == "" and "bubble fraction 0.1562" in out.out  # (0 + 2.5) / 16 as recorded
+
+
+def test_render_creates_the_output_folder_and_takes_every_memory_option(tmp_path, capsys):
+    out = tmp_path / "some" / "missing" / "dir" / "x.png"
+    assert main(["render", "1f1b", "-p", "2", "-m", "4", "--recompute", "--stash-bytes", "100", "--input-bytes",
+                 "10", "--recompute-bytes", "110", "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == PNG and f"wrote {out}" in capsys.readouterr().out
+    trace = tmp_path / "other" / "t.json"
+    assert main(["render", "gpipe", "-p", "2", "-m", "2", "-o", str(trace)]) == 0 and trace.stat().st_size > 0
+
+
+def test_render_output_and_trace_errors_name_the_option(tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    assert main(["render", "1f1b", "-o", str(tmp_path / "afile" / "x.png")]) == 2
+    assert f"error: render: -o {tmp_path / 'afile' / 'x.png'}: cannot create its folder" in capsys.readouterr().err
+    assert main(["render", "--trace", str(tmp_path / "none.json"), "-o", str(tmp_path / "y.png")]) == 2
+    assert f"--trace {tmp_path / 'none.json'}: cannot read it: No such file or directory" in capsys.readouterr().err
