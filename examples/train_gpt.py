@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pipesched import ScheduleArgumentError, UnknownScheduleError, build, get_schedule
 from pipesched.runtime import Pipeline, launch
 
 # ----------------------------------------------------------------------------------------------- model
@@ -130,16 +131,20 @@ def options(argv=None, prog: str | None = None) -> argparse.Namespace:
     parser.add_argument("--ranks", type=int, default=4, help="pipeline ranks (pipesched demo only; torchrun: "
                         "world size / dp)")
     parser.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default 4)")
-    parser.add_argument("--virtual-stages", type=int, default=1, help="stages per rank (interleaved-1f1b)")
+    parser.add_argument("--virtual-stages", type=int, default=None,
+                        help="stages per rank (default: the schedule's: 2 for interleaved-1f1b, else 1)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     parser.add_argument("--recompute", action="store_true", help="recompute activations in backward")
     parser.add_argument("--balance", default="params",
-                        help="'params' (default: equal parameters per stage), 'layers', or layer counts like 3,2,2,2")
+                        help="'params' (default: equal parameters per stage), 'layers', or layer counts like 2,2,2,1")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
     parser.add_argument("--context", type=int, default=128, help="bytes per sequence (default 128)")
     parser.add_argument("--width", type=int, default=128, help="model width (default 128)")
-    parser.add_argument("--depth", type=int, default=4, help="transformer blocks (default 4)")
+    parser.add_argument("--depth", type=int, default=None,
+                        help="transformer blocks (default: 4, or one per stage when ranks x virtual stages is more); "
+                             "the model has depth + 3 layers (embedding, blocks, final norm, head), and every stage "
+                             "needs at least one")
     parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     parser.add_argument("--seed", type=int, default=0)
@@ -155,7 +160,7 @@ def options(argv=None, prog: str | None = None) -> argparse.Namespace:
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("ranks", "microbatches", "virtual_stages", "dp", "steps", "batch", "context", "width", "depth",
                  "heads"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.width % args.heads:
         parser.error(f"--width {args.width} must be a multiple of --heads {args.heads} (each head gets width/heads)")
@@ -167,7 +172,41 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     try:
         args.balance = _balance(args.balance)
     except ValueError:
-        parser.error(f"--balance must be 'params', 'layers' or layer counts per stage like 3,2,2,2; got {args.balance!r}")
+        parser.error(f"--balance must be 'params', 'layers' or layer counts per stage like 2,2,2,1; got {args.balance!r}")
+    _fit_model_to_stages(parser, args)
+
+
+def _fit_model_to_stages(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Resolve ``--virtual-stages`` (None: the schedule's default, as ``Pipeline`` does) and ``--depth`` (None: 4
+    blocks, or one per stage when there are more stages), and check the model has a layer for every stage.
+
+    The pipeline ranks are ``--ranks``, or under torchrun ``WORLD_SIZE / --dp``.
+    """
+    try:
+        info = get_schedule(args.schedule)
+    except UnknownScheduleError as exc:
+        parser.error(f"--schedule: {exc}")
+    if args.virtual_stages is None:
+        args.virtual_stages = info.default_virtual_stages
+    ranks = args.ranks
+    if "WORLD_SIZE" in os.environ:  # under torchrun: the pipeline has WORLD_SIZE / dp ranks
+        ranks = max(1, int(os.environ["WORLD_SIZE"]) // args.dp)
+    try:
+        build(args.schedule, ranks, args.microbatches, args.virtual_stages)
+    except ScheduleArgumentError as exc:
+        parser.error(f"--schedule {args.schedule} with --virtual-stages {args.virtual_stages}: {exc}")
+    stages = ranks * args.virtual_stages
+    if args.depth is None:
+        args.depth = max(4, stages)
+    layers = args.depth + 3  # embedding, the blocks, final norm, head
+    if layers < stages:
+        parser.error(f"--depth {args.depth} gives the model {layers} layers (embedding, {args.depth} blocks, final "
+                     f"norm, head) but {ranks} ranks x {args.virtual_stages} virtual stages = {stages} stages need "
+                     f"at least {stages}: use --depth {stages - 3} or more (or leave --depth out), or fewer "
+                     f"--ranks or --virtual-stages")
+    if isinstance(args.balance, list) and (len(args.balance) != stages or sum(args.balance) != layers):
+        parser.error(f"--balance {','.join(map(str, args.balance))}: needs {stages} layer counts (one per stage) "
+                     f"summing to the model's {layers} layers, got {len(args.balance)} summing to {sum(args.balance)}")
 
 
 def evaluate(pipe: Pipeline, data: list) -> float:
@@ -255,7 +294,8 @@ def train(rank: int, args: argparse.Namespace) -> None:
     start_val = evaluate(pipe, val_data)
     if report:
         print(f"{args.schedule}: {pipe.program.num_ranks} pipeline ranks x {args.dp} dp, {args.microbatches} microbatches, "
-              f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+              f"{args.virtual_stages} virtual stage(s) per rank, {args.depth} blocks ({args.depth + 3} layers in "
+              f"{pipe.program.num_stages} stages), {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
               f"{len(text) / 1e6:.1f} MB of text; validation loss at start {start_val:.3f}", flush=True)
     started, tokens = time.perf_counter(), 0
     for step in range(1, args.steps + 1):

@@ -45,7 +45,7 @@ def _per_stage(text: str):
 _COST_FLAGS = {"forward": "--forward", "backward": "--backward", "input_grad": "--input-grad",
                "weight_grad": "--weight-grad", "recompute": "--recompute-cost", "latency": "--latency",
                "bandwidth": "--bandwidth", "activation_bytes": "--activation-bytes", "stash_bytes": "--stash-bytes",
-               "grad_bytes": "--grad-bytes"}
+               "input_bytes": "--input-bytes", "recompute_bytes": "--recompute-bytes", "grad_bytes": "--grad-bytes"}
 
 
 def add_cost_args(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +64,12 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
                        help="bytes of one microbatch's stage output (message size; default 0)")
     group.add_argument("--stash-bytes", type=_per_stage, default=None,
                        help="bytes held per in-flight microbatch for backward (default: activation bytes)")
+    group.add_argument("--input-bytes", type=_per_stage, default=None,
+                       help="with --recompute: bytes of a stage's input, kept per in-flight microbatch instead of the "
+                            "stash (default: the previous stage's activation bytes, at most the stash bytes)")
+    group.add_argument("--recompute-bytes", type=_per_stage, default=None,
+                       help="with --recompute: bytes a stage holds for one microbatch after its R, input and re-saved "
+                            "activations (default: the larger of stash and input bytes)")
     group.add_argument("--grad-bytes", type=_per_stage, default=0.0, help="bytes of a stage's gradients (all-reduce)")
 
 
@@ -78,7 +84,7 @@ def cost_from_args(args: argparse.Namespace) -> CostModel:
             forward=args.forward, backward=args.backward, input_grad=args.input_grad,
             weight_grad=args.weight_grad, recompute=args.recompute_cost, latency=args.latency,
             bandwidth=args.bandwidth, activation_bytes=args.activation_bytes, stash_bytes=args.stash_bytes,
-            grad_bytes=args.grad_bytes,
+            input_bytes=args.input_bytes, recompute_bytes=args.recompute_bytes, grad_bytes=args.grad_bytes,
         )
     except ValueError as exc:
         raise ValueError(f"{_cost_flag(exc) or 'cost option'}: {exc}") from None
@@ -116,12 +122,16 @@ def simulate_from_args(args: argparse.Namespace):
 
     Raises:
         ValueError: a bad option; or ``--input-grad``/``--weight-grad`` for a program without I and W, or
-            ``--recompute-cost`` without ``--recompute`` (they would be ignored).
+            ``--recompute-cost``, ``--input-bytes`` or ``--recompute-bytes`` without ``--recompute`` (they would be
+            ignored).
     """
     program = program_from_args(args)
-    if args.recompute_cost is not None and not args.recompute:
-        raise ValueError(f"--recompute-cost {args.recompute_cost} sets the cost of R, but this program recomputes "
-                         f"nothing; add --recompute, or drop --recompute-cost")
+    for flag, value, what in (("--recompute-cost", args.recompute_cost, "the cost of R"),
+                              ("--input-bytes", args.input_bytes, "what a recomputing stage keeps per microbatch"),
+                              ("--recompute-bytes", args.recompute_bytes, "what a stage holds after its R")):
+        if value is not None and not args.recompute:
+            raise ValueError(f"{flag} {_show(value)} sets {what}, but this program recomputes nothing; add "
+                             f"--recompute, or drop {flag}")
     split = any(i.op in (Op.I, Op.W) for stream in program.ranks for i in stream)
     for flag, value in (("--input-grad", args.input_grad), ("--weight-grad", args.weight_grad)):
         if value is not None and not split:
@@ -136,6 +146,23 @@ def simulate_from_args(args: argparse.Namespace):
         if flag is None:
             raise
         raise ValueError(f"{flag}: {exc}") from None
+
+
+def _show(value) -> str:
+    """A cost option's value as typed: ``0.5``, ``1e+06`` or ``1,2``."""
+    return ",".join(f"{v:g}" for v in value) if isinstance(value, list) else f"{value:g}"
+
+
+def _version() -> str:
+    """The installed distribution's version (``importlib.metadata``), else the source tree's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pipesched")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return f"{__version__} (not installed)"
 
 
 def _cmd_list(args) -> int:
@@ -237,6 +264,7 @@ def _report_invalid(args, exc: ScheduleError, cause: str) -> int:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipesched", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"pipesched {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("list", help="the built-in schedules")
     p.add_argument("--json", action="store_true")

@@ -28,7 +28,10 @@ class CostModel:
         stash_bytes: bytes a stage holds for backward per in-flight microbatch without recompute.
             Default: ``activation_bytes``.
         input_bytes: bytes of a stage's input per microbatch, kept instead of the stash when the stage
-            recomputes. Default: the previous stage's ``activation_bytes`` (stage 0: ``activation_bytes``).
+            recomputes. Default: the previous stage's ``activation_bytes`` (stage 0: its own), but at most
+            ``stash_bytes``: as for ``recompute_bytes``, the stage's first layer is taken to save its input, so the
+            input is part of the stash and recomputing never holds more than not recomputing. Give it when the
+            stash does not hold the input (measured: ``stage_activation_bytes``).
         recompute_bytes: bytes a recomputing stage holds for one microbatch after its ``R``: its input
             together with what the re-run forward saves, a tensor saved twice counted once. Default:
             ``max(stash_bytes, input_bytes)`` (the common case of a stage whose first layer saves its input).
@@ -92,9 +95,10 @@ class CostModel:
         if name == "recompute_bytes":
             pairs = zip(self.per_stage("stash_bytes", num_stages), self.per_stage("input_bytes", num_stages))
             return tuple(max(stash, inp) for stash, inp in pairs)
-        if name == "input_bytes":
+        if name == "input_bytes":  # the previous stage's output, within this stage's stash (see the docstring)
             act = self.per_stage("activation_bytes", num_stages)
-            return (act[0],) + act[:-1]
+            stash = self.per_stage("stash_bytes", num_stages)
+            return tuple(min(a, s) for a, s in zip((act[0],) + act[:-1], stash))
         raise ValueError(f"cost {name} has no default")
 
     def message_seconds(self, nbytes: float) -> float:

@@ -9,15 +9,16 @@ def peak_activation_bytes(program: Program, cost) -> tuple[float, ...] | None:
 
     A forward ``F(s, mb)`` keeps ``stash_bytes[s]`` — or only ``input_bytes[s]`` when (s, mb) is
     recomputed; ``R(s, mb)`` raises that to ``recompute_bytes[s]`` (input and re-saved activations);
-    the backward (``B``, or ``W`` for a split backward) frees it. Returns ``None`` when every stash size is 0 (no sizes were given).
+    the backward (``B``, or ``W`` for a split backward) frees it. Returns ``None`` when no size that matters is
+    given: every stash size is 0 and, for a program that recomputes, every input and recompute size too.
     """
     S = program.num_stages
     stash = cost.per_stage("stash_bytes", S)
-    if not any(stash):
-        return None
     inputs = cost.per_stage("input_bytes", S)
     redone = cost.per_stage("recompute_bytes", S)
     recomputed = {(i.stage, i.microbatch) for st in program.ranks for i in st if i.op is Op.R}
+    if not any(stash) and not (recomputed and (any(inputs) or any(redone))):
+        return None
     peaks = []
     for stream in program.ranks:
         held: dict = {}

@@ -133,3 +133,52 @@ def test_recompute_cost_needs_recompute(capsys):
     code, out, _ = run(capsys, "simulate", "1f1b", "-p", "2", "-m", "4", "--recompute", "--recompute-cost", "0.5",
                        "--json")
     assert code == 0 and json.loads(out)["makespan"] == 17.0  # 1 + 4 x (F + R + B on rank 1) + B = 15 + 4 x 0.5
+
+
+def test_version_is_the_installed_distributions(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"pipesched {version('pipesched')}\n"
+
+
+def _peaks(capsys, *extra):
+    code, out, err = run(capsys, "simulate", "1f1b", "-p", "4", "-m", "8", "--json", *extra)
+    assert code == 0, err
+    return json.loads(out)["peak_activation_bytes"]
+
+
+def test_every_memory_field_of_the_cost_model_is_an_option(capsys):
+    # 1F1B, p=4, m=8: rank r holds 4-r microbatches at its peak; with --recompute each keeps its input, and the one
+    # being recomputed what its R re-saves (at most one per rank at a time)
+    assert _peaks(capsys, "--stash-bytes", "100") == [400, 300, 200, 100]
+    assert _peaks(capsys, "--stash-bytes", "100", "--recompute") == [100, 100, 100, 100]  # inputs of 0 B
+    assert _peaks(capsys, "--stash-bytes", "100", "--input-bytes", "10", "--recompute") == [130, 120, 110, 100]
+    assert _peaks(capsys, "--stash-bytes", "100", "--input-bytes", "10", "--recompute-bytes", "110",
+                  "--recompute") == [140, 130, 120, 110]
+    assert _peaks(capsys, "--input-bytes", "10", "--recompute") == [40, 30, 20, 10]  # no stash given: still shown
+
+
+def test_recompute_never_holds_more_than_the_stash_by_default(capsys):
+    # a stash (10 B) smaller than the message (100 B): the default input is at most the stash (the stage's first
+    # layer saves its input), so recompute holds what no recompute holds, not 10x more (it gave 400, 300, 200, 100)
+    assert _peaks(capsys, "--activation-bytes", "100", "--stash-bytes", "10") == [40, 30, 20, 10]
+    assert _peaks(capsys, "--activation-bytes", "100", "--stash-bytes", "10", "--recompute") == [40, 30, 20, 10]
+    # a stage whose stash does not hold its input: say so with --input-bytes
+    assert _peaks(capsys, "--activation-bytes", "100", "--stash-bytes", "10", "--input-bytes", "100",
+                  "--recompute") == [400, 300, 200, 100]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--input-bytes", "10"), "--input-bytes 10 sets what a recomputing stage keeps per microbatch, but this "
+                              "program recomputes nothing; add --recompute, or drop --input-bytes"),
+    (("--recompute-bytes", "1,2"), "--recompute-bytes 1,2 sets what a stage holds after its R, but this program "
+                                   "recomputes nothing; add --recompute, or drop --recompute-bytes"),
+    (("--recompute", "--input-bytes", "1,2"), "--input-bytes: cost input_bytes has 2 values but the program has 4 "
+                                              "stages"),
+    (("--recompute", "--recompute-bytes", "-1"), "--recompute-bytes: cost recompute_bytes must be a finite number"),
+])
+def test_input_and_recompute_bytes_errors_name_the_option(capsys, argv, message):
+    code, _, err = run(capsys, "simulate", "1f1b", "-p", "4", "-m", "8", *argv)
+    assert code == 2 and message in err

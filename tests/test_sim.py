@@ -98,3 +98,20 @@ def test_a_timeline_of_one_rank_leaves_the_others_bubbles_unknown_not_idle():
     back = Timeline.from_json_dict(json.loads(text))
     assert back.ranks == (1,) and back.bubble_fraction == 0.25
     assert math.isnan(back.peak_activation_bytes[0]) and back.peak_activation_bytes[1] == 4096.0
+
+
+def test_recompute_with_default_sizes_never_peaks_higher_than_without():
+    from hypothesis import given, strategies as st
+
+    @given(st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"]), st.integers(1, 4), st.integers(1, 9),
+           st.integers(1, 3), st.booleans(), st.data())
+    def check(name, p, m, v, split, data):
+        v = v if name == "interleaved-1f1b" else 1
+        sizes = st.lists(st.integers(0, 100), min_size=p * v, max_size=p * v)
+        cost = CostModel(activation_bytes=data.draw(sizes), stash_bytes=data.draw(sizes))
+        plain = simulate(compile_program(name, p, m, v, split_backward=split), cost).peak_activation_bytes
+        redone = simulate(compile_program(name, p, m, v, recompute=True, split_backward=split),
+                          cost).peak_activation_bytes
+        assert plain is None or all(r <= q for r, q in zip(redone, plain))
+
+    check()

@@ -54,3 +54,47 @@ def test_train_gpt_options_are_checked_before_any_rank_starts(argv, message, cap
         train_gpt.options(argv, prog="pipesched demo")
     assert info.value.code == 2
     assert f"pipesched demo: error: {message}" in capsys.readouterr().err
+
+
+def _demo_options(argv):
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import train_gpt
+    finally:
+        sys.path.pop(0)
+    return train_gpt.options(argv, prog="pipesched demo")
+
+
+@pytest.mark.parametrize("argv, virtual_stages, depth", [
+    ([], 1, 4),                                                              # 1f1b: 4 blocks, 7 layers >= 4 stages
+    (["--schedule", "interleaved-1f1b"], 2, 8),                              # the library's default v=2: 8 stages
+    (["--schedule", "interleaved-1f1b", "--virtual-stages", "3"], 3, 12),    # 12 stages: one block each
+    (["--schedule", "interleaved-1f1b", "--ranks", "2"], 2, 4),              # 4 stages: the default 4 blocks fit
+    (["--schedule", "interleaved-1f1b", "--depth", "5"], 2, 5),              # 8 layers: enough for 8 stages
+])
+def test_demo_takes_the_schedules_virtual_stages_and_sizes_the_model_to_fit(argv, virtual_stages, depth):
+    args = _demo_options(argv)
+    assert (args.virtual_stages, args.depth) == (virtual_stages, depth)
+
+
+def test_demo_under_torchrun_sizes_the_model_for_world_size_over_dp(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    args = _demo_options(["--schedule", "interleaved-1f1b", "--dp", "2"])  # 4 pipeline ranks x v=2
+    assert (args.virtual_stages, args.depth) == (2, 8)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--schedule", "interleaved-1f1b", "--depth", "2"],
+     "--depth 2 gives the model 5 layers (embedding, 2 blocks, final norm, head) but 4 ranks x 2 virtual stages = 8 "
+     "stages need at least 8: use --depth 5 or more (or leave --depth out), or fewer --ranks or --virtual-stages"),
+    (["--virtual-stages", "2"], "--schedule 1f1b with --virtual-stages 2: virtual_stages=2: 1f1b places one stage "
+                                "per rank"),
+    (["--schedule", "zigzag"], "--schedule: unknown schedule 'zigzag'; valid names: 1f1b, gpipe, interleaved-1f1b"),
+    (["--balance", "3,2,2,2"], "--balance 3,2,2,2: needs 4 layer counts (one per stage) summing to the model's 7 "
+                               "layers, got 4 summing to 9"),
+])
+def test_demo_refuses_a_model_that_does_not_fit_before_any_rank_starts(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        _demo_options(argv)
+    assert info.value.code == 2
+    assert f"pipesched demo: error: {message}" in capsys.readouterr().err
