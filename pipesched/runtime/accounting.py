@@ -81,7 +81,7 @@ def stage_activation_bytes(model, microbatch, num_stages: int, balance=None, los
     Raises:
         TypeError, ValueError: as :func:`~pipesched.runtime.stage.resolve_balance`.
     """
-    from .microbatch import as_tuple
+    from .microbatch import as_tuple, stage_output
     from .recompute import scratch_buffers
     from .stage import build_stages, layers_of, resolve_balance
 
@@ -104,7 +104,7 @@ def stage_activation_bytes(model, microbatch, num_stages: int, balance=None, los
                 out = _run_stage(stages[s], inputs, is_tuple, s == num_stages - 1, loss_fn, target)
             stash.append(counter.take())
             if s < num_stages - 1:  # the last stage's output goes to loss_fn only: it may be a dict, hold non-tensors
-                inputs, is_tuple = as_tuple(out, f"the output of stage {s}")
+                inputs, is_tuple = stage_output(out, s)
     return {"stash_bytes": tuple(stash), "input_bytes": tuple(sizes), "recompute_bytes": tuple(redone)}
 
 

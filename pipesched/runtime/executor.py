@@ -13,7 +13,7 @@ from ..ir import Op
 from .accounting import SavedBytes, tensor_bytes
 from .failure import CommError
 from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, describe_change, meta_of, tag_of
-from .microbatch import as_tuple
+from .microbatch import as_tuple, stage_output
 from .recompute import BufferLedger, check_no_forward_hooks, keep_nothing, replay_rng, rng_state
 from .settings import SETTINGS
 from .split import backward_input, backward_weight
@@ -227,7 +227,7 @@ class Executor:
         return value * io.weights[mb]
 
     def _stash(self, s, mb, out):
-        outs, is_tuple = as_tuple(out, f"the output of stage {s}")
+        outs, is_tuple = stage_output(out, s)
         st = self.step
         st.fwd_out[(s, mb)] = (outs, is_tuple)
         if st.io.learning:

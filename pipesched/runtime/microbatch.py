@@ -8,26 +8,37 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 Batch = "torch.Tensor | tuple[torch.Tensor, ...]"
 
 
-def as_tuple(batch, name: str = "batch") -> tuple[tuple[torch.Tensor, ...], bool]:
+def as_tuple(batch, name: str = "batch", hint: str = "") -> tuple[tuple[torch.Tensor, ...], bool]:
     """``(tensors, is_tuple)``: a tensor becomes a 1-tuple; a tuple/list is checked to hold only tensors.
 
+    Args:
+        name: what ``batch`` is, for the message; ``hint``: a sentence added to the message (why only tensors).
     Raises:
-        TypeError: ``batch`` is neither a tensor nor a tuple/list of tensors (names the bad item; for ``name``
-            ``"the output of stage S"`` it adds that only the last stage's output may hold other values).
+        TypeError: ``batch`` is neither a tensor nor a tuple/list of tensors (names the bad item).
     """
     if isinstance(batch, torch.Tensor):
         return (batch,), False
-    stage = name.startswith("the output of stage ")  # sent to the next stage (Executor._stash)
-    hint = (" (it is sent to the next stage; only the last stage's output, which goes to loss_fn and forward() "
-            "as-is, may be a dict or hold other values)") if stage else ""
+    hint = f" ({hint})" if hint else ""
     if isinstance(batch, (tuple, list)) and batch:
         for i, item in enumerate(batch):
             if not isinstance(item, torch.Tensor):
-                where = f"element {i} of {name}" if stage else f"{name}[{i}]"
-                raise TypeError(f"{where} must be a torch.Tensor, got {type(item).__name__}; {name} must be a tensor "
-                                f"or a non-empty tuple of tensors{hint}")
+                raise TypeError(f"element {i} of {name} must be a torch.Tensor, got {type(item).__name__}; {name} "
+                                f"must be a tensor or a non-empty tuple of tensors{hint}")
         return tuple(batch), True
     raise TypeError(f"{name} must be a tensor or a non-empty tuple of tensors, got {type(batch).__name__}{hint}")
+
+
+#: why a stage's output (other than the last stage's) must be a tensor or a tuple of tensors
+SENT_HINT = ("it is sent to the next stage; only the last stage's output, which goes to loss_fn and forward() "
+             "as-is, may be a dict or hold other values")
+
+
+def stage_output(out, stage: int) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """:func:`as_tuple` of the output of ``stage``, which is sent on to the next stage.
+
+    Raises:
+        TypeError: not a tensor or a tuple of tensors (names the stage and says only the last may be other)."""
+    return as_tuple(out, f"the output of stage {stage}", SENT_HINT)
 
 
 def batch_size(batch, name: str = "batch") -> int:

@@ -42,7 +42,7 @@ def test_split_and_merge_tuples_are_views_and_round_trip():
 def test_split_rejects_mismatched_batch_sizes_and_non_tensors():
     with pytest.raises(ValueError, match=r"different batch sizes \(dim 0\): \[4, 5\]"):
         split((torch.zeros(4), torch.zeros(5)), 2)
-    with pytest.raises(TypeError, match=r"x\[1\] must be a torch.Tensor, got int"):
+    with pytest.raises(TypeError, match=r"element 1 of x must be a torch.Tensor, got int"):
         split((torch.zeros(4), 3), 2, "x")
 
 
