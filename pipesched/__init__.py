@@ -2,8 +2,8 @@
 
 This package (everything outside ``pipesched.runtime``) is torch-free and imports in milliseconds.
 """
-from .api import build, compile_program
-from .cost import CostModel
+from .api import StepPrograms, build, compile_program, passes_for, step_programs
+from .cost import CostError, CostModel
 from .errors import (
     DeadlockError,
     DependencyError,
@@ -15,7 +15,7 @@ from .errors import (
     UnknownScheduleError,
 )
 from .ir import Instr, Op, Program
-from .lower import add_all_reduce, add_recompute, add_send_recv, split_backward
+from .lower import add_all_reduce, add_recompute, add_send_recv, forward_only, post_receives_early, split_backward
 from .program_io import load, loads, to_json, to_text
 from .schedules import SCHEDULES, get_schedule
 from .sim import simulate
@@ -25,9 +25,9 @@ from .validate import validate
 __version__ = "0.1.0"
 
 __all__ = [
-    "CostModel", "DeadlockError", "DependencyError", "Event", "Instr", "InvalidProgramError", "Op",
+    "CostError", "CostModel", "DeadlockError", "DependencyError", "Event", "Instr", "InvalidProgramError", "Op",
     "PairingError", "Program", "ProgramFormatError", "SCHEDULES", "ScheduleArgumentError", "ScheduleError",
-    "Timeline", "UnknownScheduleError", "add_all_reduce", "add_recompute", "add_send_recv", "build",
-    "compile_program", "get_schedule", "load", "loads", "simulate", "split_backward", "to_json", "to_text",
-    "validate",
+    "StepPrograms", "Timeline", "UnknownScheduleError", "add_all_reduce", "add_recompute", "add_send_recv", "build",
+    "compile_program", "forward_only", "get_schedule", "load", "loads", "passes_for", "post_receives_early",
+    "simulate", "split_backward", "step_programs", "to_json", "to_text", "validate",
 ]

@@ -1,8 +1,13 @@
-"""The compiler's front door: a schedule name and sizes in, a lowered and proven program out."""
+"""The compiler's front door: a schedule name and sizes in, a lowered and proven program out; and, decided once
+here, which passes the program of each ``torch.distributed`` backend gets (:func:`passes_for`)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
+from .checks import check_positive
 from .errors import ScheduleArgumentError
 from .ir import Program
+from .protocol import check_step
 from . import lower
 from .schedules import get_schedule
 from .validate import validate
@@ -36,7 +41,7 @@ def _flags(name: str, value, num_stages: int):
     try:
         return lower.stage_flags(value, num_stages, name)
     except ValueError as exc:
-        raise ScheduleArgumentError(str(exc)) from None
+        raise ScheduleArgumentError(str(exc), argument=name) from None
 
 
 def compile_program(
@@ -47,6 +52,8 @@ def compile_program(
     dp_size: int = 1,
     recompute=False,
     split_backward=False,
+    forward_only: bool = False,
+    early_receives: int = 0,
 ) -> Program:
     """Build, lower and validate: the program an executor runs.
 
@@ -54,7 +61,9 @@ def compile_program(
     :func:`~pipesched.lower.add_recompute` (if ``recompute``),
     :func:`~pipesched.lower.add_send_recv` (``check=False``: the builder's program is not validated on
     its own, the lowered one is), :func:`~pipesched.lower.add_all_reduce` (if ``dp_size > 1``),
-    then :func:`~pipesched.validate.validate`.
+    :func:`~pipesched.lower.forward_only` (if ``forward_only``),
+    :func:`~pipesched.lower.post_receives_early` (if ``early_receives``),
+    then :func:`~pipesched.validate.validate` of the result, whichever passes ran.
 
     Args:
         recompute: ``False``, ``True`` (every stage) or one bool per stage (``p * v`` of them).
@@ -62,16 +71,117 @@ def compile_program(
         split_backward: split the backward of stages into ``I`` and ``W`` so the input gradient is sent before the
             weight gradient is computed: ``False`` (none), ``True`` (every stage whose input gradient goes
             to another rank) or one bool per stage.
+        forward_only: the program of a forward-only run (``Pipeline.forward()``): the training program's F,
+            SEND_F and RECV_F, proven as a forward-only program.
+        early_receives: post each receive up to this many instructions earlier (0: where
+            :func:`~pipesched.lower.add_send_recv` put it); :func:`passes_for` says which backend may.
     Raises:
-        UnknownScheduleError, ScheduleArgumentError: as :func:`build`.
-        ScheduleError: the compiled program fails validation (a bug in a schedule; please report it).
+        UnknownScheduleError, ScheduleArgumentError: as :func:`build`; ``early_receives`` not an integer >= 0.
+        ScheduleError: the compiled program fails validation (a bug in a schedule or a pass; please report it).
     """
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise ScheduleArgumentError(f"dp_size must be an integer >= 1, got {dp_size!r}")
+    check_positive("dp_size", dp_size)
+    check_positive("early_receives", early_receives, 0)
     program = build(schedule, num_ranks, num_microbatches, virtual_stages)
     if split_backward is not False:
         program = lower.split_backward(program, _flags("split_backward", split_backward, program.num_stages))
     if recompute is not False:
         program = lower.add_recompute(program, _flags("recompute", recompute, program.num_stages))
     program = lower.add_all_reduce(lower.add_send_recv(program, check=False), dp_size)  # validated as a whole below
-    return validate(program)
+    if forward_only:
+        program = lower.forward_only(program)
+    return validate(lower.post_receives_early(program, early_receives))
+
+
+class Backend(NamedTuple):
+    """What the runtime's programs get on one ``torch.distributed`` backend (see :data:`BACKENDS`)."""
+
+    early_receives: int  #: :func:`compile_program`'s ``early_receives`` once the message shapes are known
+    same_pair_order: bool  #: the pair's messages run in issue order: both ranks must post them in one order
+
+
+#: Per ``torch.distributed`` backend, the passes its executor's programs get on top of :func:`compile_program`'s
+#: and what :func:`~pipesched.protocol.check_step` proves for them; :func:`passes_for` and :func:`step_programs`
+#: read this table, and nothing else decides it.
+#:
+#: - ``gloo`` matches messages by tag and a posted receive holds nothing up: receives are posted
+#:   :data:`~pipesched.lower.EARLY_RECEIVE_WINDOW` instructions early, so transfers overlap compute.
+#: - ``nccl`` runs the messages between two ranks in issue order on one stream, where a posted receive holds up
+#:   every later message of the pair: every message stays at its program position, and both ranks of each
+#:   pair are proven to post their messages to each other in one order.
+BACKENDS = {"gloo": Backend(early_receives=lower.EARLY_RECEIVE_WINDOW, same_pair_order=False),
+            "nccl": Backend(early_receives=0, same_pair_order=True)}
+
+
+def passes_for(backend: str, learning: bool = False) -> dict:
+    """The :func:`compile_program` options of the program the executor runs on ``backend``.
+
+    Args:
+        backend: a ``torch.distributed`` backend name, ``"gloo"`` or ``"nccl"`` (:data:`BACKENDS`).
+        learning: for a step that learns the message shapes: each receive of an activation then waits for
+            its shape header when posted, so receives stay at their program positions on every backend.
+    Raises:
+        ValueError: an unknown backend (names the known ones).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"no passes are defined for backend {backend!r}; known: {', '.join(BACKENDS)}")
+    return {"early_receives": 0 if learning else BACKENDS[backend].early_receives}
+
+
+class StepPrograms(NamedTuple):
+    """The proven programs one pipeline runs, one per kind of step (:func:`step_programs`)."""
+
+    train: Program  #: ``step()`` once the message shapes are known
+    forward: Program  #: ``forward()`` once they are known (forward-only)
+    learn_train: Program  #: a ``step()`` that learns the message shapes
+    learn_forward: Program  #: a ``forward()`` that learns them (forward-only)
+    early_receives: int = 0  #: how many instructions early ``train`` and ``forward`` post receives (0: program order)
+
+    def pick(self, train: bool, learning: bool) -> Program:
+        """The program of a training step (``train``) or a forward, learning the message shapes or not."""
+        if train:
+            return self.learn_train if learning else self.train
+        return self.learn_forward if learning else self.forward
+
+
+def step_programs(program: Program, backend: str = "gloo", early_receives: bool | None = None) -> StepPrograms:
+    """The four programs a pipeline on ``backend`` runs, made from ``program`` by the passes :func:`passes_for`
+    names and proven: each validated (:func:`~pipesched.validate.validate`) and its whole step protocol checked
+    (:func:`~pipesched.protocol.check_step`: the shape headers of a learning step, the loss, and on NCCL one
+    message order per pair). Each equals :func:`compile_program` with ``program``'s arguments,
+    ``forward_only`` for the forwards, and the options of ``passes_for(backend, learning)`` (``early_receives``
+    overriding them).
+
+    Args:
+        program: a training program in program order, as :func:`compile_program` returns it (no early receives).
+        backend: ``"gloo"`` or ``"nccl"`` (:data:`BACKENDS`).
+        early_receives: ``None``: as :func:`passes_for` says for ``backend``; ``True``/``False``: receives
+            posted :data:`~pipesched.lower.EARLY_RECEIVE_WINDOW` instructions early or not, once the shapes are
+            known (a step that learns them never posts early).
+    Raises:
+        ValueError: an unknown backend; ``early_receives`` not None or a bool, or ``True`` on a backend that keeps
+            program order (``nccl``); ``program`` is forward-only.
+        ScheduleError: a program or its step protocol fails its proof (a bug in a schedule or a pass; please
+            report it).
+    """
+    window = passes_for(backend)["early_receives"]
+    if not isinstance(early_receives, (bool, type(None))):
+        raise ValueError(f"early_receives must be None (the backend's choice), True or False, got {early_receives!r}")
+    if early_receives is True and not window:
+        raise ValueError(f"early_receives=True: backend {backend!r} runs the messages between two ranks in issue "
+                         f"order, where an early receive holds up the pair's later messages (pass None or False)")
+    if early_receives is not None:
+        window = lower.EARLY_RECEIVE_WINDOW if early_receives else 0
+    if program.forward_only:
+        raise ValueError("step_programs takes a training program; it makes the forward-only ones itself")
+    learn_window = passes_for(backend, learning=True)["early_receives"]
+    pair_order = BACKENDS[backend].same_pair_order
+    train, forward = program, lower.forward_only(program)
+
+    def proven(part: Program, window: int, learning: bool) -> Program:
+        done = validate(lower.post_receives_early(part, window))
+        return check_step(done, learning=learning, early=window > 0, same_pair_order=pair_order)
+
+    return StepPrograms(train=proven(train, window, False), forward=proven(forward, window, False),
+                        learn_train=proven(train, learn_window, True),
+                        learn_forward=proven(forward, learn_window, True),
+                        early_receives=window)

@@ -7,8 +7,8 @@ import sys
 
 from . import program_io
 from .api import build, compile_program
-from .lower import add_recompute, split_backward
-from .cost import CostModel
+from .lower import add_recompute, forward_only, split_backward
+from .cost import CostError, CostModel
 from .engine import has_comm
 from .errors import DeadlockError, ScheduleArgumentError, ScheduleError, render_grid
 from .ir import Op
@@ -29,6 +29,8 @@ def add_schedule_args(parser: argparse.ArgumentParser, optional_name: bool = Fal
     parser.add_argument("--split-backward", action="store_true",
                         help="run the backward of each stage that sends a gradient as I, SEND_B, W "
                              "(the input gradient leaves before the weight gradient is computed)")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="the forward-only program (what Pipeline.forward() runs): F, SEND_F, RECV_F only")
 
 
 def _per_stage(text: str):
@@ -86,14 +88,13 @@ def cost_from_args(args: argparse.Namespace) -> CostModel:
             bandwidth=args.bandwidth, activation_bytes=args.activation_bytes, stash_bytes=args.stash_bytes,
             input_bytes=args.input_bytes, recompute_bytes=args.recompute_bytes, grad_bytes=args.grad_bytes,
         )
-    except ValueError as exc:
-        raise ValueError(f"{_cost_flag(exc) or 'cost option'}: {exc}") from None
+    except CostError as exc:
+        raise _named_cost_error(exc) from None
 
 
-def _cost_flag(exc: ValueError) -> str | None:
-    """The command-line option of the cost a ``CostModel`` error names ("cost input_grad has ..."), if any."""
-    words = str(exc).split()
-    return _COST_FLAGS.get(words[1]) if len(words) > 1 and words[0] == "cost" else None
+def _named_cost_error(exc: CostError) -> ValueError:
+    """``exc`` prefixed with the command-line option of the cost field it names (``--input-grad: cost ...``)."""
+    return ValueError(f"{_COST_FLAGS[exc.field]}: {exc}")
 
 
 _SIZE_FLAGS = {"num_ranks": ("--ranks", "ranks"), "num_microbatches": ("--microbatches", "microbatches"),
@@ -109,12 +110,12 @@ def program_from_args(args: argparse.Namespace):
     try:
         return compile_program(args.schedule, args.ranks, args.microbatches, args.virtual_stages,
                                dp_size=args.dp, recompute=bool(args.recompute),
-                               split_backward=bool(args.split_backward))
+                               split_backward=bool(args.split_backward), forward_only=bool(args.forward_only))
     except ScheduleArgumentError as exc:
-        named = [(flag, getattr(args, attr)) for name, (flag, attr) in _SIZE_FLAGS.items() if str(exc).startswith(name)]
-        if not named:
+        if exc.argument not in _SIZE_FLAGS:
             raise
-        raise ScheduleArgumentError(f"{named[0][0]} {named[0][1]}: {exc}") from None
+        flag, attr = _SIZE_FLAGS[exc.argument]
+        raise ScheduleArgumentError(f"{flag} {getattr(args, attr)}: {exc}", argument=exc.argument) from None
 
 
 def simulate_from_args(args: argparse.Namespace):
@@ -139,13 +140,11 @@ def simulate_from_args(args: argparse.Namespace):
                     "this program has none" if args.split_backward else "add --split-backward, or drop " + flag)
             raise ValueError(f"{flag} {value} sets the cost of I/W, but this program runs fused B backwards "
                              f"(no I or W); {hint}")
+    cost = cost_from_args(args)
     try:
-        return program, simulate(program, cost_from_args(args), check=False)
-    except ValueError as exc:  # a per-stage cost of the wrong length, found against the program
-        flag = _cost_flag(exc)
-        if flag is None:
-            raise
-        raise ValueError(f"{flag}: {exc}") from None
+        return program, simulate(program, cost, check=False)
+    except CostError as exc:  # a per-stage cost of the wrong length, found against the program
+        raise _named_cost_error(exc) from None
 
 
 def _show(value) -> str:
@@ -187,6 +186,8 @@ def _cmd_show(args) -> int:
             program = split_backward(program)
         if args.recompute:
             program = add_recompute(program)
+        if args.forward_only:
+            program = forward_only(program)
     else:
         program = program_from_args(args)
     if args.json:

@@ -9,6 +9,18 @@ Number = float | int
 PerStage = Number | Sequence[Number]
 
 
+class CostError(ValueError):
+    """A bad cost. ``field`` names the :class:`CostModel` field at fault (``"input_grad"``, ``"bandwidth"``, ...),
+    so a front end can name its own option for it; the message says what is wrong and what is valid."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self):
+        return (type(self), (self.field, self.args[0]))
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Costs for :func:`pipesched.sim.simulate`. A per-stage field is one number for every stage or a
@@ -38,8 +50,9 @@ class CostModel:
             ``pipesched.runtime.stage_activation_bytes`` measures all three for a real model.
 
     Raises:
-        ValueError: at construction, a cost that is negative, infinite, NaN or not a number (a string is not
-            a sequence of costs), or a bandwidth <= 0; at use, a per-stage sequence of the wrong length.
+        CostError: (a ``ValueError`` whose ``field`` names the field) at construction, a cost that is negative,
+            infinite, NaN or not a number (a string is not a sequence of costs), or a bandwidth <= 0; at use, a
+            per-stage sequence of the wrong length.
     """
 
     forward: PerStage = 1.0
@@ -62,27 +75,27 @@ class CostModel:
                 _check_finite(name, value)
                 continue
             if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
-                raise ValueError(f"cost {name} must be a number or a sequence of numbers (one per stage), "
-                                 f"got {value!r}")
+                raise CostError(name, f"cost {name} must be a number or a sequence of numbers (one per stage), "
+                                      f"got {value!r}")
             for item in value:
                 _check_finite(name, item)
         _check_finite("latency", self.latency)
         if not (_is_number(self.bandwidth) and self.bandwidth > 0):
-            raise ValueError(f"cost bandwidth must be a number of bytes/s > 0 (inf: free transfers), "
-                             f"got {self.bandwidth!r}")
+            raise CostError("bandwidth", f"cost bandwidth must be a number of bytes/s > 0 (inf: free transfers), "
+                                         f"got {self.bandwidth!r}")
 
     def per_stage(self, name: str, num_stages: int) -> tuple[float, ...]:
         """The named field as one float per stage (defaults resolved).
 
         Raises:
-            ValueError: a sequence whose length is not ``num_stages``.
+            CostError: a sequence whose length is not ``num_stages``.
         """
         value = getattr(self, name)
         if value is None:
             return self._default(name, num_stages)
         values = [value] * num_stages if _is_number(value) else list(value)
         if len(values) != num_stages:
-            raise ValueError(f"cost {name} has {len(values)} values but the program has {num_stages} stages")
+            raise CostError(name, f"cost {name} has {len(values)} values but the program has {num_stages} stages")
         return tuple(float(v) for v in values)
 
     def _default(self, name: str, num_stages: int) -> tuple[float, ...]:
@@ -130,7 +143,7 @@ def _check_finite(name: str, value) -> None:
     if value is None:
         return
     if not _is_number(value) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"cost {name} must be a finite number >= 0 (seconds or bytes), got {value!r}")
+        raise CostError(name, f"cost {name} must be a finite number >= 0 (seconds or bytes), got {value!r}")
 
 
 def _fmt(value) -> str:

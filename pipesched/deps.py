@@ -1,56 +1,77 @@
 """The dataflow rules, written once: what each instruction consumes and produces.
 
-Every other module (lowering, validation, simulation, drawing) asks these two functions and nothing
-else which instruction waits on which. Data items are small tuples:
+Every other module (lowering, validation, simulation, memory, drawing) asks this module and nothing else
+which instruction waits on which, which message a SEND or RECV carries and what holds activations.
+Data items are small tuples:
 
 - ``("act", s, mb)``: the output of stage ``s`` (the input of stage ``s + 1``).
 - ``("grad", s, mb)``: the gradient of the input of stage ``s`` (the output gradient of stage ``s - 1``).
-- ``("fwd", s, mb)``: stage ``s`` holds what its backward needs (after ``F``, or ``R`` when recomputed).
+- ``("fwd", s, mb)``: stage ``s`` holds what its backward needs (after ``F``).
+- ``("rec", s, mb)``: the recompute ``R`` of (s, mb) ran (a recomputed stage's backward needs it, not ``fwd``).
 - ``("igrad", s, mb)``: the input-gradient half of a split backward is done (``W`` may run).
 - ``("wgrad", s, mb)``: the weight gradient of (s, mb) is accumulated (``ALL_REDUCE`` waits for all of them).
 
-The rules: F(s) needs act(s-1); B/I(s) need fwd(s) and grad(s+1); W needs igrad; R needs F's
-stage input (modelled as the ``F`` having run); ALL_REDUCE(s) needs every wgrad(s, ·).
+The rules: F(s) needs act(s-1); B/I(s) need fwd(s) (rec(s) when (s, mb) is recomputed) and grad(s+1);
+W needs igrad; R needs F's stage input (modelled as the ``F`` having run); ALL_REDUCE(s) needs every
+wgrad(s, ·). Only act and grad cross ranks, and :data:`STEP` is the one neighbour rule: item
+(kind, s, mb) is consumed by stage ``s + STEP[kind]``. A SEND carries an item of its own stage, the matching
+RECV posts for it at the consumer's stage (:func:`message`, :func:`route`). Memory: ``F`` stashes what the
+backward of (s, mb) needs, the instruction that ends that backward (``B``, or ``W`` of a split) frees it
+(:data:`STASH_CHANGE`).
 
 Fast passes over large programs use :class:`RuleTable`: the same rules, read off :func:`needs` and
 :func:`produces` once per (kind, stage), with every item numbered by an integer.
 """
 from __future__ import annotations
 
-from .ir import Instr, Op
+from typing import NamedTuple
+
+from .ir import BACKWARD_OPS, COMM_OPS, RECV_OPS, SEND_OPS, Instr, Op
 
 Item = tuple  # ("act" | "grad" | "fwd" | "rec" | "igrad" | "wgrad", stage, microbatch)
 
 KINDS = ("act", "grad", "fwd", "rec", "igrad", "wgrad")  # every item kind, in the order RuleTable numbers them
-REMOTE_KINDS = ("act", "grad")  # the only items that can cross ranks (through SEND/RECV)
+#: the items that cross ranks and which way they go: (kind, s, mb) is consumed by stage s + STEP[kind] — a
+#: stage's output feeds the next stage, the gradient of its input goes back to the previous one
+STEP = {"act": 1, "grad": -1}
+REMOTE_KINDS = tuple(STEP)  # the only items that can cross ranks (through SEND/RECV)
+#: per item kind that crosses ranks, the SEND and the RECV that carry it
+_CARRIERS = {"act": (Op.SEND_F, Op.RECV_F), "grad": (Op.SEND_B, Op.RECV_B)}
+_CARRIED = {op: kind for kind, ops in _CARRIERS.items() for op in ops}  # SEND/RECV op -> the kind it carries
+#: the kinds that end the backward of (s, mb): they make its weight gradient (``B``, or ``W`` of a split backward)
+ENDS_BACKWARD = frozenset({Op.B, Op.W})
+#: how each kind changes the microbatch-stages whose activations its rank holds for backward (in flight):
+#: ``F`` stashes them, the instruction that ends the backward frees them
+STASH_CHANGE = {op: 1 if op is Op.F else -1 if op in ENDS_BACKWARD else 0 for op in Op}
 
 
 def needs(instr: Instr, num_stages: int, num_microbatches: int, recomputed: bool = False) -> tuple[Item, ...]:
     """The data items ``instr`` consumes. ``recomputed``: (stage, mb) has an ``R`` in the program."""
     op, s, mb = instr.op, instr.stage, instr.microbatch
     if op is Op.F:
-        return (("act", s - 1, mb),) if s > 0 else ()
-    if op in (Op.B, Op.I):
+        return _from_neighbour("act", s, mb, num_stages)
+    if op in BACKWARD_OPS:
         state = ("rec", s, mb) if recomputed else ("fwd", s, mb)
-        return (state, ("grad", s + 1, mb)) if s < num_stages - 1 else (state,)
+        return (state,) + _from_neighbour("grad", s, mb, num_stages)
     if op is Op.W:
         return (("igrad", s, mb),)
     if op is Op.R:
         return (("fwd", s, mb),)
-    if op is Op.SEND_F:
-        return (("act", s, mb),)
-    if op is Op.SEND_B:
-        return (("grad", s, mb),)
+    if op in SEND_OPS:
+        return (message(instr),)
     if op is Op.ALL_REDUCE:
         return tuple(("wgrad", s, m) for m in range(num_microbatches))
     return ()  # RECV_F, RECV_B need nothing local
 
 
-def produces(instr: Instr, split_backward: bool = False) -> tuple[Item, ...]:
-    """The data items ``instr`` makes available on its rank.
+def _from_neighbour(kind: str, stage: int, mb: int, num_stages: int) -> tuple[Item, ...]:
+    """The item of ``kind`` that ``stage`` consumes from its neighbour stage, if that stage exists."""
+    source = stage - STEP[kind]
+    return ((kind, source, mb),) if 0 <= source < num_stages else ()
 
-    ``split_backward``: (stage, mb) uses I + W instead of B (then ``I`` does not produce ``wgrad``).
-    """
+
+def produces(instr: Instr) -> tuple[Item, ...]:
+    """The data items ``instr`` makes available on its rank."""
     op, s, mb = instr.op, instr.stage, instr.microbatch
     if op is Op.F:
         return (("act", s, mb), ("fwd", s, mb))
@@ -62,39 +83,57 @@ def produces(instr: Instr, split_backward: bool = False) -> tuple[Item, ...]:
         return (("wgrad", s, mb),)
     if op is Op.R:
         return (("rec", s, mb),)
-    if op is Op.RECV_F:
-        return (("act", s - 1, mb),)
-    if op is Op.RECV_B:
-        return (("grad", s + 1, mb),)
+    if op in RECV_OPS:
+        return (message(instr),)
     return ()
 
 
-def comm_for(item: Item) -> tuple[Op, int, Op, int] | None:
-    """For a cross-rank item: (send op, its stage, recv op, its stage); ``None`` if never sent."""
-    kind, s, _ = item
-    if kind == "act":
-        return (Op.SEND_F, s, Op.RECV_F, s + 1)
-    if kind == "grad":
-        return (Op.SEND_B, s, Op.RECV_B, s - 1)
-    return None
-
-
 def message(instr: Instr) -> Item:
-    """The item a SEND or RECV carries — the same for a SEND and its matching RECV."""
-    if instr.op in (Op.SEND_F, Op.SEND_B):
-        return needs(instr, 0, 0)[0]  # what a SEND needs does not depend on the sizes
-    return produces(instr)[0]
+    """The item a SEND or RECV carries — the same for a SEND and its matching RECV: a SEND sends an item of
+    its own stage, a RECV posts for the item its own stage consumes."""
+    kind = _CARRIED[instr.op]
+    stage = instr.stage if instr.op in SEND_OPS else instr.stage - STEP[kind]
+    return (kind, stage, instr.microbatch)
 
 
-def neighbour_stage(op: Op, stage: int) -> int:
-    """The stage at the other end of a SEND/RECV of ``op`` at ``stage`` (may be out of range)."""
-    return stage + 1 if op in (Op.SEND_F, Op.RECV_B) else stage - 1
+class Route(NamedTuple):
+    """How an item that crosses ranks travels: ``send`` at ``send_stage`` (its producer's stage), ``recv`` at
+    ``recv_stage`` (the stage that consumes it; out of range for an item no stage consumes)."""
+
+    send: Op
+    send_stage: int
+    recv: Op
+    recv_stage: int
 
 
-def consumer_stage(item: Item) -> int:
-    """The stage whose compute consumes a communicated item."""
+def route(item: Item) -> Route | None:
+    """The SEND and RECV that carry ``item`` (see :class:`Route`); ``None`` for an item that never crosses ranks."""
     kind, s, _ = item
-    return s + 1 if kind == "act" else s - 1
+    if kind not in _CARRIERS:
+        return None
+    send, recv = _CARRIERS[kind]
+    return Route(send, s, recv, s + STEP[kind])
+
+
+def describe(item: Item) -> str:
+    """``item`` in words, for error messages: ``("act", 1, 0)`` is "the output of stage 1 for microbatch 0"."""
+    kind, s, mb = item
+    return {
+        "act": f"the output of stage {s} for microbatch {mb}",
+        "grad": f"the input gradient of stage {s} for microbatch {mb}",
+        "fwd": f"the forward F{s}.{mb}",
+        "rec": f"the recompute R{s}.{mb}",
+        "igrad": f"the input-gradient backward I{s}.{mb}",
+        "wgrad": f"the weight gradient of stage {s}, microbatch {mb}",
+    }[kind]
+
+
+def boundary(item: Item) -> int:
+    """The stage whose output shapes a crossing item's tensor (so its size is that stage's activation bytes):
+    the lower of its producer's and its consumer's stage (act(s): stage s's output; grad(s), the gradient of
+    stage s's input: stage s - 1's output)."""
+    kind, s, _ = item
+    return min(s, s + STEP[kind])
 
 
 class RuleTable:
@@ -138,7 +177,7 @@ class RuleTable:
         index = self._index.get(key)
         if index is None:
             index = self._index[key] = len(self.op)
-            probe = Instr(op, stage) if op is Op.ALL_REDUCE else Instr(op, stage, 0, 0 if _is_comm(op) else None)
+            probe = Instr(op, stage) if op is Op.ALL_REDUCE else Instr(op, stage, 0, 0 if op in COMM_OPS else None)
             self.op.append(op)
             self.stage.append(stage)
             self.need.append(tuple(self.item_id(*it) for it in needs(probe, self.S, self.M, recomputed)))
@@ -157,6 +196,3 @@ class _RulesByOp(dict):
         rules = self[op] = [self.table.rule(op, s) for s in range(self.table.S)]
         return rules
 
-
-def _is_comm(op: Op) -> bool:
-    return op in (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B)

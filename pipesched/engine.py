@@ -10,9 +10,11 @@ Each rank runs its stream in order:
 - ALL_REDUCE starts an asynchronous collective and moves on.
 
 Messages between two ranks match first in, first out, whatever their kind, as NCCL matches
-point-to-point messages. This system is confluent — running one enabled instruction never disables
-another — so one complete run proves every run completes. :func:`execute` finds that run or raises
-:class:`~pipesched.errors.DeadlockError`.
+point-to-point messages, and a SEND and the RECV it matches must carry the same message
+(:func:`pipesched.deps.message`). This system is confluent — running one enabled instruction never disables
+another — so one complete run proves every run completes. :func:`run` finds that run or raises
+:class:`~pipesched.errors.DeadlockError` (no rank can move) or :class:`~pipesched.errors.PairingError` (a
+SEND matched a RECV posted for another message, or a RECV is left without its SEND).
 
 Passes over large programs (hundreds of thousands of instructions) work on a :class:`Plan`: the
 program numbered flat, with the rules of :mod:`pipesched.deps` as integer tables, so that each
@@ -23,18 +25,15 @@ from __future__ import annotations
 
 import gc
 import weakref
+from bisect import bisect_right
 from collections import defaultdict, deque
-from collections.abc import Callable
 from contextlib import contextmanager
 from itertools import chain, repeat
 from operator import is_, itemgetter
 
-from .deps import REMOTE_KINDS, RuleTable, needs
-from .errors import DeadlockError, render_grid
-from .ir import COMM_OPS, PROOF_ATTR, RECV_OPS, SEND_OPS, Op, Program
-
-# on_fire(rank, position, partner): partner is (rank, position) of the matched RECV for a SEND, else None
-FireFn = Callable[[int, int, tuple[int, int] | None], None]
+from .deps import REMOTE_KINDS, RuleTable, describe, message, route
+from .errors import DeadlockError, PairingError, render_grid
+from .ir import BACKWARD_OPS, COMM_OPS, PROOF_ATTR, RECV_OPS, SEND_OPS, Op, Program
 
 _MICROBATCH, _PEER, _OP_STAGE = itemgetter(2), itemgetter(3), itemgetter(0, 1)  # fields of an Instr
 
@@ -75,24 +74,6 @@ def has_comm(program: Program) -> bool:
     return not all(map(is_, peers, repeat(None)))
 
 
-def remote_needs(program: Program) -> list[list[tuple]]:
-    """Per rank and position, the items an instruction needs that another rank produces (the engine
-    itself reads them from :class:`Plan`)."""
-    s2r, S, M = program.stage_to_rank, program.num_stages, program.num_microbatches
-    recomputed = {(i.stage, i.microbatch) for st in program.ranks for i in st if i.op is Op.R}
-    result = []
-    for rank, stream in enumerate(program.ranks):
-        per_pos = []
-        for instr in stream:
-            if instr.op in COMM_OPS or instr.op is Op.ALL_REDUCE:
-                per_pos.append(())
-                continue
-            items = needs(instr, S, M, (instr.stage, instr.microbatch) in recomputed)
-            per_pos.append(tuple(it for it in items if it[0] in REMOTE_KINDS and s2r[it[1]] != rank))
-        result.append(per_pos)
-    return result
-
-
 class NoSuchStage(IndexError):
     """An instruction names a stage the program does not have (:class:`Plan` needs every stage to exist)."""
 
@@ -128,7 +109,8 @@ class Plan:
         lowered: the program carries SEND/RECV.
         kind, wait, give: per rule: ``COMPUTE``/``RECV``/``SEND``; the base id of the item it must
             receive from another rank first (-1: none); the base id of the item it hands to another rank
-            (a SEND's message, or in a compute-only program the act/grad a compute makes; -1: none).
+            or, for a RECV, of the message it posts for (a SEND's or RECV's message; in a compute-only
+            program the act/grad a compute makes for a stage on another rank; -1: none).
     """
 
     def __init__(self, program: Program) -> None:
@@ -145,7 +127,7 @@ class Plan:
         self.peer = list(map(_PEER, instrs))
         self.lowered = not COMM_OPS.isdisjoint(rules.by_op)
         if Op.R in rules.by_op:
-            self._mark_recomputed()
+            self._mark_recomputed(program.recomputed())
         self.kind, self.wait, self.give = [], [], []
         for t in range(len(rules.op)):
             self._add_engine_facts(program.stage_to_rank, t)
@@ -161,11 +143,10 @@ class Plan:
             ranks += [rank] * (self.first[rank + 1] - self.first[rank])
         return ranks
 
-    def _mark_recomputed(self) -> None:
+    def _mark_recomputed(self, recomputed: frozenset) -> None:
         """Give the B/I of each (stage, microbatch) that has an R the rule that needs the recompute."""
-        recomputed = {(i.stage, i.microbatch) for i in self.instrs if i.op is Op.R}
         for g, instr in enumerate(self.instrs):
-            if instr.op in (Op.B, Op.I) and (instr.stage, instr.microbatch) in recomputed:
+            if instr.op in BACKWARD_OPS and (instr.stage, instr.microbatch) in recomputed:
                 self.rule[g] = self.rules.rule(instr.op, instr.stage, True)
 
     def _add_engine_facts(self, s2r, t: int) -> None:
@@ -175,7 +156,7 @@ class Plan:
         if op in RECV_OPS:
             self.kind.append(RECV)
             self.wait.append(-1)
-            self.give.append(-1)
+            self.give.append(rules.made[t][0])  # the message is what the RECV makes available
         elif op in SEND_OPS:
             self.kind.append(SEND)
             self.wait.append(-1)
@@ -185,10 +166,16 @@ class Plan:
             here = s2r[rules.stage[t]]
             remote = [base for base, (kind, s, _) in items if kind in REMOTE_KINDS and s2r[s] != here]
             assert len(remote) <= 1, f"the rules give {op} more than one item from another rank"
-            handed = [base for base in rules.made[t] if rules.item(base)[0] in REMOTE_KINDS]
+            handed = [base for base in rules.made[t] if _to_other_rank(rules.item(base), here, s2r)]
             self.kind.append(COMPUTE)
             self.wait.append(remote[0] if remote else -1)
             self.give.append(handed[0] if handed and not self.lowered else -1)
+
+
+def _to_other_rank(item, here: int, s2r) -> bool:
+    """Whether ``item``, made on rank ``here``, is consumed by a stage on another rank."""
+    path = route(item)
+    return path is not None and 0 <= path.recv_stage < len(s2r) and s2r[path.recv_stage] != here
 
 
 class Run:
@@ -199,57 +186,52 @@ class Run:
         order: the instructions (flat numbers) in the order they fired.
         partner: per instruction, the RECV a SEND matched (its flat number); -1 for everything else.
         heads: per rank, the flat number of the first instruction that did not fire.
+        mismatch: the SEND and the RECV it matched (flat numbers) when they carry different messages (the
+            execution stopped there), else ``None``.
+        unmatched: per channel with a RECV no SEND matched, the first such RECV (flat numbers, sorted).
     """
 
-    def __init__(self, plan: Plan, order: list[int], partner: list[int], heads: list[int]) -> None:
+    def __init__(self, plan: Plan, order: list[int], partner: list[int], heads: list[int],
+                 mismatch: tuple[int, int] | None = None, unmatched: list[int] | None = None) -> None:
         self.plan, self.order, self.partner, self.heads = plan, order, partner, heads
+        self.mismatch, self.unmatched = mismatch, unmatched or []
 
-    def raise_if_stuck(self) -> "Run":
-        """Return self if every instruction fired.
+    def raise_if_incomplete(self) -> "Run":
+        """Return self if every instruction fired and every SEND matched a RECV of its message.
 
         Raises:
+            PairingError: a SEND matched a RECV posted for another message, or (every rank done) a RECV was
+                left without its SEND.
             DeadlockError: naming each rank's blocked instruction.
         """
-        first = self.plan.first
+        plan, first = self.plan, self.plan.first
+        if self.mismatch is not None:
+            raise _mismatch(plan, *self.mismatch)
         if self.heads != first[1:]:
-            raise _deadlock(self.plan.program, [h - f for h, f in zip(self.heads, first)])
+            raise _deadlock(plan.program, [h - f for h, f in zip(self.heads, first)])
+        if self.unmatched:
+            raise _unmatched(plan, self.unmatched[0])
         return self
-
-
-def execute(program: Program, on_fire: FireFn | None = None) -> None:
-    """Run the program in the model above, calling ``on_fire`` for each instruction in a valid order.
-
-    Assumes the static checks of :mod:`pipesched.validate` passed (structure, local order, pairing).
-
-    Raises:
-        DeadlockError: no rank can move and work remains; names each rank's blocked instruction.
-    """
-    plan = Plan(program)
-    done = fire_all(plan)
-    if on_fire is not None:
-        first, peer, rank_of = plan.first, plan.peer, plan.rank_of()
-        for g in done.order:
-            rank, matched = rank_of[g], done.partner[g]
-            on_fire(rank, g - first[rank], None if matched < 0 else (peer[g], matched - first[peer[g]]))
-    done.raise_if_stuck()
 
 
 def run(plan: Plan) -> Run:
     """Execute ``plan`` to the end.
 
     Raises:
+        PairingError: a SEND matched a RECV posted for another message, or a RECV has no SEND.
         DeadlockError: no rank can move and work remains; names each rank's blocked instruction.
     """
-    return fire_all(plan).raise_if_stuck()
+    return fire_all(plan).raise_if_incomplete()
 
 
 def fire_all(plan: Plan) -> Run:
     """Fire instructions until every rank is done or blocked (the model of the module docstring).
 
     Ranks take turns from a queue; each runs until it ends or blocks, and a rank that unblocks
-    another puts it back on the queue. Items are numbered by the plan's rule table.
+    another puts it back on the queue. Items are numbered by the plan's rule table. A SEND that matches a
+    RECV posted for another message stops the execution (``Run.mismatch``).
     """
-    first, rule, mb, peer = plan.first, plan.rule, plan.mb, plan.peer
+    first, rule, mb, peer, message = plan.first, plan.rule, plan.mb, plan.peer, plan.give
     facts = list(zip(plan.kind, plan.wait, plan.give))  # per rule
     num_ranks = len(first) - 1
     heads, ends = first[:-1], first[1:]
@@ -261,6 +243,7 @@ def fire_all(plan: Plan) -> Run:
     order: list[int] = []
     fired = order.append
     partner = [-1] * first[-1]
+    mismatch = None
     while ready:
         rank = ready.popleft()
         g, end = heads[rank], ends[rank]
@@ -284,8 +267,12 @@ def fire_all(plan: Plan) -> Run:
                 if not queue:
                     blocked_send[rank * num_ranks + peer[g]] = rank
                     break
-                partner[g] = queue.popleft()
+                recv = partner[g] = queue.popleft()
                 item = give + mb[g]
+                if message[rule[recv]] + mb[recv] != item:  # the RECV was posted for another message
+                    mismatch = (g, recv)
+                    ready.clear()
+                    break
             fired(g)
             if item >= 0:  # deliver it
                 arrived[item] = 1
@@ -293,7 +280,8 @@ def fire_all(plan: Plan) -> Run:
                     ready.extend(waiters.pop(item))
             g += 1
         heads[rank] = g
-    return Run(plan, order, partner, heads)
+    unmatched = sorted(queue[0] for queue in posted.values() if queue)  # the first RECV left on each channel
+    return Run(plan, order, partner, heads, mismatch, unmatched)
 
 
 def remember(program: Program, done: Run) -> None:
@@ -326,3 +314,27 @@ def _deadlock(program: Program, heads: list[int]) -> DeadlockError:
     first = next(iter(blocked))
     reason = "deadlock: no rank can make progress and work remains\n" + "\n".join(lines)
     return DeadlockError(reason, first, program.ranks[first][blocked[first]], render_grid(program.ranks, blocked))
+
+
+def _at(plan: Plan, g: int) -> tuple[int, int]:
+    """(rank, position) of flat instruction ``g``."""
+    rank = bisect_right(plan.first, g) - 1
+    return rank, g - plan.first[rank]
+
+
+def _mismatch(plan: Plan, send: int, recv: int) -> PairingError:
+    program = plan.program
+    (src, spos), (dst, rpos) = _at(plan, send), _at(plan, recv)
+    sent, posted = program.ranks[src][spos], program.ranks[dst][rpos]
+    reason = (f"matches {posted} on rank {dst}, a receive posted for another message: it sends "
+              f"{describe(message(sent))}, the receive is for {describe(message(posted))} (messages between two "
+              f"ranks match first in, first out)")
+    return PairingError(reason, src, sent, render_grid(program.ranks, {src: spos, dst: rpos}))
+
+
+def _unmatched(plan: Plan, recv: int) -> PairingError:
+    program = plan.program
+    dst, pos = _at(plan, recv)
+    instr = program.ranks[dst][pos]
+    return PairingError(f"has no matching send on rank {instr.peer}", dst, instr,
+                        render_grid(program.ranks, {dst: pos}))

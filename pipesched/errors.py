@@ -35,7 +35,19 @@ class UnknownScheduleError(ScheduleError, KeyError):
 
 
 class ScheduleArgumentError(ScheduleError, ValueError):
-    """A schedule was asked for with sizes it cannot run (names the argument, its value, what is valid)."""
+    """A schedule was asked for with sizes it cannot run (names the argument, its value, what is valid).
+
+    Attributes:
+        argument: the name of the argument at fault (``"num_ranks"``, ``"num_microbatches"``,
+            ``"virtual_stages"``, ``"dp_size"``, ...), or ``None``; front ends map it to their own option names.
+    """
+
+    def __init__(self, reason: str, argument: str | None = None) -> None:
+        super().__init__(reason)
+        self.argument = argument
+
+    def __reduce__(self):  # keep ``argument`` across processes (``launch`` re-raises a child's error)
+        return (type(self), (self.reason, self.argument))
 
 
 class InvalidProgramError(ScheduleError):

@@ -59,6 +59,7 @@ SEND_OPS = frozenset({Op.SEND_F, Op.SEND_B})
 RECV_OPS = frozenset({Op.RECV_F, Op.RECV_B})
 COMM_OPS = SEND_OPS | RECV_OPS
 BACKWARD_OPS = frozenset({Op.B, Op.I})  # the ops that consume the output gradient
+FORWARD_OPS = frozenset({Op.F, Op.SEND_F, Op.RECV_F})  # the only kinds a forward-only program runs
 
 _TOKEN = re.compile(r"^(?P<op>[A-Z_]+?)(?P<stage>\d+)(?:\.(?P<mb>\d+))?(?:(?P<dir>[<>])(?P<peer>\d+))?$")
 
@@ -164,6 +165,8 @@ class Program:
         num_microbatches: microbatches per step (``m``).
         dp_size: data-parallel replicas of this pipeline (each runs the same program).
         schedule: the schedule's registry name, or a free label for a hand-written program.
+        forward_only: the program runs forwards only (``Pipeline.forward()``): only F, SEND_F and RECV_F,
+            one F per (stage, microbatch), no backward (:func:`pipesched.lower.forward_only` makes one).
     """
 
     ranks: tuple[tuple[Instr, ...], ...]
@@ -172,6 +175,7 @@ class Program:
     dp_size: int = 1
     schedule: str = "custom"
     meta: dict = field(default_factory=dict, compare=False, hash=False)
+    forward_only: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(tuple(stream) for stream in self.ranks))
@@ -189,9 +193,19 @@ class Program:
         """The stages rank ``rank`` holds, in increasing order."""
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
 
+    def stages_with(self, op: Op) -> frozenset[int]:
+        """The stages that have an instruction of kind ``op`` anywhere in the program (``R``: the recomputed
+        ones; ``I``: those with a split backward)."""
+        return frozenset(i.stage for stream in self.ranks for i in stream if i.op is op)
+
+    def recomputed(self) -> frozenset[tuple[int, int]]:
+        """The (stage, microbatch) pairs that have an ``R``: their backward needs the recompute, not the ``F``."""
+        return frozenset((i.stage, i.microbatch) for stream in self.ranks for i in stream if i.op is Op.R)
+
     def replace(self, ranks) -> "Program":
         """A copy with new streams and the same placement, sizes and label."""
-        return Program(tuple(ranks), self.stage_to_rank, self.num_microbatches, self.dp_size, self.schedule, dict(self.meta))
+        return Program(tuple(ranks), self.stage_to_rank, self.num_microbatches, self.dp_size, self.schedule,
+                       dict(self.meta), self.forward_only)
 
     def __len__(self) -> int:
         return sum(len(stream) for stream in self.ranks)

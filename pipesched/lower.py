@@ -1,18 +1,21 @@
-"""Lowering passes, Program -> Program: split backward, recompute, sends and receives, data-parallel all-reduce.
+"""Lowering passes, Program -> Program: split backward, recompute, sends and receives, data-parallel all-reduce,
+the forward-only part, receives posted early.
 
 Each pass takes a program and returns a new one; none decides *what* runs, only where the extra
-instructions go. :func:`compile_program` in :mod:`pipesched.api` chains them.
+instructions go (or, for :func:`forward_only`, which part runs). :func:`compile_program` in
+:mod:`pipesched.api` chains them and validates the result, whichever passes ran.
 """
 from __future__ import annotations
 
+from collections import deque
 from itertools import compress, repeat
 from operator import itemgetter
 
 from .cost import CostModel
-from .deps import comm_for, consumer_stage, produces
+from .deps import ENDS_BACKWARD, route
 from .engine import has_comm, paused_gc
 from .sim import COST_FIELD, simulate_plan
-from .ir import Op, Program, trusted_instr, trusted_instrs
+from .ir import BACKWARD_OPS, COMM_OPS, FORWARD_OPS, RECV_OPS, SEND_OPS, Op, Program, trusted_instr, trusted_instrs
 from .timeline import ties_in_order, timeline_order
 
 #: The cost model that orders communication: the usual backward = 2 x forward, free messages.
@@ -72,13 +75,13 @@ def add_recompute(program: Program, stages=True) -> Program:
     if has_comm(program):
         raise ValueError("add_recompute takes a compute-only program; this one already has SEND/RECV "
                          "(apply add_recompute before add_send_recv)")
-    if any(i.op is Op.R for st in program.ranks for i in st):
+    if program.recomputed():
         raise ValueError("add_recompute: the program already has R instructions (apply it once)")
     streams = []
     for stream in program.ranks:
         out = []
         for instr in stream:
-            if instr.op in (Op.B, Op.I) and flags[instr.stage]:
+            if instr.op in BACKWARD_OPS and flags[instr.stage]:
                 out.append(trusted_instr((Op.R, instr.stage, instr.microbatch, None)))
             out.append(instr)
         streams.append(tuple(out))
@@ -180,21 +183,18 @@ def _add_messages(plan, routes: "_Routes", ends: list, rank: int, keyed: list[li
 
 
 class _Routes:
-    """Per rule of a plan, whether its instructions send a message to another rank
-    (:func:`~pipesched.deps.produces`, :func:`~pipesched.deps.comm_for`), and if so the SEND's op and
-    stage, the receiving rank, and the RECV's op and stage (unused entries of non-senders are None)."""
+    """Per rule of a compute-only plan, whether its instructions hand an item to another rank (the plan's
+    ``give``), and if so how it travels (:func:`~pipesched.deps.route`): the SEND's op and stage, the receiving
+    rank, and the RECV's op and stage (unused entries of non-senders are None)."""
 
     def __init__(self, plan) -> None:
-        s2r, num_stages = plan.program.stage_to_rank, plan.program.num_stages
+        s2r = plan.program.stage_to_rank
         self.sends, self.send_op, self.send_stage, self.dest, self.recv_op, self.recv_stage = ([] for _ in range(6))
-        for op, stage in zip(plan.rules.op, plan.rules.stage):
-            probe = trusted_instr((op, stage, None if op is Op.ALL_REDUCE else 0, None))
+        for give in plan.give:
             found = (None,) * 5
-            for item in produces(probe):
-                route, consumer = comm_for(item), consumer_stage(item)
-                if route is not None and 0 <= consumer < num_stages and s2r[consumer] != s2r[stage]:
-                    send_op, send_stage, recv_op, recv_stage = route
-                    found = (send_op, send_stage, s2r[consumer], recv_op, recv_stage)
+            if give >= 0:
+                path = route(plan.rules.item(give))
+                found = (path.send, path.send_stage, s2r[path.recv_stage], path.recv, path.recv_stage)
             self.sends.append(found[0] is not None)
             for column, value in zip((self.send_op, self.send_stage, self.dest, self.recv_op, self.recv_stage), found):
                 column.append(value)
@@ -235,7 +235,7 @@ def add_all_reduce(program: Program, dp_size: int) -> Program:
         return _with_dp(program, program.ranks, 1)
     streams = []
     for stream in program.ranks:
-        last = {i.stage: pos for pos, i in enumerate(stream) if i.op in (Op.B, Op.W)}
+        last = {i.stage: pos for pos, i in enumerate(stream) if i.op in ENDS_BACKWARD}
         after: dict[int, list[int]] = {}
         for stage, pos in last.items():
             while pos + 1 < len(stream) and stream[pos + 1].op in (Op.SEND_B, Op.SEND_F):
@@ -251,4 +251,88 @@ def add_all_reduce(program: Program, dp_size: int) -> Program:
 
 def _with_dp(program: Program, streams, dp_size: int) -> Program:
     return Program(tuple(streams), program.stage_to_rank, program.num_microbatches, dp_size,
-                   program.schedule, dict(program.meta))
+                   program.schedule, dict(program.meta), program.forward_only)
+
+
+def forward_only(program: Program) -> Program:
+    """The forward part of ``program``: its F, SEND_F and RECV_F in the same order on each rank, marked
+    :attr:`~pipesched.ir.Program.forward_only` (what ``Pipeline.forward()`` runs; :func:`pipesched.validate.validate`
+    then asks for one F per (stage, microbatch) and no backward). Placement, sizes and ``dp_size`` are kept.
+
+    Deadlock freedom: a forward instruction needs only forward instructions (an F its stage input, from an F
+    or a RECV_F; a SEND_F its F and the posted RECV_F), and the sends and receives left between two ranks
+    keep their order on both sides. So the forward instructions of a complete execution of ``program``, in
+    the order they fired there, are a complete execution of the result.
+
+    Args:
+        program: a compute-only or lowered training program; a forward-only one is returned as it is.
+    """
+    if program.forward_only:
+        return program
+    streams = tuple(tuple(i for i in stream if i.op in FORWARD_OPS) for stream in program.ranks)
+    return Program(streams, program.stage_to_rank, program.num_microbatches, program.dp_size, program.schedule,
+                   dict(program.meta), forward_only=True)
+
+
+#: how many instructions earlier :func:`post_receives_early` posts a receive by default
+EARLY_RECEIVE_WINDOW = 16
+
+
+def post_receives_early(program: Program, window: int = EARLY_RECEIVE_WINDOW) -> Program:
+    """Post each receive up to ``window`` instructions earlier, so its transfer overlaps the compute before it.
+
+    On each rank, a RECV at position ``i`` moves to just before the instruction at position ``i - window``
+    (to the start of the stream when ``i < window``); the receives keep their order. Where that puts it inside
+    a run of sends and receives, the run's sends that came before it in ``program`` stay ahead of it: a send
+    is on a peer's critical path, a posted receive is not. Nothing but receives moves, and none moves later.
+
+    Deadlock freedom (the checker's model, :mod:`pipesched.engine`): a RECV needs nothing and never blocks,
+    so posting it earlier only lets the SEND that waits for it fire sooner. Take a complete execution of
+    ``program``; fire each moved RECV as soon as it is at its rank's head and everything else when it fired
+    there: each instruction still finds what it needed. The receives from each rank keep their order, so
+    first-in first-out matching pairs the same messages. :func:`~pipesched.api.compile_program` validates
+    the result all the same, like every program it returns.
+
+    Not for a backend whose messages between two ranks run in issue order on one stream (NCCL): there a
+    posted receive holds up every later message between the pair (:func:`pipesched.api.passes_for`).
+
+    Args:
+        program: a lowered program (one without receives comes back unchanged).
+        window: how many instructions earlier; 0 returns ``program`` itself.
+    Raises:
+        ValueError: ``window`` is not an integer >= 0.
+    """
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an integer >= 0 (instructions a receive moves up), got {window!r}")
+    if window == 0:
+        return program
+    return program.replace(_receives_early(stream, window) for stream in program.ranks)
+
+
+def _receives_early(stream, window: int) -> tuple:
+    """One rank's stream in :func:`post_receives_early`'s order."""
+    def key(pos: int) -> tuple[int, int, int]:
+        return (pos - window, 0, pos) if stream[pos].op in RECV_OPS else (pos, 1, pos)
+
+    out, run = [], []  # run: positions of the current run of sends and receives
+    for pos in sorted(range(len(stream)), key=key) + [None]:
+        if pos is not None and stream[pos].op in COMM_OPS:
+            run.append(pos)
+            continue
+        out.extend(stream[k] for k in _sends_first(run, stream))
+        run = []
+        if pos is not None:
+            out.append(stream[pos])
+    return tuple(out)
+
+
+def _sends_first(run: list[int], stream) -> list[int]:
+    """The positions of a run of sends and receives (each kind in stream order), each send as early as it can
+    go without passing a receive that came before it in ``stream``."""
+    recvs = deque(k for k in run if stream[k].op in RECV_OPS)
+    out = []
+    for k in (k for k in run if stream[k].op in SEND_OPS):
+        while recvs and recvs[0] < k:
+            out.append(recvs.popleft())
+        out.append(k)
+    return out + list(recvs)

@@ -19,7 +19,9 @@ JSON form::
      "ranks": [[{"op": "F", "stage": 0, "microbatch": 0, "peer": null}, ...], ...]}
 
 ``num_microbatches``, ``stage_to_rank`` and ``ranks`` are required; ``dp_size`` defaults to 1 and
-``schedule`` to ``"custom"``; other keys are ignored.
+``schedule`` to ``"custom"``; other keys are ignored. A forward-only program
+(:attr:`~pipesched.ir.Program.forward_only`) has the header line ``forward_only: true`` and the JSON key
+``"forward_only": true``; both are left out for a training program (the default).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import re
 from .errors import ProgramFormatError
 from .ir import Instr, Program
 
-_HEADER_KEYS = ("schedule", "microbatches", "stage_to_rank", "dp_size")
+_HEADER_KEYS = ("schedule", "microbatches", "stage_to_rank", "dp_size", "forward_only")
 _RANK_LINE = re.compile(r"^rank\s+(\d+)\s*:(.*)$")
 
 
@@ -42,7 +44,7 @@ def to_text(program: Program) -> str:
         f"microbatches: {program.num_microbatches}",
         "stage_to_rank: " + " ".join(str(r) for r in program.stage_to_rank),
         f"dp_size: {program.dp_size}",
-    ]
+    ] + (["forward_only: true"] if program.forward_only else [])
     for rank, stream in enumerate(program.ranks):
         lines.append(f"rank {rank}:")
         lines.extend(f"  {instr}" for instr in stream)
@@ -97,14 +99,22 @@ def _assemble(header: dict[str, str], ranks: dict[int, list[Instr]]) -> Program:
             num_microbatches=int(header["microbatches"]),
             dp_size=int(header.get("dp_size", "1")),
             schedule=header.get("schedule", "custom"),
+            forward_only=_flag(header.get("forward_only", "false")),
         )
     except ValueError as exc:
         raise ProgramFormatError(f"bad header value: {exc}") from None
 
 
+def _flag(text: str) -> bool:
+    """``true`` or ``false`` (a header value). Raises ``ValueError`` for anything else."""
+    if text not in ("true", "false"):
+        raise ValueError(f"forward_only must be true or false, got {text!r}")
+    return text == "true"
+
+
 def to_json_dict(program: Program) -> dict:
     """The JSON form as a dict (see the module docstring)."""
-    return {
+    data = {
         "schedule": program.schedule,
         "num_microbatches": program.num_microbatches,
         "stage_to_rank": list(program.stage_to_rank),
@@ -114,6 +124,9 @@ def to_json_dict(program: Program) -> dict:
             for stream in program.ranks
         ],
     }
+    if program.forward_only:
+        data["forward_only"] = True
+    return data
 
 
 def from_json_dict(data: dict) -> Program:
@@ -132,9 +145,17 @@ def from_json_dict(data: dict) -> Program:
             num_microbatches=int(data["num_microbatches"]),
             dp_size=int(data.get("dp_size", 1)),
             schedule=str(data.get("schedule", "custom")),
+            forward_only=_json_flag(data.get("forward_only", False)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ProgramFormatError(f"bad instruction or field in JSON program: {exc!r}") from None
+
+
+def _json_flag(value) -> bool:
+    """The JSON ``forward_only`` value. Raises ``TypeError`` unless it is a bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"forward_only must be true or false, got {value!r}")
+    return value
 
 
 def to_json(program: Program, indent: int | None = None) -> str:

@@ -14,10 +14,11 @@ from itertools import accumulate
 
 from .cost import CostModel
 from . import engine
+from .deps import STASH_CHANGE, boundary
 from .engine import COMPUTE, RECV
 from .ir import Op, Program
 from .memory import peak_activation_bytes
-from .timeline import INFLIGHT_CHANGE, InTimelineOrder, Timeline, events_from_columns, ties_in_order
+from .timeline import InTimelineOrder, Timeline, events_from_columns, ties_in_order
 from .validate import check_static
 
 #: the cost model field that gives the seconds of each compute kind
@@ -26,7 +27,8 @@ COST_FIELD = {Op.F: "forward", Op.B: "backward", Op.I: "input_grad", Op.W: "weig
 
 @engine.paused_gc()
 def simulate(program: Program, cost: CostModel | None = None, check: bool = True) -> Timeline:
-    """Simulate one training step of ``program``.
+    """Simulate one step of ``program``: a training step, or a forward-only one for a forward-only program
+    (no in-flight activations: its forwards keep nothing for backward).
 
     Args:
         program: a compute-only or lowered program.
@@ -53,6 +55,7 @@ def simulate(program: Program, cost: CostModel | None = None, check: bool = True
         "microbatches": program.num_microbatches,
         "virtual_stages": program.num_stages // max(1, program.num_ranks),
         "dp_size": program.dp_size,
+        "step": "forward" if program.forward_only else "train",
         "cost": cost.describe(),
     }
     return Timeline(
@@ -60,7 +63,7 @@ def simulate(program: Program, cost: CostModel | None = None, check: bool = True
         num_ranks=program.num_ranks,
         source="simulated",
         meta=meta,
-        peak_inflight=_peak_inflight(plan),
+        peak_inflight=(0,) * program.num_ranks if program.forward_only else _peak_inflight(plan),  # no_grad
         peak_activation_bytes=peak_activation_bytes(program, cost),
     )
 
@@ -101,7 +104,7 @@ def _times(run: engine.Run, seconds: tuple[list, list, list]) -> tuple[list[floa
                 start = ready_at[wait + mb[g]]
             free[rank] = end = start + busy
             starts[g], ends[g] = start, end
-            if give >= 0 and delay is not None:
+            if give >= 0:  # a compute-only program: its message lands on the other rank after delay
                 ready_at[give + mb[g]] = end + delay
         elif kind == RECV:
             starts[g] = ends[g] = start  # posted now; its end is set when the message lands
@@ -135,14 +138,15 @@ def _timing_facts(plan: engine.Plan, seconds: tuple[list, list, list]) -> list[t
 
 def _peak_inflight(plan: engine.Plan) -> tuple[int, ...]:
     """:func:`~pipesched.timeline.peak_inflight` of the plan's program, from its rules."""
-    change = [INFLIGHT_CHANGE[op] for op in plan.rules.op]  # per rule
+    change = [STASH_CHANGE[op] for op in plan.rules.op]  # per rule
     return tuple(max(accumulate(map(change.__getitem__, plan.rule[lo:hi]), initial=0))
                  for lo, hi in zip(plan.first, plan.first[1:]))
 
 
 def _rule_seconds(plan: engine.Plan, cost: CostModel) -> tuple[list, list, list]:
     """Per rule: seconds of rank time it takes (None: none), seconds it lasts without taking rank time
-    (ALL_REDUCE), and the delay of the message it sends (None: none)."""
+    (ALL_REDUCE), and the delay of the message it sends (None: none), sized by the stage whose output the
+    message's tensor is (:func:`~pipesched.deps.boundary`)."""
     program, rules = plan.program, plan.rules
     S = program.num_stages
     dur = {op: cost.per_stage(name, S) for op, name in COST_FIELD.items()}
@@ -150,9 +154,8 @@ def _rule_seconds(plan: engine.Plan, cost: CostModel) -> tuple[list, list, list]
     ring = 2 * (program.dp_size - 1) / program.dp_size
     allreduce = [cost.message_seconds(ring * b) for b in cost.per_stage("grad_bytes", S)]
     busy, lasts, delay = [], [], []
-    for op, stage in zip(rules.op, rules.stage):
+    for op, stage, give in zip(rules.op, rules.stage, plan.give):
         busy.append(dur[op][stage] if op in dur else None)
         lasts.append(allreduce[stage] if op is Op.ALL_REDUCE else 0.0)
-        boundary = stage if op in (Op.F, Op.SEND_F) else stage - 1
-        delay.append(msg[boundary] if boundary >= 0 else None)
+        delay.append(msg[boundary(rules.item(give))] if give >= 0 else None)
     return busy, lasts, delay

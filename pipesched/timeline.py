@@ -13,7 +13,8 @@ from typing import NamedTuple
 from itertools import accumulate, islice, repeat
 from operator import and_, attrgetter, eq, gt, itemgetter, le
 
-from .ir import COMPUTE_OPS, Instr, Op
+from .deps import STASH_CHANGE
+from .ir import COMPUTE_OPS, Instr
 
 
 class Event(NamedTuple):
@@ -186,9 +187,7 @@ def peak_inflight(streams) -> tuple[int, ...]:
 
 def peak_of(ops) -> int:
     """The most microbatch-stages in flight along one rank's instruction kinds (see :func:`peak_inflight`)."""
-    return max(accumulate(map(INFLIGHT_CHANGE.__getitem__, ops), initial=0))
+    return max(accumulate(map(STASH_CHANGE.__getitem__, ops), initial=0))
 
 
 _OP = attrgetter("op")
-#: per instruction kind, how it changes the microbatch-stages in flight on its rank
-INFLIGHT_CHANGE = {op: 1 if op is Op.F else -1 if op in (Op.B, Op.W) else 0 for op in Op}  # per instruction kind

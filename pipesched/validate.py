@@ -4,7 +4,8 @@
 
 1. structure — every instruction's stage, microbatch and peer fit the program, on the right rank;
 2. completeness — each (stage, microbatch) has one F and one B (or one I and one W), at most one R;
-   with ``dp_size > 1`` each stage has one ALL_REDUCE;
+   with ``dp_size > 1`` each stage has one ALL_REDUCE; a forward-only program
+   (:attr:`~pipesched.ir.Program.forward_only`) has one F each and nothing but F, SEND_F and RECV_F;
 3. order — on each rank, everything an instruction needs (:mod:`pipesched.deps`) comes before it; in a
    lowered program, data from another rank must arrive through an earlier RECV;
 4. pairing and deadlock — between any two ranks the receives are posted in the order the sends are
@@ -16,16 +17,20 @@ the reason, and showing the grid with the spot marked.
 Speed: checks 1-3 and pairing first decide *whether* the program passes from the integer tables of
 :class:`~pipesched.engine.Plan` (once per rule, counts, list comparisons: a few list operations per
 instruction); only when one does not pass does its exact scan (``_explain_*``) run to find and explain
-the first failure, so the error is the one a plain scan reports.
+the first failure, so the error is the one a plain scan reports. Each check is thus written twice, fast
+and exact (:data:`CHECKS`); ``tests/test_validate.py`` edits valid programs at random and asserts that the
+two agree, and that the engine (which checks pairing again as it matches) agrees with both.
 """
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Callable
+from typing import NamedTuple
 
 from . import engine
-from .deps import REMOTE_KINDS, message, needs, neighbour_stage, produces
+from .deps import REMOTE_KINDS, describe, message, needs, produces, route
 from .errors import DependencyError, InvalidProgramError, PairingError, render_grid
-from .ir import COMM_OPS, RECV_OPS, SEND_OPS, Instr, Op, Program
+from .ir import COMM_OPS, FORWARD_OPS, RECV_OPS, SEND_OPS, Instr, Op, Program
 
 
 @engine.paused_gc()
@@ -80,8 +85,7 @@ def check_structure(program: Program) -> engine.Plan:
         plan = engine.Plan(program)
     except engine.NoSuchStage:
         plan = None
-    if plan is None or _has_structure_problem(plan):
-        _explain_structure(program)
+    _decide(STRUCTURE, program, plan)
     return plan
 
 
@@ -99,7 +103,7 @@ def _has_structure_problem(plan: engine.Plan) -> bool:
         for t in set(plan.rule[plan.first[rank]:plan.first[rank + 1]]):
             op, stage = rules.op[t], rules.stage[t]
             probe = Instr(op, stage, None if op is Op.ALL_REDUCE else 0, expected[t])
-            if _structure_problem(probe, rank, s2r, M, dp_size):
+            if _structure_problem(probe, rank, s2r, M, dp_size, program.forward_only):
                 return True
     return False
 
@@ -108,22 +112,28 @@ def _expected_peer(op: Op, stage: int, s2r) -> int | None:
     """The peer a SEND/RECV of ``op`` at ``stage`` must name (0 when it has no neighbour stage), else None."""
     if op not in COMM_OPS:
         return None
-    neighbour = neighbour_stage(op, stage)
+    neighbour = _other_end(op, stage)
     return s2r[neighbour] if 0 <= neighbour < len(s2r) else 0
 
 
+def _other_end(op: Op, stage: int) -> int:
+    """The stage at the other end of a SEND/RECV of ``op`` at ``stage`` (may be out of range)."""
+    path = route(message(Instr(op, stage, 0, 0)))
+    return path.recv_stage if op in SEND_OPS else path.send_stage
+
+
 def _explain_structure(program: Program) -> None:
-    """Raise the error :func:`check_structure` reports for the first ill-formed instruction."""
+    """Raise the error :func:`check_structure` reports for the first ill-formed instruction (if any)."""
     for rank, stream in enumerate(program.ranks):
         for pos, instr in enumerate(stream):
             reason = _structure_problem(instr, rank, program.stage_to_rank, program.num_microbatches,
-                                        program.dp_size)
+                                        program.dp_size, program.forward_only)
             if reason:
                 raise _fail(InvalidProgramError, program, rank, pos, reason)
-    raise AssertionError("the quick check found a problem that this exact one does not")  # a bug in pipesched
 
 
-def _structure_problem(instr: Instr, rank: int, s2r, M: int, dp_size: int) -> str | None:
+def _structure_problem(instr: Instr, rank: int, s2r, M: int, dp_size: int,
+                       forward_only: bool = False) -> str | None:
     S = len(s2r)
     if instr.stage >= S:
         return f"stage {instr.stage} does not exist (stages 0..{S - 1})"
@@ -131,10 +141,12 @@ def _structure_problem(instr: Instr, rank: int, s2r, M: int, dp_size: int) -> st
         return f"stage {instr.stage} is placed on rank {s2r[instr.stage]}, not on rank {rank}"
     if instr.microbatch is not None and instr.microbatch >= M:
         return f"microbatch {instr.microbatch} does not exist (num_microbatches={M})"
+    if forward_only and instr.op not in FORWARD_OPS:
+        return f"{instr.op} in a forward-only program, which runs only F, SEND_F and RECV_F"
     if instr.op is Op.ALL_REDUCE and dp_size == 1:
         return "ALL_REDUCE in a program with dp_size=1 (nothing to reduce)"
     if instr.op in COMM_OPS:
-        neighbour = neighbour_stage(instr.op, instr.stage)
+        neighbour = _other_end(instr.op, instr.stage)
         if not 0 <= neighbour < S:
             return f"{instr.op} of stage {instr.stage} has no {'next' if neighbour > instr.stage else 'previous'} stage"
         if s2r[neighbour] == rank:
@@ -147,8 +159,7 @@ def _structure_problem(instr: Instr, rank: int, s2r, M: int, dp_size: int) -> st
 def check_complete(program: Program, plan: engine.Plan | None = None) -> None:
     """One F and one B (or one I and one W) per (stage, microbatch); at most one R; ALL_REDUCE per stage.
     ``plan``: the program's plan, if already made (it assumes :func:`check_structure` passed)."""
-    if not _is_complete(plan or check_structure(program)):
-        _explain_incomplete(program)
+    _decide(COMPLETENESS, program, plan or check_structure(program))
 
 
 def _is_complete(plan: engine.Plan) -> bool:
@@ -162,6 +173,8 @@ def _is_complete(plan: engine.Plan) -> bool:
     count: Counter = Counter()
     for t, n in Counter(plan.rule).items():
         count[rules.op[t]] += n
+    if program.forward_only:  # its structure check allowed F, SEND_F and RECV_F only
+        return count[Op.F] == cells
     if count[Op.F] != cells or (program.dp_size > 1 and count[Op.ALL_REDUCE] != program.num_stages):
         return False
     if not (count[Op.I] or count[Op.W]):
@@ -171,7 +184,7 @@ def _is_complete(plan: engine.Plan) -> bool:
 
 
 def _explain_incomplete(program: Program) -> None:
-    """Raise the error :func:`check_complete` reports: the first duplicate, else the first missing work."""
+    """Raise the error :func:`check_complete` reports (if any): the first duplicate, else the first missing work."""
     counts: Counter = Counter()
     for rank, stream in enumerate(program.ranks):
         for pos, instr in enumerate(stream):
@@ -181,20 +194,21 @@ def _explain_incomplete(program: Program) -> None:
                 raise _fail(InvalidProgramError, program, rank, pos, f"{instr} appears twice")
     for s in range(program.num_stages):
         for mb in range(program.num_microbatches):
-            problem = _missing_work(counts, s, mb)
+            problem = _missing_work(counts, s, mb, program.forward_only)
             if problem:
                 op, reason = problem
                 raise InvalidProgramError(
                     f"stage {s}, microbatch {mb}: {reason}", program.stage_to_rank[s], Instr(op, s, mb)
                 )
-        if program.dp_size > 1 and counts[(Op.ALL_REDUCE, s, None)] == 0:
+        if program.dp_size > 1 and not program.forward_only and counts[(Op.ALL_REDUCE, s, None)] == 0:
             raise InvalidProgramError(f"dp_size={program.dp_size} but stage {s} has no ALL_REDUCE")
-    raise AssertionError("the quick check found a problem that this exact one does not")  # a bug in pipesched
 
 
-def _missing_work(counts: Counter, s: int, mb: int) -> tuple[Op, str] | None:
+def _missing_work(counts: Counter, s: int, mb: int, forward_only: bool = False) -> tuple[Op, str] | None:
     if not counts[(Op.F, s, mb)]:
         return Op.F, "its forward F is missing"
+    if forward_only:
+        return None
     full, inp, wgt = counts[(Op.B, s, mb)], counts[(Op.I, s, mb)], counts[(Op.W, s, mb)]
     if full and (inp or wgt):
         return Op.B, "has both a B and an I/W split; use one or the other"
@@ -210,7 +224,11 @@ def _missing_work(counts: Counter, s: int, mb: int) -> tuple[Op, str] | None:
 def check_order(program: Program, plan: engine.Plan | None = None) -> None:
     """On each rank, what an instruction needs comes earlier in the stream (or, in a compute-only
     program, is made by another rank). ``plan``: the program's plan, if already made."""
-    plan = plan or check_structure(program)
+    _decide(ORDER, program, plan or check_structure(program))
+
+
+def _in_order(program: Program, plan: engine.Plan) -> bool:
+    """Whether :func:`check_order` passes, from the plan's integer tables."""
     rules, s2r = plan.rules, program.stage_to_rank
     # per rule, the items that must be made earlier on the same rank: all it needs, but in a
     # compute-only program not what it gets from another rank
@@ -224,9 +242,10 @@ def check_order(program: Program, plan: engine.Plan | None = None) -> None:
         for t, m in zip(rule[first[rank]:first[rank + 1]], mb[first[rank]:first[rank + 1]]):
             for base in local[t]:
                 if not have[base + m]:
-                    _explain_order(program)
+                    return False
             for base in made[t]:
                 have[base + m] = 1
+    return True
 
 
 def _made_elsewhere(item, rank: int, s2r) -> bool:
@@ -236,10 +255,10 @@ def _made_elsewhere(item, rank: int, s2r) -> bool:
 
 
 def _explain_order(program: Program) -> None:
-    """Raise the error :func:`check_order` reports for the first instruction that comes too early."""
+    """Raise the error :func:`check_order` reports for the first instruction that comes too early (if any)."""
     lowered = engine.has_comm(program)
     S, M, s2r = program.num_stages, program.num_microbatches, program.stage_to_rank
-    recomputed = {(i.stage, i.microbatch) for st in program.ranks for i in st if i.op is Op.R}
+    recomputed = program.recomputed()
     for rank, stream in enumerate(program.ranks):
         have: set = set()
         for pos, instr in enumerate(stream):
@@ -249,21 +268,12 @@ def _explain_order(program: Program) -> None:
                     continue
                 raise _fail(DependencyError, program, rank, pos, _order_reason(item, remote, stream, pos))
             have.update(produces(instr))
-    raise AssertionError("the quick check found a problem that this exact one does not")  # a bug in pipesched
 
 
 def _order_reason(item, remote: bool, stream, pos: int) -> str:
-    kind, s, mb = item
-    what = {
-        "act": f"the output of stage {s} for microbatch {mb}",
-        "grad": f"the input gradient of stage {s} for microbatch {mb}",
-        "fwd": f"the forward F{s}.{mb}",
-        "rec": f"the recompute R{s}.{mb}",
-        "igrad": f"the input-gradient backward I{s}.{mb}",
-        "wgrad": f"the weight gradient of stage {s}, microbatch {mb}",
-    }[kind]
+    what = describe(item)
     if remote:
-        recv = "RECV_F" if kind == "act" else "RECV_B"
+        recv = route(item).recv
         return f"needs {what} from another rank, but no {recv} receives it before this point"
     later = any(item in produces(i) for i in stream[pos + 1:])
     return f"needs {what}, which comes {'later in this stream' if later else 'nowhere before it on this rank'}"
@@ -272,30 +282,30 @@ def _order_reason(item, remote: bool, stream, pos: int) -> str:
 def check_pairing(program: Program, plan: engine.Plan | None = None) -> None:
     """Every send has its receive, and between two ranks receives are posted in the order of the sends.
     ``plan``: the program's plan, if already made."""
-    plan = plan or check_structure(program)
+    _decide(PAIRING, program, plan or check_structure(program))
+
+
+def _paired(program: Program, plan: engine.Plan) -> bool:
+    """Whether :func:`check_pairing` passes, from the plan's integer tables."""
     if not plan.lowered:
-        return
-    rules, p = plan.rules, program.num_ranks
-    # per rule, the message a SEND or RECV carries (base id), as in deps.message
-    message = [(need if op in SEND_OPS else made)[0] if op in COMM_OPS else -1
-               for op, need, made in zip(rules.op, rules.need, rules.made)]
-    sends: dict = defaultdict(list)  # src * p + dst -> messages in the order of the sends
-    recvs: dict = defaultdict(list)  # src * p + dst -> messages in the order the receives are posted
+        return True
+    p, kind, message = program.num_ranks, plan.kind, plan.give  # per rule; a SEND's or RECV's message
+    sends: dict = defaultdict(list)  # src * p + dst -> messages (ids) in the order of the sends
+    recvs: dict = defaultdict(list)  # src * p + dst -> messages (ids) in the order the receives are posted
     rule, mb, peer, first = plan.rule, plan.mb, plan.peer, plan.first
     for rank in range(p):
         for g in range(first[rank], first[rank + 1]):
             if peer[g] is not None:
                 t = rule[g]
-                if rules.op[t] in SEND_OPS:
+                if kind[t] == engine.SEND:
                     sends[rank * p + peer[g]].append(message[t] + mb[g])
                 else:
                     recvs[peer[g] * p + rank].append(message[t] + mb[g])
-    if sends != recvs:
-        _explain_pairing(program)
+    return sends == recvs
 
 
 def _explain_pairing(program: Program) -> None:
-    """Raise the error :func:`check_pairing` reports: the first channel whose sends and receives differ."""
+    """Raise the error :func:`check_pairing` reports (if any): the first channel whose sends and receives differ."""
     sends: dict = defaultdict(list)
     recvs: dict = defaultdict(list)
     for rank, stream in enumerate(program.ranks):
@@ -321,5 +331,34 @@ def _explain_pairing(program: Program) -> None:
         if len(inn) > len(out):
             pos = inn[len(out)][0]
             raise _fail(PairingError, program, dst, pos, f"has no matching send on rank {src}")
-    raise AssertionError("the quick check found a problem that this exact one does not")  # a bug in pipesched
 
+
+class Check(NamedTuple):
+    """One check of :func:`validate`, written twice (see the module docstring).
+
+    Attributes:
+        name: what it checks.
+        passes: ``(program, plan) -> bool``, the fast decision from the plan's integer tables (``plan`` is
+            ``None`` when an instruction names a stage that does not exist).
+        explain: ``(program) -> None``, the exact scan: raises the error for the first failure, returns if none.
+    """
+
+    name: str
+    passes: Callable[[Program, "engine.Plan | None"], bool]
+    explain: Callable[[Program], None]
+
+
+STRUCTURE = Check("structure", lambda program, plan: plan is not None and not _has_structure_problem(plan),
+                  _explain_structure)
+COMPLETENESS = Check("completeness", lambda program, plan: _is_complete(plan), _explain_incomplete)
+ORDER = Check("order", _in_order, _explain_order)
+PAIRING = Check("pairing", _paired, _explain_pairing)
+#: the checks :func:`check_static` runs, in its order (each assumes the ones before it passed)
+CHECKS = (STRUCTURE, COMPLETENESS, ORDER, PAIRING)
+
+
+def _decide(check: Check, program: Program, plan) -> None:
+    """Run ``check``: the fast decision, then, if it fails, the exact scan that raises the error."""
+    if not check.passes(program, plan):
+        check.explain(program)
+        raise AssertionError(f"the fast {check.name} check found a problem that the exact one does not")  # a bug

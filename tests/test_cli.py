@@ -182,3 +182,57 @@ def test_recompute_never_holds_more_than_the_stash_by_default(capsys):
 def test_input_and_recompute_bytes_errors_name_the_option(capsys, argv, message):
     code, _, err = run(capsys, "simulate", "1f1b", "-p", "4", "-m", "8", *argv)
     assert code == 2 and message in err
+
+
+def test_every_cost_field_has_an_option_and_errors_carry_their_field():
+    import dataclasses
+    import pickle
+
+    from pipesched.cli import _COST_FLAGS
+    from pipesched.cost import CostError, CostModel
+
+    assert set(_COST_FLAGS) == {f.name for f in dataclasses.fields(CostModel)}
+    with pytest.raises(CostError) as info:
+        CostModel(recompute_bytes=[1.0, -1.0])
+    assert info.value.field == "recompute_bytes" and isinstance(info.value, ValueError)
+    with pytest.raises(CostError) as info:
+        CostModel(input_grad=[1.0, 2.0]).per_stage("input_grad", 3)
+    assert info.value.field == "input_grad"
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert (copy.field, str(copy)) == ("input_grad", str(info.value))
+
+
+def test_the_cli_names_the_option_from_the_errors_field_not_its_text(capsys, monkeypatch):
+    # the messages here name no field at all: the option can only come from the attributes
+    import pipesched.cli as cli
+    from pipesched.cost import CostError
+    from pipesched.errors import ScheduleArgumentError
+
+    def bad_cost(**_):
+        raise CostError("grad_bytes", "too many bytes")
+
+    monkeypatch.setattr(cli, "CostModel", bad_cost)
+    code, _, err = run(capsys, "simulate", "1f1b", "-p", "2", "-m", "2")
+    assert code == 2 and "error: --grad-bytes: too many bytes" in err
+
+    def bad_size(*_, **__):
+        raise ScheduleArgumentError("too few for this schedule", argument="num_microbatches")
+
+    monkeypatch.setattr(cli, "compile_program", bad_size)
+    code, _, err = run(capsys, "show", "1f1b", "-p", "2", "-m", "3")
+    assert code == 2 and "error: --microbatches 3: too few for this schedule" in err
+
+
+def test_size_errors_carry_the_argument_they_name():
+    import pickle
+
+    from pipesched import ScheduleArgumentError, compile_program
+
+    for kwargs, argument in ((dict(num_ranks=0), "num_ranks"), (dict(num_microbatches=-1), "num_microbatches"),
+                             (dict(virtual_stages=2), "virtual_stages"), (dict(dp_size=0), "dp_size"),
+                             (dict(recompute=[True]), "recompute")):
+        sizes = dict(schedule="1f1b", num_ranks=2, num_microbatches=2) | kwargs
+        with pytest.raises(ScheduleArgumentError) as info:
+            compile_program(**sizes)
+        assert info.value.argument == argument, kwargs
+        assert pickle.loads(pickle.dumps(info.value)).argument == argument

@@ -127,6 +127,19 @@ def test_split_backward_flags_per_stage_and_their_errors():
         compile_program("interleaved-1f1b", 2, 2, split_backward=[True])
 
 
+def test_recompute_on_a_split_backward_goes_before_the_input_gradient():
+    # the backward that needs the recomputed activations is I (W needs only I's result): R goes before I, not W
+    program = add_recompute(split_backward(build("1f1b", 2, 2)))
+    assert _streams(program) == ["F0.0 F0.1 R0.0 B0.0 R0.1 B0.1", "F1.0 R1.0 I1.0 W1.0 F1.1 R1.1 I1.1 W1.1"]
+    assert split_backward(add_recompute(build("1f1b", 2, 2))).ranks == program.ranks  # the passes commute
+    lowered = add_send_recv(program)
+    assert _streams(lowered)[1] == ("RECV_F1.0<0 F1.0 RECV_F1.1<0 R1.0 I1.0 SEND_B1.0>0 W1.0 F1.1 R1.1 I1.1 "
+                                    "SEND_B1.1>0 W1.1")
+    validate(lowered)
+    # rank 1 holds one stage input (10 B) until R, then the stash (100 B) until W frees it
+    assert simulate(lowered, CostModel(stash_bytes=100, input_bytes=10)).peak_activation_bytes == (110, 100)
+
+
 def test_split_backward_shortens_1f1b_when_messages_take_time():
     # p=2, m=4, F=1, B=2 (I=W=1), latency 0.5: fused, each steady-state microbatch waits for rank 1's whole B
     # and two messages; split, rank 0 gets the gradient after rank 1's I, one W (1 s) sooner

@@ -41,6 +41,8 @@ def test_unit_cost_formula_interleaved(p, rounds, v, data):
     cost = data.draw(cost_models(p * v, uniform=True))
     timeline = simulate(compile_program("interleaved-1f1b", p, m, v), cost, check=False)
     assert timeline.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-9)
+    # the README's closed form: Megatron's warmup of (v-1)p + 2(p-1-r) forwards, plus the steady state's one
+    assert timeline.peak_inflight == tuple(min((v - 1) * p + 2 * (p - 1 - r) + 1, v * m) for r in range(p))
 
 
 @given(schedule_configs(max_ranks=8, max_microbatches=32, recompute=True))

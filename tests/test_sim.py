@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from pipesched import CostModel, DeadlockError, Event, Instr, Op, Timeline, compile_program, loads, simulate
+from pipesched import (CostModel, DeadlockError, Event, Instr, Op, Timeline, build, compile_program, loads,
+                       simulate)
 
 
 def test_hand_computed_timeline_with_message_delay():
@@ -17,6 +18,25 @@ def test_hand_computed_timeline_with_message_delay():
     assert timeline.makespan == 8
     assert timeline.bubble_per_rank() == (5 / 8, 5 / 8)
     assert timeline.bubble_fraction == 5 / 8
+
+
+def test_hand_computed_timeline_with_per_stage_message_sizes():
+    # p=3, m=1, F=1, B=2, 100 B/s, no latency. Stage 0's output is 100 B (1 s), stage 1's 300 B (3 s); the
+    # gradient of a stage's input has the size of the previous stage's output: grad into stage 1 300 B, into stage 0 100 B
+    cost = CostModel(forward=1, backward=2, bandwidth=100, activation_bytes=[100, 300, 0])
+    timeline = simulate(compile_program("1f1b", 3, 1), cost)
+    events = {(e.rank, str(e.instr)): (e.start, e.end) for e in timeline.events}
+    assert events == {
+        (0, "F0.0"): (0, 1), (0, "SEND_F0.0>1"): (1, 1), (0, "RECV_B0.0<1"): (1, 15), (0, "B0.0"): (15, 17),
+        (1, "RECV_F1.0<0"): (0, 2), (1, "F1.0"): (2, 3), (1, "SEND_F1.0>2"): (3, 3), (1, "RECV_B1.0<2"): (3, 12),
+        (1, "B1.0"): (12, 14), (1, "SEND_B1.0>0"): (14, 14),
+        (2, "RECV_F2.0<1"): (0, 6), (2, "F2.0"): (6, 7), (2, "B2.0"): (7, 9), (2, "SEND_B2.0>1"): (9, 9),
+    }
+    assert timeline.makespan == 17
+    # the compute-only program, whose messages are implicit, is timed the same
+    implicit = simulate(build("1f1b", 3, 1), cost)
+    assert {(e.rank, str(e.instr)): (e.start, e.end) for e in implicit.events} == {
+        key: times for key, times in events.items() if "SEND" not in key[1] and "RECV" not in key[1]}
 
 
 @pytest.mark.parametrize("f, b", [(1, 1), (1, 2), (2, 1), (0.3, 0.7)])

@@ -1,8 +1,16 @@
-"""The validator rejects hand-made bad programs, each with the expected error, rank and instruction."""
-import pytest
+"""The validator rejects hand-made bad programs, each with the expected error, rank and instruction; its fast
+checks, its exact (explaining) checks and the engine agree on randomly edited programs."""
+import importlib
 
-from pipesched import (DeadlockError, DependencyError, InvalidProgramError, PairingError, ScheduleError, loads,
-                       validate)
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipesched import (SCHEDULES, DeadlockError, DependencyError, InvalidProgramError, PairingError, ScheduleError,
+                       compile_program, engine, loads, validate)
+from pipesched.ir import COMM_OPS, Instr, Op
+
+checks = importlib.import_module("pipesched.validate")  # the module (``pipesched.validate`` is the function)
 
 HEADER = "microbatches: {m}\nstage_to_rank: 0 1\n"
 GOOD = HEADER.format(m=1) + """
@@ -66,6 +74,42 @@ rank 1: RECV_F1.1<0 RECV_F1.0<0 F1.0 B1.0 SEND_B1.0>0 F1.1 B1.1 SEND_B1.1>0
     _check(text, PairingError, 0, "SEND_F0.0>1", "out of the order of its sends")
 
 
+# interleaved 1F1B, p=2, m=2, v=2 as compiled, but rank 0 posts RECV_B2.0 (the gradient rank 1 sends third) before
+# RECV_F2.1 (the activation it sends second): per-kind channels would pair these, FIFO between the two ranks does not
+ACROSS_KINDS = """microbatches: 2
+stage_to_rank: 0 1 0 1
+rank 0: F0.0 SEND_F0.0>1 F0.1 SEND_F0.1>1 RECV_F2.0<1 F2.0 SEND_F2.0>1 RECV_B2.0<1 RECV_F2.1<1 F2.1 SEND_F2.1>1
+        B2.0 SEND_B2.0>1 RECV_B2.1<1 B2.1 SEND_B2.1>1 RECV_B0.0<1 B0.0 RECV_B0.1<1 B0.1
+rank 1: RECV_F1.0<0 F1.0 RECV_F1.1<0 SEND_F1.0>0 F1.1 RECV_F3.0<0 SEND_F1.1>0 F3.0 RECV_F3.1<0 B3.0 SEND_B3.0>0
+        F3.1 B3.1 RECV_B1.0<0 SEND_B3.1>0 B1.0 RECV_B1.1<0 SEND_B1.0>0 B1.1 SEND_B1.1>0
+""".replace("\n        ", " ")
+
+
+def test_receives_out_of_send_order_across_kinds():
+    assert str(loads(ACROSS_KINDS)).count("RECV_") == str(compile_program("interleaved-1f1b", 2, 2, 2)).count("RECV_")
+    error = _check(ACROSS_KINDS, PairingError, 1, "SEND_F1.1>0", "out of the order of its sends")
+    assert "rank 0's matching receive is RECV_B2.0<1" in error.reason
+
+
+def test_engine_refuses_a_send_matched_to_a_receive_posted_for_another_message():
+    # the engine alone (static pairing skipped) pairs SEND_F1.1 with RECV_B2.0, first in first out
+    program = loads(ACROSS_KINDS)
+    with pytest.raises(PairingError) as info:
+        engine.run(engine.Plan(program))
+    assert (info.value.rank, str(info.value.instr)) == (1, "SEND_F1.1>0")
+    assert ("matches RECV_B2.0<1 on rank 0, a receive posted for another message: it sends the output of stage 1 "
+            "for microbatch 1, the receive is for the input gradient of stage 3 for microbatch 0") in info.value.reason
+    assert str(info.value).count("<-- here") == 2
+
+
+def test_engine_refuses_a_receive_left_without_its_send():
+    program = loads(GOOD.replace("rank 1: RECV_F1.0<0", "rank 1: RECV_F1.0<0 RECV_F1.0<0"))
+    with pytest.raises(PairingError) as info:
+        engine.run(engine.Plan(program))
+    assert (info.value.rank, str(info.value.instr)) == (1, "RECV_F1.0<0")
+    assert "has no matching send on rank 0" in info.value.reason
+
+
 ONE_RANK = "microbatches: {m}\nstage_to_rank: 0\nrank 0: {stream}\n"
 
 
@@ -103,3 +147,109 @@ def open_example(name):
     from pathlib import Path
 
     return (Path(__file__).resolve().parents[1] / "schedules" / "examples" / name).read_text()
+
+
+# ---- differential: fast check == exact check == engine, on valid programs edited at random ---------------------
+
+def _exact(explain, program):
+    """The exact check's verdict: the error it raises, or None."""
+    try:
+        explain(program)
+    except ScheduleError as error:
+        return error
+    return None
+
+
+def _agree(program) -> str:
+    """Assert that, in validate's order up to the first check that fails, each fast check and its exact check
+    agree, and validate raises the exact check's error; that the engine alone rejects what pairing rejects; and
+    that, the static checks passed, the engine's verdict is validate's. Returns the check that failed ("valid")."""
+    try:
+        plan = engine.Plan(program)
+    except engine.NoSuchStage:
+        plan = None
+    for check in checks.CHECKS:
+        failed, error = not check.passes(program, plan), _exact(check.explain, program)
+        assert failed == (error is not None), f"{check.name}: fast check failed={failed}, exact: {error!r}\n{program}"
+        if failed:
+            with pytest.raises(type(error)) as raised:
+                validate(program)
+            assert str(raised.value) == str(error)
+            if check is checks.PAIRING:  # the engine checks pairing again as it matches
+                with pytest.raises((PairingError, DeadlockError)):
+                    engine.run(plan)
+            return check.name
+    done = engine.fire_all(plan)
+    complete = done.heads == plan.first[1:]
+    assert done.mismatch is None and not (complete and done.unmatched), f"the engine disagrees on pairing\n{program}"
+    if complete:
+        assert validate(program) is program
+        return "valid"
+    with pytest.raises(DeadlockError):
+        validate(program)
+    return "deadlock"
+
+
+def _rekind(instr: Instr, op: Op, peer: int) -> Instr:
+    if op is Op.ALL_REDUCE:
+        return Instr(op, instr.stage)
+    mb = instr.microbatch if instr.microbatch is not None else 0
+    return Instr(op, instr.stage, mb, peer if op in COMM_OPS else None)
+
+
+@st.composite
+def edited_programs(draw):
+    """A compiled program (small sizes, every option, forward-only or with receives posted early) with one to
+    three random edits: swap two instructions (any two, or neighbours), move one a few places, drop one,
+    duplicate one, give one another kind, or another stage or microbatch (up to one past the last). Half the
+    time every edit moves a SEND or RECV a few places instead, which often keeps the order valid, so that some
+    edited programs deadlock (receives are then where add_send_recv put them: posted early, few moves deadlock)."""
+    name = draw(st.sampled_from(sorted(SCHEDULES)))
+    only_moves = draw(st.booleans())  # deadlocks need an order-valid program: move messages only, half the time
+    p, m = draw(st.integers(2 if only_moves else 1, 3)), draw(st.integers(1, 4))
+    v = draw(st.integers(1, 2)) if SCHEDULES[name].default_virtual_stages > 1 else 1
+    program = compile_program(name, p, m, v, dp_size=draw(st.integers(1, 2)), recompute=draw(st.booleans()),
+                              split_backward=draw(st.booleans()), forward_only=draw(st.integers(0, 3)) == 0,
+                              early_receives=0 if only_moves else draw(st.sampled_from([0, 2, 16])))
+    streams = [list(stream) for stream in program.ranks]
+    for _ in range(draw(st.integers(1, 3))):
+        rank = draw(st.integers(0, p - 1))
+        stream = streams[rank]
+        if not stream:
+            continue
+        at = draw(st.integers(0, len(stream) - 1))
+        edit = "move" if only_moves else draw(st.sampled_from(["swap", "swap next", "move", "drop", "duplicate",
+                                                               "rekind", "renumber"]))
+        comm = [k for k, instr in enumerate(stream) if instr.op in COMM_OPS]
+        if edit.startswith("swap"):
+            other = min(at + 1, len(stream) - 1) if edit == "swap next" else draw(st.integers(0, len(stream) - 1))
+            stream[at], stream[other] = stream[other], stream[at]
+        elif edit == "move":
+            at = draw(st.sampled_from(comm)) if comm and only_moves else at
+            to = min(max(0, at + draw(st.integers(-4, 4))), len(stream) - 1)
+            stream.insert(to, stream.pop(at))
+        elif edit == "drop":
+            del stream[at]
+        elif edit == "duplicate":
+            stream.insert(draw(st.integers(0, len(stream))), stream[at])
+        elif edit == "rekind":
+            op = draw(st.sampled_from([op for op in Op if op is not stream[at].op]))
+            stream[at] = _rekind(stream[at], op, draw(st.integers(0, p - 1)))
+        elif stream[at].microbatch is not None and draw(st.booleans()):
+            stream[at] = stream[at]._replace(microbatch=draw(st.integers(0, m)))
+        else:
+            stream[at] = stream[at]._replace(stage=draw(st.integers(0, program.num_stages)))
+    return program.replace(streams)
+
+
+def test_fast_and_exact_checks_and_the_engine_agree():
+    seen = set()
+
+    @settings(max_examples=1000, deadline=None)
+    @given(edited_programs())
+    def agree(program):
+        seen.add(_agree(program))
+
+    agree()
+    # not vacuous: the edits reach every check's failure, deadlocks and valid programs
+    assert seen == {"structure", "completeness", "order", "pairing", "deadlock", "valid"}

@@ -14,18 +14,17 @@ import json
 
 from ..ir import Op
 from ..program_io import fingerprint
-from .plan import stages_with
 
 _PREFIX = "pipesched/construct"
 
 
 def describe(program, balance, num_layers: int, world_size: int) -> dict:
     """What every rank of the job must agree on, JSON-ready, most telling field first."""
-    recomputed = stages_with(program, Op.R)
+    recomputed = program.stages_with(Op.R)
     return {"world_size": world_size, "dp_size": program.dp_size, "schedule": program.schedule,
             "num_microbatches": program.num_microbatches, "stages": program.num_stages,
             "recompute": [s in recomputed for s in range(program.num_stages)],
-            "split_backward stages": sorted(stages_with(program, Op.I)), "layers": num_layers,
+            "split_backward stages": sorted(program.stages_with(Op.I)), "layers": num_layers,
             "balance": list(balance), "program fingerprint": f"{fingerprint(program):014x}"}
 
 

@@ -120,13 +120,18 @@ def init_default_group(device: torch.device) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
+def backend_for(device: torch.device) -> str:
+    """The backend of the pipeline and data-parallel groups of stages on ``device``: NCCL on CUDA, else gloo."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def make_groups(grid: Grid, timeout: float, device: torch.device):
     """Create every replica's pipeline group and every pipeline rank's DP group (collective over the world,
     same order on every rank); return ``(my_pp_group, my_dp_group or None)``. Their backend follows the
     device the stages live on (NCCL for CUDA, gloo otherwise), whatever the default group's is. Waits on
     them time out after ``timeout`` seconds."""
     delta = datetime.timedelta(seconds=timeout)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend_for(device)
     pp_group = dp_group = None
     for k in range(grid.dp_size):
         group = dist.new_group(list(grid.pipeline_ranks(k)), timeout=delta, backend=backend)

@@ -1,6 +1,7 @@
 """The executor: one rank's instruction stream run through a dispatch table (kind -> handler).
 
-There is no per-schedule code here: the order of work is the program's. Each handler does one
+There is no per-schedule code here and no reordering: each step runs, in order, this rank's stream of one
+of the proven programs it is given (:class:`~pipesched.api.StepPrograms`). Each handler does one
 instruction; the executor records when each started and ended (a measured
 :class:`~pipesched.timeline.Timeline`) and the bytes of activations held for backward.
 """
@@ -18,7 +19,10 @@ from .recompute import BufferLedger, check_no_forward_hooks, keep_nothing, repla
 from .settings import SETTINGS
 from .split import backward_input, backward_weight
 from .clock import clock_for
-from .plan import loss_post_position, reduced_params, run_orders
+from .torch_errors import inplace_on_leaf
+from ..api import StepPrograms
+from ..protocol import loss_post_position
+from .plan import reduced_params
 from .transport import Transport, wait
 
 def _call_stage(module, arg, stage: int):
@@ -28,7 +32,7 @@ def _call_stage(module, arg, stage: int):
     try:
         return module(arg)
     except RuntimeError as exc:
-        if "leaf Variable that requires grad is being used in an in-place operation" not in str(exc):
+        if not inplace_on_leaf(exc):
             raise
         raise ValueError(f"stage {stage} modifies its input in place (e.g. nn.ReLU(inplace=True) as its first "
                          f"layer); a stage's input is a leaf tensor that needs a gradient, which autograd does not "
@@ -67,24 +71,23 @@ class _Step:
 
 
 class Executor:
-    """Runs pipeline rank ``pp_rank``'s stream of ``program`` on its ``stages`` ({stage: module}).
+    """Runs pipeline rank ``pp_rank``'s stream of one of ``programs`` per step on its ``stages`` ({stage: module}).
 
     Args:
+        programs: the validated programs of each kind of step (:func:`~pipesched.api.step_programs`):
+            a step runs ``programs.pick(train, learning)``, this rank's stream of it exactly as it is.
         transport: point-to-point messages within this pipeline.
         dp_group: the data-parallel group (``None`` when ``program.dp_size == 1``).
         loss_fn: ``loss_fn(output, target) -> scalar tensor`` on the last stage.
         recompute: per stage, whether its forward is recomputed (the program has R for it).
         first_layers: per stage, the index in the model of its first layer (names layers in errors; default:
             each stage counts its layers from 0).
-        hoist: post receives early (:func:`~pipesched.runtime.plan.hoist_recvs`) once message shapes are
-            known. Only for a backend that matches messages by tag and whose receives do not hold up later
-            sends (gloo); with NCCL, where the ops between two ranks share one stream, every message runs at
-            its program position.
     """
 
-    def __init__(self, program, pp_rank, stages, transport: Transport, dp_group, loss_fn, recompute, device,
-                 hoist: bool = True, first_layers=None):
-        self.program, self.pp_rank, self.stages = program, pp_rank, stages
+    def __init__(self, programs: StepPrograms, pp_rank, stages, transport: Transport, dp_group, loss_fn, recompute,
+                 device, first_layers=None):
+        program = programs.train  # the four share placement and sizes
+        self.programs, self.program, self.pp_rank, self.stages = programs, program, pp_rank, stages
         self.transport, self.dp_group, self.loss_fn = transport, dp_group, loss_fn
         self.recompute, self.device = recompute, device
         self.first_layers = first_layers if first_layers is not None else [0] * program.num_stages
@@ -96,12 +99,15 @@ class Executor:
         table = {Op.F: self._f, Op.B: self._b, Op.I: self._i, Op.W: self._w, Op.R: self._r,
                  Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b,
                  Op.RECV_B: self._recv_b, Op.ALL_REDUCE: self._all_reduce}
-        orders = run_orders(program.ranks[pp_rank], hoist)
-        self.plans = {key: [(table[i.op], i) for i in order] for key, order in orders.items()}
-        #: per plan, the position after which the loss receive is posted (see :func:`loss_post_position`)
-        self.loss_post = {(train, early): loss_post_position(order, program.stage_to_rank[-1], early)
-                          for (train, early), order in orders.items()}
-        self.hoist = hoist
+        #: per (train, learning): this rank's stream of that program, each instruction with its handler
+        self.plans, self.loss_post = {}, {}
+        for key in ((True, False), (True, True), (False, False), (False, True)):
+            stream = programs.pick(*key).ranks[pp_rank]
+            self.plans[key] = [(table[i.op], i) for i in stream]
+            #: the position after which the loss receive is posted (see :func:`loss_post_position`)
+            early = programs.early_receives > 0 and not key[1]
+            self.loss_post[key] = loss_post_position(stream, program.stage_to_rank[-1], early)
+        self.ran = None  # the program of the last step run
         self.current = None  # the instruction running now (for error reports)
         self.clock = clock_for(device)
         self.events: list = []  # [instr, start mark, end mark] per instruction run, see pipesched.runtime.clock
@@ -121,8 +127,8 @@ class Executor:
         self.events = events = []
         mark = self.clock.mark
         self.origin = mark()
-        # receives are posted early once the message shapes are known (not while learning them)
-        key = (inputs.train, not inputs.learning and self.hoist)
+        key = (inputs.train, inputs.learning)
+        self.ran = self.programs.pick(*key)  # the program this step runs (its stream is self.plans[key])
         loss_post = self.loss_post[key] if inputs.train and self.last not in self.local else None
         if loss_post == -1:
             self._post_loss()

@@ -15,17 +15,70 @@ process exited or was killed), it reports that peer as the likely origin instead
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import time
 import traceback
+from dataclasses import dataclass
+
+from .torch_errors import peer_closed_connection
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """What failed, as every rank of the job learns it: published to the store as JSON (:meth:`to_json`).
+
+    Attributes:
+        rank: world rank of the rank that failed (for a ``lost`` record: the peer that closed its connection).
+        pp_rank: its pipeline rank (``None`` if unknown).
+        instr: the instruction it was running, text form (``"F1.2"``), or ``None`` (outside any instruction).
+        op, stage, microbatch: the instruction's kind (``"F"``, ``"B"``, ...), stage and microbatch, or ``None``.
+        cause: ``"ExceptionType: message"`` of the original exception.
+        traceback: the original traceback text.
+        id: unique per published record (``"rank:time_ns"``): the store key counting the ranks that read it.
+            ``None`` for a ``lost`` record, which is never published.
+        lost: no record could be read, but the peer ``rank`` closed its connection: it failed or exited first.
+    """
+
+    rank: int | None
+    pp_rank: int | None = None
+    instr: str | None = None
+    op: str | None = None
+    stage: int | None = None
+    microbatch: int | None = None
+    cause: str = ""
+    traceback: str = ""
+    id: str | None = None
+    lost: bool = False
+
+    @classmethod
+    def local(cls, rank: int, instr, exc: BaseException, pp_rank: int | None = None) -> FailureRecord:
+        """The record of a failure of this rank: ``exc`` raised while running ``instr`` (or outside any: ``None``)."""
+        return cls(
+            rank=rank, pp_rank=pp_rank, id=f"{rank}:{time.time_ns()}",
+            instr=None if instr is None else str(instr),
+            op=None if instr is None else instr.op.value,
+            stage=None if instr is None else instr.stage,
+            microbatch=None if instr is None else instr.microbatch,
+            cause=f"{type(exc).__name__}: {exc}",
+            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> FailureRecord:
+        return cls(**json.loads(text))
 
 
 class PipelineError(RuntimeError):
     """A rank of the pipeline failed during a step; raised on every rank of the job.
 
     Attributes:
+        record: the :class:`FailureRecord` every rank read.
         rank: world rank of the rank that failed first (or, when its record could not be read and this
-            rank lost its connection to a peer, that peer: ``info["lost"]`` is then true).
+            rank lost its connection to a peer, that peer: ``record.lost`` is then true).
         pp_rank: its pipeline rank (``None`` if unknown).
         instr: the instruction it was running, text form (``"F1.2"``), or ``None`` (outside any instruction).
         op, stage, microbatch: the instruction's kind (``"F"``, ``"B"``, ...), stage and microbatch, or ``None``.
@@ -33,18 +86,18 @@ class PipelineError(RuntimeError):
         detail: the original traceback text (on every rank).
     """
 
-    def __init__(self, info: dict, seen_by: int | None = None, note: str = "") -> None:
-        self.info = dict(info)
-        self.rank, self.pp_rank = info.get("rank"), info.get("pp_rank")
-        self.instr = info.get("instr")
-        self.op, self.stage, self.microbatch = info.get("op"), info.get("stage"), info.get("microbatch")
-        self.cause = info.get("cause", "")
-        self.detail = info.get("traceback", "")
+    def __init__(self, record: FailureRecord, seen_by: int | None = None, note: str = "") -> None:
+        self.record = record
+        self.rank, self.pp_rank = record.rank, record.pp_rank
+        self.instr = record.instr
+        self.op, self.stage, self.microbatch = record.op, record.stage, record.microbatch
+        self.cause = record.cause
+        self.detail = record.traceback
         self.seen_by, self.note = seen_by, note
         super().__init__(self._message())
 
     def _message(self) -> str:
-        if self.info.get("lost"):
+        if self.record.lost:
             text = f"pipeline rank failure: {self.cause}"
         else:
             if self.instr is not None:
@@ -59,38 +112,25 @@ class PipelineError(RuntimeError):
         return text
 
     def __reduce__(self):
-        return (PipelineError, (self.info, self.seen_by, self.note))
+        return (PipelineError, (self.record, self.seen_by, self.note))
 
 
 class CommError(RuntimeError):
     """A wait on a message or collective failed (peer gone, timeout); the executor turns it into a
-    :class:`PipelineError` after reading the store for the rank that failed first."""
+    :class:`PipelineError` after reading the store for the rank that failed first.
+
+    Attributes:
+        what: the message or collective waited for (``"RECV_F1.1 from pipeline rank 0"``).
+        original: torch's exception.
+        peer: the pipeline rank waited on, if one.
+        connection_lost: the peer closed the connection (its process failed or exited) rather than the wait timing
+            out; decided once, from ``original`` (:func:`~pipesched.runtime.torch_errors.peer_closed_connection`).
+    """
 
     def __init__(self, what: str, exc: BaseException, peer: int | None = None) -> None:
-        self.what, self.original, self.peer = what, exc, peer  # peer: the pipeline rank waited on, if one
+        self.what, self.original, self.peer = what, exc, peer
+        self.connection_lost = peer_closed_connection(exc)
         super().__init__(f"{what}: {type(exc).__name__}: {exc}")
-
-
-    @property
-    def connection_lost(self) -> bool:
-        """The peer closed the connection (its process failed or exited), rather than a timeout."""
-        text = str(self.original).lower()
-        return any(s in text for s in ("closed by peer", "connection reset", "broken pipe", "connection refused"))
-
-
-def failure_info(rank: int, instr, exc: BaseException, pp_rank: int | None = None) -> dict:
-    """The JSON-ready record of a local failure."""
-    return {
-        "rank": rank,
-        "pp_rank": pp_rank,
-        "id": f"{rank}:{time.time_ns()}",
-        "instr": None if instr is None else str(instr),
-        "op": None if instr is None else instr.op.value,
-        "stage": None if instr is None else instr.stage,
-        "microbatch": None if instr is None else instr.microbatch,
-        "cause": f"{type(exc).__name__}: {exc}",
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-    }
 
 
 class FailureChannel:
@@ -102,16 +142,16 @@ class FailureChannel:
         self.unreachable = False  # a store operation failed: its host process has probably exited
         self.keys = [f"pipesched/{name}/error" for name in group_names]
 
-    def publish(self, info: dict) -> None:
-        """Write ``info`` under every key that holds no record yet (best effort: the store may be gone)."""
-        payload = json.dumps(info)
+    def publish(self, record: FailureRecord) -> None:
+        """Write ``record`` under every key that holds no record yet (best effort: the store may be gone)."""
+        payload = record.to_json()
         for key in self.keys:
             try:
                 self.store.compare_set(key, "", payload)
             except Exception:  # noqa: BLE001 - publishing must never hide the original error
                 pass
 
-    def lookup(self, wait_s: float = 0.0) -> dict | None:
+    def lookup(self, wait_s: float = 0.0) -> FailureRecord | None:
         """The first record found under any key, polling up to ``wait_s`` seconds; ``None`` if none."""
         deadline = time.monotonic() + wait_s
         errors = 0
@@ -119,7 +159,7 @@ class FailureChannel:
             for key in self.keys:
                 try:
                     if self.store.check([key]):
-                        return json.loads(self.store.get(key).decode())
+                        return FailureRecord.from_json(self.store.get(key).decode())
                 except Exception:  # noqa: BLE001 - a dead store means no record (retried: it may be transient)
                     self.unreachable = True
                     errors += 1
@@ -130,27 +170,27 @@ class FailureChannel:
                 return None
             time.sleep(0.02)
 
-    def seen(self, info: dict) -> None:
-        """Count this rank as having read record ``info`` (the origin lingers until every rank has)."""
-        if "id" in info:
+    def seen(self, record: FailureRecord) -> None:
+        """Count this rank as having read ``record`` (the origin lingers until every rank has)."""
+        if record.id is not None:
             try:
-                self.store.add(_seen_key(info), 1)
+                self.store.add(_seen_key(record), 1)
             except Exception:  # noqa: BLE001 - best effort
                 self.unreachable = True
 
-    def keep_alive_for(self, info: dict, world_size: int, grace_s: float) -> None:
-        """This process published ``info`` first (or hosts the store): let :func:`linger` keep it up at exit
-        until all ``world_size`` ranks have read ``info``, at most ``grace_s`` seconds."""
-        if world_size > 1 and "id" in info:
+    def keep_alive_for(self, record: FailureRecord, world_size: int, grace_s: float) -> None:
+        """This process published ``record`` first (or hosts the store): let :func:`linger` keep it up at exit
+        until all ``world_size`` ranks have read it, at most ``grace_s`` seconds."""
+        if world_size > 1 and record.id is not None:
             global _registered
-            _origins.append((self.store, _seen_key(info), world_size, grace_s))
+            _origins.append((self.store, _seen_key(record), world_size, grace_s))
             if not _registered:
                 _registered = True
                 atexit.register(linger)
 
 
-def _seen_key(info: dict) -> str:
-    return f"pipesched/seen/{info['id']}"
+def _seen_key(record: FailureRecord) -> str:
+    return f"pipesched/seen/{record.id}"
 
 
 _origins: list = []  # (store, seen key, world size, grace s) of records this process published first

@@ -4,6 +4,8 @@ batch is the same ``ValueError`` on every rank before any work, and a changed se
 rank re-learn the step's message metas."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .comm import DTYPE_CODE, TAG_TARGET
@@ -12,6 +14,20 @@ from .microbatch import split
 from .transport import wait
 
 SIG_LEN = 64  # int64 words of a step signature
+
+
+class StepKey(NamedTuple):
+    """What a step's message metas follow from, and so the key they are cached under: the input's description
+    and every pipeline rank's settings. Two steps with equal keys send messages of the same shapes, dtypes,
+    ``requires_grad`` and gradient presence."""
+
+    signature: tuple[int, ...]  # :func:`encode_signature`'s words after the rejection flag: train, m, batch, ...
+    settings: tuple[int, ...]  # every pipeline rank's settings fingerprint, by pipeline rank
+
+    @property
+    def batch_size(self) -> int:
+        """``N``, the size of the step's batch along dim 0."""
+        return self.signature[2]
 
 
 class Rejected(ValueError):
@@ -45,8 +61,8 @@ class Handshake:
         pipeline group.
 
         Returns:
-            ``(words, settings, microbatches, is_tuple)``: the input's description, every pipeline rank's
-            fingerprint by rank; ``microbatches`` is ``None`` on the other ranks.
+            ``(key, microbatches, is_tuple)``: the :class:`StepKey` (the input's description and every pipeline
+            rank's fingerprint); ``microbatches`` is ``None`` on the other ranks.
         Raises:
             Rejected: stage 0's rank refused ``x``, or ranks disagree on ``step()`` versus ``forward()`` (on
                 every rank, with the same message).
@@ -74,7 +90,7 @@ class Handshake:
         if len(set(made)) > 1:
             raise Rejected("every rank of a pipeline must make the same call; "
                            + ", ".join(f"pipeline rank {r} called {calls[c]}" for r, c in enumerate(made)))
-        return words, tuple(row[0] for row in rows), micro, is_tuple
+        return StepKey(tuple(words[1:]), tuple(row[0] for row in rows)), micro, is_tuple
 
     def target_verdict(self, target, total: int, check_targets):
         """The last stage's rank checks ``target`` with ``check_targets(target, total)`` and tells the others.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -9,22 +10,57 @@ from ..ir import Instr
 from ..timeline import Event, Timeline, peak_inflight
 
 
-def local_timeline(record: dict, program, pp_rank: int) -> Timeline:
+@dataclass
+class StepRecord:
+    """What one rank measured in its last ``step()`` or ``forward()``.
+
+    Attributes:
+        events: ``[instr, start mark, end mark]`` per instruction run, in run order (marks of ``clock``).
+        origin: the mark of the step's start.
+        clock: the :mod:`~pipesched.runtime.clock` that made the marks.
+        wall0: ``time.time()`` at the step's start (aligns the ranks' timelines).
+        peak: bytes of activations held for backward at this rank's peak.
+        allocated: CUDA bytes allocated at the step's peak above its start, or ``None`` (CPU).
+        train: a training ``step()`` (else ``forward()``).
+        dp_rank: this rank's data-parallel replica.
+    """
+
+    events: list
+    origin: object
+    clock: object
+    wall0: float
+    peak: int
+    allocated: int | None
+    train: bool
+    dp_rank: int
+    _seconds: list | None = field(default=None, repr=False)
+
+    def seconds(self) -> list:
+        """``(instr, start, end)`` in seconds from the step's start, from the marks the executor recorded (turned
+        into seconds once, when first asked: on CUDA this waits for the step's events)."""
+        if self._seconds is None:
+            marks = [m for _, start, end in self.events for m in (start, end)]
+            at = self.clock.seconds(self.origin, marks)
+            self._seconds = [(instr, at[2 * k], at[2 * k + 1]) for k, (instr, _, _) in enumerate(self.events)]
+        return self._seconds
+
+
+def local_timeline(record: StepRecord, program, pp_rank: int) -> Timeline:
     """This rank's events of the last step (seconds from its start); ``peak_activation_bytes`` holds this
     rank's measured peak and NaN for the other ranks."""
-    peaks = tuple(float(record["peak"]) if r == pp_rank else math.nan for r in range(program.num_ranks))
-    events = tuple(Event(pp_rank, instr, start, end) for instr, start, end in seconds(record))
+    peaks = tuple(float(record.peak) if r == pp_rank else math.nan for r in range(program.num_ranks))
+    events = tuple(Event(pp_rank, instr, start, end) for instr, start, end in record.seconds())
     return Timeline(events, program.num_ranks, "measured", _meta(record, program),
-                    _inflight(program, record["train"]), peaks, ranks=(pp_rank,))
+                    _inflight(program, record.train), peaks, ranks=(pp_rank,))
 
 
-def gather_timeline(record: dict, program, pp_rank: int, group) -> Timeline:
+def gather_timeline(record: StepRecord, program, pp_rank: int, group) -> Timeline:
     """Every pipeline rank's events of the last step in one timeline (collective over the pipeline group).
 
     Clocks are aligned with each rank's wall-clock time at its step start (exact on one host; across
     hosts as good as their clock synchronisation): time 0 is the earliest rank's start.
     """
-    mine = (pp_rank, record["wall0"], [(str(i), s, e) for i, s, e in seconds(record)], record["peak"])
+    mine = (pp_rank, record.wall0, [(str(i), s, e) for i, s, e in record.seconds()], record.peak)
     gathered = [None] * program.num_ranks
     dist.all_gather_object(gathered, mine, group=group)
     origin = min(g[1] for g in gathered)
@@ -34,24 +70,14 @@ def gather_timeline(record: dict, program, pp_rank: int, group) -> Timeline:
         events.extend(Event(rank, Instr.parse(text), s + shift, e + shift) for text, s, e in items)
         peaks[rank] = float(peak)
     return Timeline(tuple(events), program.num_ranks, "measured", _meta(record, program),
-                    _inflight(program, record["train"]), tuple(peaks))
+                    _inflight(program, record.train), tuple(peaks))
 
 
-def _meta(record: dict, program) -> dict:
+def _meta(record: StepRecord, program) -> dict:
     return {"schedule": program.schedule, "ranks": program.num_ranks, "microbatches": program.num_microbatches,
             "virtual_stages": program.num_stages // max(1, program.num_ranks), "dp_size": program.dp_size,
-            "dp_rank": record["dp_rank"], "step": "train" if record["train"] else "forward",
-            "clock": record["clock"].name}
-
-
-def seconds(record: dict) -> list:
-    """``(instr, start, end)`` in seconds from the step's start, from the marks the executor recorded (turned
-    into seconds once, when first asked: on CUDA this waits for the step's events)."""
-    if "seconds" not in record:
-        marks = [m for _, start, end in record["events"] for m in (start, end)]
-        at = record["clock"].seconds(record["origin"], marks)
-        record["seconds"] = [(instr, at[2 * k], at[2 * k + 1]) for k, (instr, _, _) in enumerate(record["events"])]
-    return record["seconds"]
+            "dp_rank": record.dp_rank, "step": "train" if record.train else "forward",
+            "clock": record.clock.name}
 
 
 def _inflight(program, train: bool) -> tuple[int, ...]:

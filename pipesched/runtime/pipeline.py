@@ -10,20 +10,19 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from .. import compile_program
+from ..api import StepPrograms, compile_program, step_programs
 from ..ir import Op, Program
-from ..schedules._common import check_positive
-from .comm import init_default_group, make_grid, make_groups, warn_if_unlaunched, world_and_rank
+from ..checks import check_positive
+from .comm import backend_for, init_default_group, make_grid, make_groups, warn_if_unlaunched, world_and_rank
 from .accounting import cuda_memory_base, cuda_peak_since
 from .agreement import agree, describe, refuse
 from .devices import checked_device, move_to
 from .executor import StepInputs, Executor
-from .handshake import Handshake, Rejected
+from .handshake import Handshake, Rejected, StepKey
 from .settings import fingerprint
-from .failure import CommError, FailureChannel, PipelineError, failure_info
-from .measured import gather_timeline, local_timeline
+from .failure import CommError, FailureChannel, FailureRecord, PipelineError
+from .measured import StepRecord, gather_timeline, local_timeline
 from .microbatch import batch_size, merge, split, split_sizes
-from .plan import stages_with
 from .recompute import refuse_forward_hooks
 from .stage import build_stages, check_no_cross_rank_sharing, layer_starts, layers_of, resolve_balance
 from .transport import Transport
@@ -67,6 +66,15 @@ class Pipeline:
             CPU or an available CUDA device holding all of this rank's stage tensors, else a ``ValueError`` naming
             both devices (:func:`~pipesched.runtime.devices.checked_device`); ``x`` and ``target`` are moved there.
         timeout: seconds any rank waits for a message or collective before failing the step.
+        early_receives: ``None`` (default): as the backend allows (:func:`pipesched.api.passes_for`): on gloo,
+            once a step's message shapes are known, receives are posted up to 16 instructions early
+            (:func:`pipesched.lower.post_receives_early`); on NCCL every message stays at its program
+            position. ``False``: program order on gloo too. ``True``: early receives (gloo only).
+    Attributes:
+        programs: the validated programs this pipeline runs (:class:`pipesched.api.StepPrograms`): ``step()``
+            and ``forward()``, once the message shapes are known and while learning them; the executor runs
+            this rank's stream of the one that fits each step, as it is.
+        program: ``programs.train``, what ``step()`` runs once the shapes are known.
     Raises:
         TypeError, ValueError (incl. ``ScheduleArgumentError``), UnknownScheduleError: a bad argument,
             before any communication; the message names the argument, its value and what is valid.
@@ -81,10 +89,11 @@ class Pipeline:
 
     def __init__(self, model, schedule: str = "1f1b", num_microbatches: int = 1, loss_fn=None,
                  virtual_stages: int | None = None, balance=None, dp_size: int = 1, recompute=False,
-                 split_backward=False, device=None, timeout: float = 300.0) -> None:
+                 split_backward=False, device=None, timeout: float = 300.0,
+                 early_receives: bool | None = None) -> None:
         try:
             layers = self._setup(model, schedule, num_microbatches, loss_fn, virtual_stages, balance, dp_size,
-                                 recompute, split_backward, device, timeout)
+                                 recompute, split_backward, device, timeout, early_receives)
         except Exception as exc:
             if dist.is_available() and dist.is_initialized():  # the other ranks must not wait for this one
                 refuse(dist.distributed_c10d._get_default_store(), dist.get_rank(), exc)
@@ -96,20 +105,19 @@ class Pipeline:
         self._pp_group, self._dp_group = make_groups(grid, self.timeout, self.device)
         names = [self._pp_group.group_name] + ([self._dp_group.group_name] if self._dp_group else [])
         self._failures = FailureChannel(dist.distributed_c10d._get_default_store(), names)
-        recomputed = stages_with(self.program, Op.R)
+        recomputed = self.program.stages_with(Op.R)
         flags = [s in recomputed for s in range(self.program.num_stages)]
-        self._executor = Executor(self.program, grid.pp_rank, self.stages,
+        self._executor = Executor(self.programs, grid.pp_rank, self.stages,
                                   Transport(self._pp_group, self.program.num_stages, self.device),
-                                  self._dp_group, self.loss_fn, flags, self.device,
-                                  hoist=dist.get_backend(self._pp_group) == "gloo", first_layers=self.first_layers)
+                                  self._dp_group, self.loss_fn, flags, self.device, first_layers=self.first_layers)
         self._handshake = Handshake(self._executor.transport, self.program, grid.pp_rank, self.device)
-        self._metas: OrderedDict = OrderedDict()  # (signature, settings) -> {(kind, stage, mb): meta}
-        self._records = {"step": None, "forward": None}  # the last step()'s and the last forward()'s
+        self._metas: OrderedDict[StepKey, dict] = OrderedDict()  # -> {(kind, stage, mb): meta}
+        self._records: dict[str, StepRecord | None] = {"step": None, "forward": None}  # the last step()'s, forward()'s
         self._broken: PipelineError | None = None
         self._closed = False
 
     def _setup(self, model, schedule, num_microbatches, loss_fn, virtual_stages, balance, dp_size, recompute,
-               split_backward, device, timeout) -> list:
+               split_backward, device, timeout, early_receives) -> list:
         """Everything decided locally, before any communication: checks, program, stages, device. Returns the
         model's layers."""
         check_positive("num_microbatches", num_microbatches, 1)
@@ -130,9 +138,12 @@ class Pipeline:
         self.grid, self.loss_fn, self.timeout = grid, loss_fn, float(timeout)
         self.stages = build_stages(layers, self.balance, self.program.stages_of(grid.pp_rank))
         self.first_layers = layer_starts(self.balance)
-        recomputed = stages_with(self.program, Op.R)  # their forward runs twice: no forward hooks there
+        recomputed = self.program.stages_with(Op.R)  # their forward runs twice: no forward hooks there
         refuse_forward_hooks(self.stages, [s in recomputed for s in range(self.program.num_stages)], self.first_layers)
         self.device = checked_device(self.stages, device)  # ValueError naming device and both devices
+        # the programs the backend's steps run (early receives on gloo), each proven with its step protocol
+        self.programs: StepPrograms = step_programs(self.program, backend_for(self.device), early_receives)
+        self.program = self.programs.train
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL and all_gather_object use the current device
         warn_if_unlaunched()  # plain `python train.py`: one rank, nothing split (SingleProcessWarning)
@@ -245,7 +256,7 @@ class Pipeline:
         """Bytes of activations this rank held for backward at the peak of the last training :meth:`step`
         (``None`` before one; a later ``forward()`` does not change it)."""
         record = self._records["step"]
-        return None if record is None else record["peak"]
+        return None if record is None else record.peak
 
     @property
     def peak_memory_allocated(self) -> int | None:
@@ -253,7 +264,7 @@ class Pipeline:
         was allocated when it began (``torch.cuda.max_memory_allocated``; activations, gradients and
         temporaries alike). ``None`` on CPU or before a step. Each step resets the device's peak statistics."""
         record = self._records["step"]
-        return None if record is None else record["allocated"]
+        return None if record is None else record.allocated
 
     def _record(self, kind: str):
         if kind not in self._records:
@@ -268,7 +279,7 @@ class Pipeline:
         if self._closed:
             raise RuntimeError("this Pipeline was closed; create a new one")
         if self._broken is not None:
-            raise PipelineError(self._broken.info, self.grid.world_rank, "this Pipeline failed in an earlier step")
+            raise PipelineError(self._broken.record, self.grid.world_rank, "this Pipeline failed in an earlier step")
 
     def _guarded(self, run):
         try:
@@ -280,13 +291,12 @@ class Pipeline:
             raise error from (None if isinstance(exc, CommError) else exc)
 
     def _run(self, x, target, train: bool):
-        words, settings, micro, is_tuple = self._handshake.signature(x, train, lambda batch: _to(batch, self.device),
-                                                                     fingerprint(self.stages, self.device))
-        m, total = self.program.num_microbatches, words[3]
+        key, micro, is_tuple = self._handshake.signature(x, train, lambda batch: _to(batch, self.device),
+                                                         fingerprint(self.stages, self.device))
+        m, total = self.program.num_microbatches, key.batch_size
         sizes = split_sizes(total, m)
         targets = self._handshake.target_verdict(target, total, self._targets) if train else None
-        key = (tuple(words[1:]), settings)  # metas follow from the input and every rank's settings
-        metas = self._metas.get(key)
+        metas = self._metas.get(key)  # metas follow from the input and every rank's settings
         learning = metas is None
         inputs = StepInputs(train, micro, is_tuple, targets, [n / total for n in sizes],
                             {} if learning else metas, learning)
@@ -296,9 +306,9 @@ class Pipeline:
         self._handshake.settle()
         self._remember(key, inputs.metas)
         ex = self._executor
-        self._records["step" if train else "forward"] = {
-            "events": ex.events, "origin": ex.origin, "clock": ex.clock, "wall0": wall0, "peak": peak,
-            "allocated": cuda_peak_since(self.device, base), "train": train, "dp_rank": self.grid.dp_rank}
+        self._records["step" if train else "forward"] = StepRecord(
+            events=ex.events, origin=ex.origin, clock=ex.clock, wall0=wall0, peak=peak,
+            allocated=cuda_peak_since(self.device, base), train=train, dp_rank=self.grid.dp_rank)
         if train:
             return loss
         return outputs
@@ -314,7 +324,7 @@ class Pipeline:
         parts, is_tuple = split(_to(target, self.device, "target"), self.program.num_microbatches, "target")
         return [p if is_tuple else p[0] for p in parts]
 
-    def _remember(self, key, metas) -> None:
+    def _remember(self, key: StepKey, metas: dict) -> None:
         self._metas[key] = metas
         self._metas.move_to_end(key)
         while len(self._metas) > _CACHE_SIZE:
@@ -326,37 +336,37 @@ class Pipeline:
         """Publish (or read) the first failure, tear the process groups down, return the error to raise."""
         me, instr = self.grid.world_rank, self._executor.current
         note = ""
-        info = None
+        record = None
         if isinstance(exc, CommError):
             note = f"while waiting for {exc.what}"
-            info = self._failures.lookup(wait_s=1.0)
-            if info is None and exc.peer is not None and exc.connection_lost:
-                info = self._lost_peer(exc)
-        origin = info is None
+            record = self._failures.lookup(wait_s=1.0)
+            if record is None and exc.peer is not None and exc.connection_lost:
+                record = self._lost_peer(exc)
+        origin = record is None
         if origin:
-            info = failure_info(me, instr, exc, self.pp_rank)
-        if not info.get("lost"):
-            self._failures.publish(info)  # the origin's record, or passed on to this rank's other group (DP)
-        self._failures.seen(info)
+            record = FailureRecord.local(me, instr, exc, self.pp_rank)
+        if not record.lost:
+            self._failures.publish(record)  # the origin's record, or passed on to this rank's other group (DP)
+        self._failures.seen(record)
         if origin or me == 0:  # world rank 0 hosts the store under env:// (and launch)
-            self._failures.keep_alive_for(info, self.grid.world_size, _ORIGIN_GRACE_S)
+            self._failures.keep_alive_for(record, self.grid.world_size, _ORIGIN_GRACE_S)
         if exc.__traceback__ is not None:
             traceback.clear_frames(exc.__traceback__)  # drop frame references to pending messages
         self._teardown()
-        self._broken = PipelineError(info, me, "" if info.get("lost") else note)
+        self._broken = PipelineError(record, me, "" if record.lost else note)
         return self._broken
 
-    def _lost_peer(self, exc: CommError) -> dict:
+    def _lost_peer(self, exc: CommError) -> FailureRecord:
         """No record to read, but the peer closed the connection: that peer failed or exited first."""
         peer_world = self.grid.pipeline_ranks(self.grid.dp_rank)[exc.peer]
         why = ("its failure record is unreachable: the process hosting the store has exited"
                if self._failures.unreachable else "it left no failure record")
-        return {"rank": peer_world, "pp_rank": exc.peer, "instr": None, "op": None, "stage": None,
-                "microbatch": None, "lost": True,
-                "cause": f"world rank {self.grid.world_rank} (pipeline rank {self.pp_rank}) lost its connection to "
-                         f"pipeline rank {exc.peer} (world rank {peer_world}) while waiting for {exc.what}; that rank "
-                         f"failed or exited first ({why})",
-                "traceback": f"{type(exc.original).__name__}: {exc.original}"}
+        return FailureRecord(
+            rank=peer_world, pp_rank=exc.peer, lost=True,
+            cause=f"world rank {self.grid.world_rank} (pipeline rank {self.pp_rank}) lost its connection to "
+                  f"pipeline rank {exc.peer} (world rank {peer_world}) while waiting for {exc.what}; that rank "
+                  f"failed or exited first ({why})",
+            traceback=f"{type(exc.original).__name__}: {exc.original}")
 
     def _teardown(self) -> None:
         """Destroy this rank's groups so peers blocked on it see a closed connection at once."""

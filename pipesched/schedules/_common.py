@@ -1,15 +1,9 @@
 """Helpers shared by the schedule builders: argument checks and program assembly."""
 from __future__ import annotations
 
+from ..checks import check_positive
 from ..errors import ScheduleArgumentError
 from ..ir import Instr, Op, Program, trusted_instr
-
-
-def check_positive(name: str, value, minimum: int = 1) -> int:
-    """Return ``value`` as an int if it is an integer >= ``minimum``, else raise ``ScheduleArgumentError``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ScheduleArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 def check_one_stage_sizes(name: str, num_ranks, num_microbatches, virtual_stages) -> tuple[int, int]:
@@ -23,7 +17,7 @@ def check_one_stage_sizes(name: str, num_ranks, num_microbatches, virtual_stages
     if virtual_stages != 1:
         raise ScheduleArgumentError(
             f"virtual_stages={virtual_stages!r}: {name} places one stage per rank, so virtual_stages must be 1 "
-            f"(use interleaved-1f1b for v > 1)"
+            f"(use interleaved-1f1b for v > 1)", argument="virtual_stages"
         )
     return p, m
 

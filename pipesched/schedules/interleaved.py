@@ -6,7 +6,8 @@ from itertools import repeat
 from .. import placement
 from ..engine import paused_gc
 from ..ir import Instr, Op, trusted_instrs
-from ._common import check_positive, program
+from ..checks import check_positive
+from ._common import program
 
 F, B = Op.F, Op.B
 

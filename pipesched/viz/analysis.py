@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..ir import COMPUTE_OPS, Op
+from ..deps import message, needs
+from ..ir import BACKWARD_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Op
 from ..timeline import Event, Timeline
 
 CATEGORIES = ("warmup", "steady", "cooldown", "communication", "imbalance")
@@ -21,7 +22,8 @@ def bubble_breakdown(timeline: Timeline) -> dict:
 
     - ``communication``: idle instants while a message the rank waits for is in flight. For the idle
       gap that ends where a compute ``c`` starts, the message is the one ``c`` consumes
-      (``RECV_F(s, mb)`` for ``F(s, mb)``, ``RECV_B(s, mb)`` for ``B``/``I(s, mb)``); it is in flight from
+      (:func:`pipesched.deps.needs`: ``RECV_F(s, mb)`` for ``F(s, mb)``, ``RECV_B(s, mb)`` for
+      ``B``/``I(s, mb)``); it is in flight from
       its ``SEND``'s start (with no ``SEND`` event in the timeline: from when the receive was posted) to
       the ``RECV``'s end (when it landed). For the trailing gap after the rank's last compute it is the
       time the rank's ``ALL_REDUCE`` events are still running. A compute-only timeline (no SEND/RECV
@@ -82,14 +84,12 @@ def starts_after_receives(timeline: Timeline) -> Timeline:
     (the box then covers idle time and the bubble reads too small); this moves such a start to the
     ``RECV``'s end (never past the event's own end). Events already keeping the contract are unchanged.
     """
-    windows = _message_windows(timeline)
+    flights = MessageFlights(timeline)
     events = []
     for e in timeline.events:
-        i = e.instr
-        group = "F" if i.op is Op.F else "B" if i.op in (Op.B, Op.I) else None
-        window = windows.get((e.rank, group, i.stage, i.microbatch)) if group else None
+        window = flights.of(e)
         start = min(e.end, max(e.start, window[1])) if window else e.start
-        events.append(e if start == e.start else Event(e.rank, i, start, e.end))
+        events.append(e if start == e.start else Event(e.rank, e.instr, start, e.end))
     return replace(timeline, events=tuple(events))
 
 
@@ -128,22 +128,33 @@ def _overlap(a: float, b: float, c: float, d: float) -> tuple[float, float] | No
     return (lo, hi) if hi > lo + _EPS else None
 
 
-def _message_windows(timeline: Timeline) -> dict:
-    """``(rank, consumer op group, stage, mb) -> (in flight from, landed)`` for every RECV event."""
-    sent = {}
-    for e in timeline.events:
-        i = e.instr
-        if i.op is Op.SEND_F:
-            sent[("F", i.stage + 1, i.microbatch)] = e.start
-        elif i.op is Op.SEND_B:
-            sent[("B", i.stage - 1, i.microbatch)] = e.start
-    windows = {}
-    for e in timeline.events:
-        i = e.instr
-        if i.op in (Op.RECV_F, Op.RECV_B):
-            key = ("F" if i.op is Op.RECV_F else "B", i.stage, i.microbatch)
-            windows[(e.rank,) + key] = (sent.get(key, e.start), e.end)
-    return windows
+class MessageFlights:
+    """When each message a rank's compute consumes was in flight: from its ``SEND``'s start (with no ``SEND``
+    event, from when its ``RECV`` was posted) to its ``RECV``'s end. A message is keyed by the receiving rank
+    and :func:`pipesched.deps.message` (the same item for the SEND and the RECV); the compute that consumes
+    it is the one that :func:`pipesched.deps.needs` it."""
+
+    def __init__(self, timeline: Timeline) -> None:
+        events = timeline.events
+        #: message -> its SEND's start; (receiving rank, message) -> (in flight from, landed)
+        self.sent = {message(e.instr): e.start for e in events if e.instr.op in SEND_OPS}
+        self.windows = {(e.rank, message(e.instr)): (self.sent.get(message(e.instr), e.start), e.end)
+                        for e in events if e.instr.op in RECV_OPS}
+        self.num_stages = 1 + max((e.instr.stage for e in events), default=-1)
+
+    def of(self, event: Event) -> tuple[float, float] | None:
+        """The flight window of the message the compute ``event`` consumes from another rank, or ``None``."""
+        if event.instr.op not in COMPUTE_OPS:
+            return None
+        for item in needs(event.instr, self.num_stages, 0):
+            window = self.windows.get((event.rank, item))
+            if window is not None:
+                return window
+        return None
+
+    def durations(self) -> list[float]:
+        """Seconds from each SEND's start to its RECV's end, for the messages with both events."""
+        return [max(0.0, landed - start) for (_, item), (start, landed) in self.windows.items() if item in self.sent]
 
 
 def _split_rank(timeline: Timeline, rank: int) -> tuple[dict, list]:
@@ -154,9 +165,9 @@ def _split_rank(timeline: Timeline, rank: int) -> tuple[dict, list]:
     starts = {}
     for e in computes:
         starts.setdefault(e.start, e)
-    windows = _message_windows(timeline)
+    flights = MessageFlights(timeline)
     reduces = [(e.start, e.end) for e in timeline.events if e.rank == rank and e.instr.op is Op.ALL_REDUCE]
-    backward_starts = [e.start for e in computes if e.instr.op in (Op.B, Op.I)]
+    backward_starts = [e.start for e in computes if e.instr.op in BACKWARD_OPS]
     warm_end = min(backward_starts) if backward_starts else t1
     forward_ends = [e.end for e in computes if e.instr.op is Op.F]
     cool_start = max([warm_end] + forward_ends)
@@ -169,7 +180,7 @@ def _split_rank(timeline: Timeline, rank: int) -> tuple[dict, list]:
             gaps.append((cursor, start))
         cursor = max(cursor, end)
     for a, b in gaps:
-        comm = _gap_waits(a, b, starts.get(b), rank, windows, reduces)
+        comm = _gap_waits(a, b, starts.get(b), flights, reduces)
         waits.extend(comm)
         for lo, hi in _subtract(a, b, [(c0, c1) for c0, c1, _ in comm]):
             result["warmup"] += _length(lo, hi, t0, warm_end)
@@ -181,13 +192,11 @@ def _split_rank(timeline: Timeline, rank: int) -> tuple[dict, list]:
     return result, waits
 
 
-def _gap_waits(a, b, next_compute, rank, windows, reduces) -> list:
+def _gap_waits(a, b, next_compute, flights: MessageFlights, reduces) -> list:
     if next_compute is None:  # the trailing gap: waiting for the step's all-reduces
         found = [_overlap(a, b, c, d) for c, d in _merge(reduces)]
         return [(lo, hi, "all-reduce") for lo, hi in filter(None, found)]
-    i = next_compute.instr
-    group = "F" if i.op is Op.F else "B" if i.op in (Op.B, Op.I) else None
-    window = windows.get((rank, group, i.stage, i.microbatch)) if group else None
+    window = flights.of(next_compute)
     hit = window and _overlap(a, b, *window)
     return [(hit[0], hit[1], "p2p")] if hit else []
 

@@ -6,16 +6,15 @@ import statistics
 from ..api import compile_program
 from ..cost import CostModel
 from ..ir import Op
-from ..sim import simulate
+from ..sim import COST_FIELD, simulate
 from ..timeline import Timeline
 from . import _style
-from .analysis import CATEGORIES, bubble_breakdown
+from .analysis import CATEGORIES, MessageFlights, bubble_breakdown
 from .gantt import (ROW_IN, add_legend, annotate_ranks, axes_width_in, draw_rows, rank_axis, set_title,
                     time_axis, title_text)
 
 __all__ = ["bubble_breakdown", "fit_cost", "plot_comparison", "predict_for", "simulate_like"]
 
-_COST_FIELD = {Op.F: "forward", Op.B: "backward", Op.I: "input_grad", Op.W: "weight_grad", Op.R: "recompute"}
 BREAKDOWN_IN = 1.9  # inches of the breakdown bar panel
 
 
@@ -32,12 +31,12 @@ def fit_cost(measured: Timeline) -> CostModel:
     stages = 1 + max((e.instr.stage for e in measured.events), default=-1)
     samples: dict = {}
     for event in measured.events:
-        if event.instr.op in _COST_FIELD:
+        if event.instr.op in COST_FIELD:
             samples.setdefault((event.instr.op, event.instr.stage), []).append(event.duration)
     if not any(op is Op.F for op, _ in samples):
         raise ValueError("cannot fit costs: the timeline has no forward (F) events")
     fields = {}
-    for op, name in _COST_FIELD.items():
+    for op, name in COST_FIELD.items():
         if any(o is op for o, _ in samples):
             fields[name] = [_sig3(statistics.fmean(samples.get((op, s), [0.0]))) for s in range(stages)]
     if "backward" not in fields:
@@ -55,20 +54,18 @@ def predict_for(measured: Timeline, cost: CostModel | None = None) -> Timeline:
 
     The program is compiled from the measured timeline's ``meta`` (``schedule``, ``ranks``,
     ``microbatches``, ``virtual_stages``, ``dp_size``), recomputing the stages that have ``R`` events and
-    splitting the backward of those that have ``I`` events.
+    splitting the backward of those that have ``I`` events; a timeline of a ``forward()`` (``meta["step"]``)
+    gets the forward-only program (:func:`pipesched.lower.forward_only`).
 
     Raises:
         ValueError: ``meta`` does not name a registered schedule and its sizes; the timeline holds only some
-            ranks (``Pipeline.timeline()``) or is of a ``forward()``.
+            ranks (``Pipeline.timeline()``).
         UnknownScheduleError, ScheduleArgumentError: as :func:`pipesched.compile_program`.
     """
     meta = measured.meta
     if measured.ranks is not None and len(measured.ranks) < measured.num_ranks:
         raise ValueError(f"the measured timeline holds ranks {list(measured.ranks)} of {measured.num_ranks}; a "
                          f"prediction needs every rank's costs: save Pipeline.gather_timeline(), not .timeline()")
-    if meta.get("step") == "forward":
-        raise ValueError("the measured timeline is of a forward() (no backward); predictions are of training "
-                         "steps: save the timeline of a step()")
     missing = [k for k in ("schedule", "microbatches") if k not in meta]
     if missing:
         raise ValueError(f"the measured timeline's meta lacks {missing}; it has {sorted(meta)} — cannot "
@@ -79,7 +76,7 @@ def predict_for(measured: Timeline, cost: CostModel | None = None) -> Timeline:
     recompute, split = ({e.instr.stage for e in measured.events if e.instr.op is op} for op in (Op.R, Op.I))
     program = compile_program(meta["schedule"], ranks, int(meta["microbatches"]), None if v is None else int(v),
                               dp_size=int(meta.get("dp_size", 1)), recompute=_flags(recompute, stages),
-                              split_backward=_flags(split, stages))
+                              split_backward=_flags(split, stages), forward_only=meta.get("step") == "forward")
     return simulate(program, cost or fit_cost(measured), check=False)
 
 
@@ -225,16 +222,4 @@ def _share_xlim(axes) -> None:
 
 
 def _fitted_latency(timeline: Timeline) -> float:
-    sent = {}
-    for e in timeline.events:
-        if e.instr.op is Op.SEND_F:
-            sent[("F", e.instr.stage + 1, e.instr.microbatch)] = e.start
-        elif e.instr.op is Op.SEND_B:
-            sent[("B", e.instr.stage - 1, e.instr.microbatch)] = e.start
-    flights = []
-    for e in timeline.events:
-        if e.instr.op in (Op.RECV_F, Op.RECV_B):
-            key = ("F" if e.instr.op is Op.RECV_F else "B", e.instr.stage, e.instr.microbatch)
-            if key in sent:
-                flights.append(max(0.0, e.end - sent[key]))
-    return min(flights, default=0.0)
+    return min(MessageFlights(timeline).durations(), default=0.0)

@@ -65,7 +65,7 @@ def save_chrome_trace(timeline: Timeline, path) -> None:
         json.dump(to_chrome_trace(timeline), handle)
 
 
-write_chrome_trace = save_chrome_trace  # the name examples/train_gpt.py uses
+write_chrome_trace = save_chrome_trace  # an older name, kept for scripts that use it
 
 
 def _category(op: Op) -> str:

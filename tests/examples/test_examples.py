@@ -1,23 +1,60 @@
-"""The examples run end to end: the GPT trains across 2 pipeline ranks and writes its timelines."""
+"""The examples run end to end: the demo GPT trains across 2 pipeline ranks from an installed (not editable)
+copy of the package, run from another folder, and writes its timelines; the quickstart trains."""
+import importlib.util
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from pipesched.demo.options import options
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.multiprocess
 
 
-def test_train_gpt_short_run(tmp_path):
-    out = tmp_path / "demo"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--ranks", "2", "--steps", "30",
-         "--width", "32", "--depth", "2", "--heads", "2", "--context", "32", "--batch", "8",
-         "--corpus-bytes", "200000", "--seed", "3", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """``pip install --no-deps --target`` of a copy of the source (the build leaves nothing in the checkout):
+    the package as a user installs it, without examples/ or anything else outside the package."""
+    base = tmp_path_factory.mktemp("install")
+    source = base / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "pipesched", source / "pipesched", ignore=shutil.ignore_patterns("__pycache__"))
+    target = base / "site"
+    offline = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []  # else pip fetches it
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *offline, "--no-compile",
+                    "--target", str(target), str(source)], check=True, capture_output=True, timeout=300)
+    elsewhere = base / "elsewhere"  # no pipesched/ or examples/ next to the working directory
+    elsewhere.mkdir()
+    return target, elsewhere
+
+
+def _run_installed(installed, *argv, timeout=300):
+    target, cwd = installed
+    env = dict(os.environ, PYTHONPATH=str(target))
+    return subprocess.run([sys.executable, "-m", "pipesched", *argv], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+def test_the_demo_runs_from_an_installed_package(installed):
+    target, cwd = installed
+    assert not (target / "examples").exists()
+    where = subprocess.run([sys.executable, "-c", "import pipesched.demo.train as t; print(t.__file__)"], cwd=cwd,
+                           env=dict(os.environ, PYTHONPATH=str(target)), capture_output=True, text=True, check=True)
+    assert Path(where.stdout.strip()).is_relative_to(target)  # the installed copy, not this checkout
+    result = _run_installed(installed, "demo", "--help", timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("usage: pipesched demo") and "--virtual-stages" in result.stdout
+    out = cwd / "demo"
+    result = _run_installed(installed, "demo", "--ranks", "2", "--steps", "30", "--width", "32", "--depth", "2",
+                            "--heads", "2", "--context", "32", "--batch", "8", "--corpus-bytes", "200000",
+                            "--seed", "3", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"step +\d+/30 +loss (\S+)", result.stdout)]
     assert len(losses) == 3 and all(loss == loss and loss < 10 for loss in losses)  # finite
@@ -27,6 +64,13 @@ def test_train_gpt_short_run(tmp_path):
     assert "sample:" in result.stdout
     for name in ("timeline.png", "trace.json", "measured.json"):
         assert (out / name).stat().st_size > 0, name
+
+
+def test_train_gpt_is_the_demo_as_a_script():
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--help"],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("usage: train_gpt.py") and "--virtual-stages" in result.stdout
 
 
 def test_quickstart():
@@ -44,25 +88,15 @@ def test_quickstart():
     (["--balance", "foo"], "--balance must be 'params', 'layers' or layer counts"),
     (["--data", "/nonexistent/text"], "--data '/nonexistent/text': no such file or folder"),
 ])
-def test_train_gpt_options_are_checked_before_any_rank_starts(argv, message, capsys):
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import train_gpt
-    finally:
-        sys.path.pop(0)
+def test_demo_options_are_checked_before_any_rank_starts(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
-        train_gpt.options(argv, prog="pipesched demo")
+        options(argv, prog="pipesched demo")
     assert info.value.code == 2
     assert f"pipesched demo: error: {message}" in capsys.readouterr().err
 
 
 def _demo_options(argv):
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import train_gpt
-    finally:
-        sys.path.pop(0)
-    return train_gpt.options(argv, prog="pipesched demo")
+    return options(argv, prog="pipesched demo")
 
 
 @pytest.mark.parametrize("argv, virtual_stages, depth", [

@@ -24,11 +24,10 @@ def _data(seed, n=8, width=8):
 def transparency(rank, schedule, v, m=4, n=8, steps=3, layers=8, balance=None, hoist=True, **options):
     """Several optimizer steps; per step: loss equal, grads bitwise; at the end params bitwise.
     ``options``: more Pipeline arguments (split_backward, recompute); ``hoist=False``: every message at its
-    program position, as with NCCL."""
+    program position, as with NCCL (``early_receives=False``)."""
     model, ref = pair(num_layers=layers)
     pipe = Pipeline(model, schedule=schedule, num_microbatches=m, loss_fn=F.mse_loss, virtual_stages=v,
-                    balance=balance, **options)
-    pipe._executor.hoist = hoist
+                    balance=balance, early_receives=hoist, **options)
     opt, ref_opt = torch.optim.AdamW(pipe.parameters(), lr=0.01), torch.optim.AdamW(ref.parameters(), lr=0.01)
     out = []
     for step in range(steps):
@@ -175,8 +174,8 @@ def accumulate(rank):
 def message_order(rank, schedule, v, hoist):
     """Every send and receive post this rank makes, in call order, as ("send" | "recv", peer, tag), over a step
     that learns the shapes, a step that knows them and a forward; ``hoist=False`` runs the NCCL discipline."""
-    pipe = Pipeline(mlp(), schedule=schedule, num_microbatches=4, loss_fn=F.mse_loss, virtual_stages=v)
-    pipe._executor.hoist = hoist
+    pipe = Pipeline(mlp(), schedule=schedule, num_microbatches=4, loss_fn=F.mse_loss, virtual_stages=v,
+                    early_receives=hoist)
     transport, ops = pipe._executor.transport, []
     send, post = transport.send, transport.post
 
@@ -380,5 +379,5 @@ def store_host_exits(rank, timeout):
         pipe.step(*_data(0))
     except PipelineError as exc:
         return {"type": "PipelineError", "rank": exc.rank, "pp_rank": exc.pp_rank, "instr": exc.instr,
-                "lost": bool(exc.info.get("lost")), "message": str(exc)}
+                "lost": exc.record.lost, "message": str(exc)}
     return {"type": None}

@@ -5,6 +5,9 @@ import torch
 
 import pytest
 
+from pipesched import compile_program, step_programs
+from pipesched.protocol import step_posts
+from pipesched.runtime.comm import TAG_LOSS, TAG_TARGET, tag_of
 from rt_cases import SCHEDULES
 
 pytestmark = pytest.mark.multiprocess
@@ -123,6 +126,27 @@ def test_message_order_on_four_ranks(four_ranks, schedule, hoist):
     logs = [results[("order", schedule, hoist)] for results in four_ranks]
     assert all(len(log) > 16 for log in logs)
     _check_message_order(logs, hoist)
+
+
+def _step_posts(schedule, v, p, early) -> list:
+    """Per rank, the posts ``message_order`` makes by :func:`pipesched.protocol.step_posts` (a learning step, a
+    step, a learning forward), as ``(kind, peer, tag)``."""
+    programs = step_programs(compile_program(schedule, p, 4, v), "gloo", early)
+    tags = {"loss": TAG_LOSS, "target": TAG_TARGET}
+    runs = ((programs.learn_train, True, False), (programs.train, False, early), (programs.learn_forward, True, False))
+    return [[(post.kind, post.peer, tags.get(post.message[0]) or tag_of(*post.message, programs.train.num_stages))
+             for program, learning, early_run in runs for post in step_posts(program, rank, learning, early_run)]
+            for rank in range(p)]
+
+
+@pytest.mark.parametrize("hoist", [True, False], ids=["gloo-early-receives", "program-order"])
+@pytest.mark.parametrize("schedule", [s for s, _ in SCHEDULES])
+def test_real_gloo_posts_are_the_protocols(two_ranks, four_ranks, schedule, hoist):
+    v = dict(SCHEDULES)[schedule]
+    for ranks in (two_ranks, four_ranks):
+        if ("order", schedule, hoist) in ranks[0]:
+            logs = [results[("order", schedule, hoist)] for results in ranks]
+            assert logs == _step_posts(schedule, v, len(ranks), hoist)
 
 
 def test_program_order_messaging_is_bitwise_too(two_ranks):

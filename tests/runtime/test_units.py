@@ -133,8 +133,8 @@ def test_stage_activation_bytes_of_linear_tanh_blocks():
 
 
 def test_pipeline_error_names_world_and_pipeline_ranks():
-    from pipesched.runtime.failure import PipelineError
-    info = {"rank": 3, "pp_rank": 1, "instr": "F1.2", "op": "F", "stage": 1, "microbatch": 2, "cause": "ValueError: x"}
+    from pipesched.runtime.failure import FailureRecord, PipelineError
+    info = FailureRecord(rank=3, pp_rank=1, instr="F1.2", op="F", stage=1, microbatch=2, cause="ValueError: x")
     assert str(PipelineError(info, 2, "while waiting for RECV_B0.2 from pipeline rank 1")) == (
         "pipeline rank failure: world rank 3 (pipeline rank 1) failed at instruction F1.2 (kind F, stage 1, "
         "microbatch 2): ValueError: x [reported to world rank 2: while waiting for RECV_B0.2 from pipeline rank 1]")
@@ -178,8 +178,8 @@ class _CountingStore:
 
 
 def test_a_failing_rank_lingers_until_every_rank_read_its_record_at_most_its_grace():
-    from pipesched.runtime.failure import FailureChannel, linger
-    info = {"rank": 0, "id": "0:1"}
+    from pipesched.runtime.failure import FailureChannel, FailureRecord, linger
+    info = FailureRecord(rank=0, id="0:1")
     FailureChannel(_CountingStore(2), ["g"]).keep_alive_for(info, 2, 30.0)  # both ranks have read it
     assert linger() < 10.0  # returns at once, far inside the 30 s grace
     FailureChannel(_CountingStore(1), ["g"]).keep_alive_for(info, 2, 30.0)  # the other rank never reads it

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from pipesched import CostModel, Timeline
+from pipesched import CostModel, Timeline, compile_program, simulate
 from pipesched.viz.compare import fit_cost, plot_comparison, predict_for
 
 from viz_support import sim
@@ -88,12 +88,18 @@ def test_package_exports_what_the_training_example_uses(tmp_path):
     assert len([e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "X"]) == len(program)
 
 
-def test_prediction_refuses_a_one_rank_timeline_and_a_forward_timeline():
+def test_prediction_refuses_a_one_rank_timeline():
     _, timeline = sim("1f1b", 2, 4, cost=CostModel(forward=1e-3, backward=2e-3))
     one = Timeline(tuple(e for e in timeline.events if e.rank == 1), 2, "measured", dict(timeline.meta), ranks=(1,))
     with pytest.raises(ValueError, match=r"holds ranks \[1\] of 2; a prediction needs every rank's costs: save "
                                          r"Pipeline.gather_timeline\(\), not .timeline\(\)"):
         predict_for(one)
-    forward = Timeline(timeline.events, 2, "measured", {**timeline.meta, "step": "forward"})
-    with pytest.raises(ValueError, match=r"is of a forward\(\) \(no backward\)"):
-        predict_for(forward)
+
+
+def test_a_forward_timeline_is_predicted_with_the_forward_only_program():
+    program = compile_program("1f1b", 2, 4, forward_only=True)
+    timeline = simulate(program, CostModel(forward=[1e-3, 2e-3], backward=2e-3, latency=1e-4))
+    predicted = predict_for(as_measured(timeline))  # its meta says step: forward
+    assert predicted.meta["step"] == "forward" and predicted.peak_inflight == (0, 0)
+    assert [(e.rank, e.instr) for e in predicted.events] == [(e.rank, e.instr) for e in timeline.events]
+    assert predicted.makespan == pytest.approx(timeline.makespan)

@@ -1,0 +1,104 @@
+"""The demo's command line, checked before any rank starts: a bad option exits 2 naming it and what is valid,
+and the model is sized so that every stage gets a layer. Loads no torch."""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from .. import ScheduleArgumentError, UnknownScheduleError, build, get_schedule
+
+DESCRIPTION = "Train a small GPT (byte level) across pipeline ranks with pipesched, then show where the bubble was."
+
+
+def options(argv=None, prog: str | None = None) -> argparse.Namespace:
+    """Parse and check the command line; a bad option exits 2 with a message naming it and what is valid."""
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved-1f1b (default 1f1b)")
+    parser.add_argument("--ranks", type=int, default=4, help="pipeline ranks (pipesched demo only; torchrun: "
+                        "world size / dp)")
+    parser.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default 4)")
+    parser.add_argument("--virtual-stages", type=int, default=None,
+                        help="stages per rank (default: the schedule's: 2 for interleaved-1f1b, else 1)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
+    parser.add_argument("--recompute", action="store_true", help="recompute activations in backward")
+    parser.add_argument("--balance", default="params",
+                        help="'params' (default: equal parameters per stage), 'layers', or layer counts like 2,2,2,1")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
+    parser.add_argument("--context", type=int, default=128, help="bytes per sequence (default 128)")
+    parser.add_argument("--width", type=int, default=128, help="model width (default 128)")
+    parser.add_argument("--depth", type=int, default=None,
+                        help="transformer blocks (default: 4, or one per stage when ranks x virtual stages is more); "
+                             "the model has depth + 3 layers (embedding, blocks, final norm, head), and every stage "
+                             "needs at least one")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data", default=None, help="text file or folder (default: the stdlib's source)")
+    parser.add_argument("--corpus-bytes", type=int, default=2_000_000, help="bytes of text to use (default 2e6)")
+    parser.add_argument("--out", default="out/demo", help="folder for the timeline pictures and trace")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a stuck rank gives up")
+    args = parser.parse_args(argv)
+    _check(parser, args)
+    return args
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("ranks", "microbatches", "virtual_stages", "dp", "steps", "batch", "context", "width", "depth",
+                 "heads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.width % args.heads:
+        parser.error(f"--width {args.width} must be a multiple of --heads {args.heads} (each head gets width/heads)")
+    if args.batch < args.microbatches:
+        parser.error(f"--batch {args.batch} must be >= --microbatches {args.microbatches} (every microbatch needs "
+                     f"at least one sequence)")
+    if args.data is not None and not Path(args.data).exists():
+        parser.error(f"--data {args.data!r}: no such file or folder")
+    try:
+        args.balance = _balance(args.balance)
+    except ValueError:
+        parser.error(f"--balance must be 'params', 'layers' or layer counts per stage like 2,2,2,1; got {args.balance!r}")
+    _fit_model_to_stages(parser, args)
+
+
+def _balance(text: str):
+    if text == "params":
+        return "params"
+    if text == "layers":
+        return None
+    return [int(x) for x in text.split(",")]
+
+
+def _fit_model_to_stages(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Resolve ``--virtual-stages`` (None: the schedule's default, as ``Pipeline`` does) and ``--depth`` (None: 4
+    blocks, or one per stage when there are more stages), and check the model has a layer for every stage.
+
+    The pipeline ranks are ``--ranks``, or under torchrun ``WORLD_SIZE / --dp``.
+    """
+    try:
+        info = get_schedule(args.schedule)
+    except UnknownScheduleError as exc:
+        parser.error(f"--schedule: {exc}")
+    if args.virtual_stages is None:
+        args.virtual_stages = info.default_virtual_stages
+    ranks = args.ranks
+    if "WORLD_SIZE" in os.environ:  # under torchrun: the pipeline has WORLD_SIZE / dp ranks
+        ranks = max(1, int(os.environ["WORLD_SIZE"]) // args.dp)
+    try:
+        build(args.schedule, ranks, args.microbatches, args.virtual_stages)
+    except ScheduleArgumentError as exc:
+        parser.error(f"--schedule {args.schedule} with --virtual-stages {args.virtual_stages}: {exc}")
+    stages = ranks * args.virtual_stages
+    if args.depth is None:
+        args.depth = max(4, stages)
+    layers = args.depth + 3  # embedding, the blocks, final norm, head
+    if layers < stages:
+        parser.error(f"--depth {args.depth} gives the model {layers} layers (embedding, {args.depth} blocks, final "
+                     f"norm, head) but {ranks} ranks x {args.virtual_stages} virtual stages = {stages} stages need "
+                     f"at least {stages}: use --depth {stages - 3} or more (or leave --depth out), or fewer "
+                     f"--ranks or --virtual-stages")
+    if isinstance(args.balance, list) and (len(args.balance) != stages or sum(args.balance) != layers):
+        parser.error(f"--balance {','.join(map(str, args.balance))}: needs {stages} layer counts (one per stage) "
+                     f"summing to the model's {layers} layers, got {len(args.balance)} summing to {sum(args.balance)}")

@@ -1,0 +1,120 @@
+"""The demo's training: each rank's loop (under torchrun, or spawned by ``pipesched demo``), the validation
+loss before and after, a sample from the trained model, and the measured timeline next to the simulated one."""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..runtime import Pipeline, launch
+from .data import batches, load_text
+from .model import generate, lm_loss, make_gpt
+from .options import options
+
+
+def main(argv=None, prog: str | None = None) -> None:
+    """Entry point: under torchrun, train this rank; otherwise spawn ``--ranks x --dp`` local ranks."""
+    args = options(argv, prog)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        train(int(os.environ["RANK"]), args)
+        dist.destroy_process_group()
+    else:
+        launch(train, args.ranks * args.dp, args, timeout=24 * 3600.0)
+
+
+def train(rank: int, args: argparse.Namespace) -> None:
+    """Rank ``rank``'s training loop; rank 0 prints the progress, the sample and the files it wrote."""
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    text = load_text(args.data, args.corpus_bytes)
+    corpus = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()  # (N,)
+    split = int(0.9 * len(corpus))
+    model = make_gpt(256, args.context, args.width, args.depth, args.heads, dropout=0.0)
+    pipe = Pipeline(model, schedule=args.schedule, num_microbatches=args.microbatches, loss_fn=lm_loss,
+                    virtual_stages=args.virtual_stages, dp_size=args.dp, recompute=args.recompute,
+                    balance=args.balance, timeout=args.timeout)
+    # every replica sees different data; all ranks of one pipeline see the same batches
+    generator = torch.Generator().manual_seed(args.seed + 1000 * pipe.grid.dp_rank)
+    train_data = batches(corpus[:split], args.batch, args.context, generator)
+    val_stream = batches(corpus[split:], args.batch, args.context, torch.Generator().manual_seed(args.seed + 7))
+    val_data = [next(val_stream) for _ in range(8)]  # the same batches before and after training
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
+    report = rank == 0
+    start_val = evaluate(pipe, val_data)
+    if report:
+        print(f"{args.schedule}: {pipe.program.num_ranks} pipeline ranks x {args.dp} dp, {args.microbatches} microbatches, "
+              f"{args.virtual_stages} virtual stage(s) per rank, {args.depth} blocks ({args.depth + 3} layers in "
+              f"{pipe.program.num_stages} stages), {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+              f"{len(text) / 1e6:.1f} MB of text; validation loss at start {start_val:.3f}", flush=True)
+    started, tokens = time.perf_counter(), 0
+    for step in range(1, args.steps + 1):
+        x, y = next(train_data)
+        loss = pipe.step(x, target=y)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        schedule.step()
+        tokens += x.numel() * args.dp
+        if step % 10 == 0 or step == args.steps:
+            bubble = pipe.gather_timeline().bubble_fraction  # collective: every rank reports together
+        if report and (step % 10 == 0 or step == args.steps):
+            rate = tokens / (time.perf_counter() - started)
+            print(f"step {step:>4}/{args.steps}  loss {loss.item():.3f}  {rate:,.0f} tokens/s  "
+                  f"measured bubble {bubble:.2f}", flush=True)
+    measured = pipe.gather_timeline()  # the last training step, every pipeline rank (collective)
+    end_val = evaluate(pipe, val_data)
+    paths = write_timelines(pipe, measured, Path(args.out))
+    gather_model(model, pipe)
+    if report:
+        print(f"validation loss {start_val:.3f} -> {end_val:.3f} "
+              f"({'fell' if end_val < start_val else 'DID NOT FALL'})")
+        sample = generate(model, b"def ", 120, args.context, args.seed)
+        print("sample:\n" + sample)
+        for path in paths:
+            print(f"wrote {path}")
+
+
+def evaluate(pipe: Pipeline, data: list) -> float:
+    """Mean validation loss over the batches ``data``; every rank gets it (the last stage computes it)."""
+    total = torch.zeros(2)  # (sum of losses, count)
+    with torch.no_grad():
+        for x, y in data:
+            logits = pipe.forward(x)  # (B, T, V) on the last stage, None elsewhere
+            if logits is not None:
+                total += torch.tensor([lm_loss(logits, y).item(), 1.0])
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+def gather_model(model: nn.Sequential, pipe: Pipeline) -> None:
+    """Copy every rank's trained parameters into rank 0's full copy of the model (collective)."""
+    mine = {id(p) for p in pipe.parameters()}
+    local = {name: p.detach().clone() for name, p in model.named_parameters() if id(p) in mine}
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local, parts, dst=0)
+    if dist.get_rank() == 0:
+        state = {name: t for part in parts for name, t in part.items()}
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(state[name])
+
+
+def write_timelines(pipe: Pipeline, measured, out: Path) -> list[Path]:
+    """The measured timeline of a training step next to the simulated one, plus a Chrome trace (rank 0)."""
+    if dist.get_rank() != 0:
+        return []
+    from ..viz import plot_comparison, save_chrome_trace, simulate_like
+
+    out.mkdir(parents=True, exist_ok=True)
+    simulated = simulate_like(pipe.program, measured)
+    figure = plot_comparison(simulated, measured)
+    paths = [out / "timeline.png", out / "trace.json", out / "measured.json"]
+    figure.savefig(paths[0], dpi=110, bbox_inches="tight")
+    save_chrome_trace(measured, paths[1])
+    measured.save(paths[2])
+    return paths

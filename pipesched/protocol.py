@@ -1,0 +1,218 @@
+"""The wire protocol of one pipeline step: every point-to-point message a rank posts, in order.
+
+A step of ``pipesched.runtime.Pipeline`` runs one proven program (:class:`pipesched.api.StepPrograms`) and,
+on each rank, posts exactly these messages, in this order (:func:`step_posts`):
+
+0. *The step's opening* (``pipesched.runtime.handshake``): first a collective all-gather over the pipeline
+   group (every rank's settings, stage 0's rank's description of the input), which every rank calls before
+   anything else; then, in a training step, the rank of the last stage sends its verdict on the target to
+   every other rank, in rank order, and each of them waits for it before its first instruction.
+1. *Program messages*, one per SEND or RECV instruction, at the instruction's place in the rank's stream.
+   While a step learns the message shapes (:attr:`Post.message` kind ``"act_header"``), a SEND_F sends a
+   shape header right before the activation, and a RECV_F posts the header's receive, waits for it, then
+   posts the activation's receive: a header and its payload are consecutive on their pair, in the same
+   order on both sides. (A gradient carries its presence mask in the same message: no header. Once the
+   shapes are known, a SEND_B/RECV_B whose message would hold no gradient, as both sides learned, posts
+   nothing on either side; :func:`step_posts` lists the messages of stages whose inputs all get gradients.)
+2. *The loss* (training steps): after its last instruction, the rank of the last stage sends the step's
+   loss to every other rank, in rank order — its last message to each in the step. Rank ``r`` posts that
+   receive at :func:`loss_post_position`: right after its last receive from that rank when the program
+   posts receives early (a backend that matches by tag, gloo), else after its last instruction (NCCL, where
+   a posted receive holds up the pair's later messages).
+
+Why this order cannot hang or swap a message (:func:`check_step` checks each point for every program the
+runtime runs): every rank reaches the all-gather, and the verdict's sender waits for nothing after it, so
+each verdict arrives; it is the first message from that rank on each pair, and its receive the first posted.
+The program is proven (:mod:`pipesched.validate`) under first-in first-out matching per pair of ranks, and
+a learning step's program also with each RECV_F blocking until its SEND_F is issued (:func:`learning_view`).
+A header and its payload travel together, in one order on both sides. The loss is the last message from the
+last stage's rank to each rank, and each rank posts its receive after every other receive from that rank,
+so it matches last; the sender sends it once its own stream is done, and the receive is posted without
+waiting for anything, so the sends find it. On a backend that runs a pair's messages in issue order (NCCL),
+both ranks of each pair post them in one order.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .errors import DeadlockError, PairingError, render_grid
+from .ir import RECV_OPS, SEND_OPS, Op, Program
+from .validate import validate
+
+
+class Post(NamedTuple):
+    """One point-to-point message post: ``kind`` ``"send"`` or ``"recv"``, the ``peer`` pipeline rank, and the
+    ``message``: ``(kind, stage, microbatch)`` with kind ``"act_header"``, ``"act"`` (the output of ``stage``),
+    ``"grad"`` (the gradient of ``stage``'s input), ``"target"`` or ``"loss"`` (:data:`TARGET`, :data:`LOSS`)."""
+
+    kind: str
+    peer: int
+    message: tuple
+
+
+LOSS = ("loss", None, None)  #: the step's loss, from the last stage's rank
+TARGET = ("target", None, None)  #: the verdict on the step's target, from the last stage's rank
+
+
+def loss_post_position(stream, last_rank: int, early: bool) -> int:
+    """Where, in ``stream``, a rank without the last stage posts the receive of the step's loss, the last
+    message the last stage's rank sends it: after the instruction at the returned position (-1: before
+    everything).
+
+    ``early`` (the program posts receives early; gloo, which matches by tag): right after its last receive
+    from that rank, so the loss is there when the stream ends. Otherwise (NCCL, which matches by order, and
+    where a posted receive holds up every later send to that rank on the pair's stream): after the last
+    instruction, so nothing this rank still sends waits behind it.
+    """
+    if not early:
+        return len(stream) - 1
+    return max([k for k, i in enumerate(stream) if i.op in RECV_OPS and i.peer == last_rank], default=-1)
+
+
+def instruction_posts(instr, learning: bool) -> list[Post]:
+    """The posts one SEND or RECV instruction makes (none for any other kind); ``learning``: the step learns
+    the message shapes (headers before activations)."""
+    if instr.op not in SEND_OPS and instr.op not in RECV_OPS:
+        return []
+    kind = "send" if instr.op in SEND_OPS else "recv"
+    if instr.op in (Op.SEND_B, Op.RECV_B):
+        stage = instr.stage if instr.op is Op.SEND_B else instr.stage + 1  # the gradient of that stage's input
+        return [Post(kind, instr.peer, ("grad", stage, instr.microbatch))]
+    stage = instr.stage if instr.op is Op.SEND_F else instr.stage - 1  # the output of that stage
+    header = [Post(kind, instr.peer, ("act_header", stage, instr.microbatch))] if learning else []
+    return header + [Post(kind, instr.peer, ("act", stage, instr.microbatch))]
+
+
+def step_posts(program: Program, rank: int, learning: bool, early: bool) -> list[Post]:
+    """Every point-to-point post ``rank`` makes in a step that runs ``program`` (see the module docstring),
+    in order (the all-gather that opens the step, a collective, is not one).
+
+    Args:
+        program: the step's program (forward-only for a ``forward()``: no loss is sent).
+        learning: the step learns the message shapes.
+        early: the program posts receives early (where the loss receive goes, :func:`loss_post_position`).
+    """
+    return [post for _, post in _numbered_posts(program, rank, learning, early)]
+
+
+def _numbered_posts(program: Program, rank: int, learning: bool, early: bool) -> list[tuple[int, Post]]:
+    """:func:`step_posts`, each with the position of the instruction it belongs to (the loss: the position
+    its receive follows, clamped to 0, or the last instruction for its sends)."""
+    stream, last = program.ranks[rank], program.stage_to_rank[-1]
+    train = not program.forward_only
+    loss_at = loss_post_position(stream, last, early) if train and rank != last else None
+    posts = []
+    if train:  # the verdict on the target opens the step
+        if rank == last:
+            posts += [(0, Post("send", peer, TARGET)) for peer in range(program.num_ranks) if peer != rank]
+        else:
+            posts.append((0, Post("recv", last, TARGET)))
+    if loss_at == -1:
+        posts.append((0, Post("recv", last, LOSS)))
+    for at, instr in enumerate(stream):
+        posts += [(at, post) for post in instruction_posts(instr, learning)]
+        if at == loss_at:
+            posts.append((at, Post("recv", last, LOSS)))
+    if train and rank == last:
+        end = max(len(stream) - 1, 0)
+        posts += [(end, Post("send", peer, LOSS)) for peer in range(program.num_ranks) if peer != rank]
+    return posts
+
+
+def learning_view(program: Program) -> Program:
+    """``program`` as a step that learns the message shapes runs it, in the checker's model: there a RECV_F
+    waits for its shape header, i.e. until its SEND_F is issued. The model's RECV never blocks, so the view
+    moves each F whose input comes through a RECV_F of its rank to right after that RECV_F, where it waits
+    for the same message: the rank stops at the same places, and an F run earlier only makes its outputs
+    available earlier to instructions that come after its old place anyway. So the view completes in the
+    checker's model exactly when the learning step does."""
+    streams = []
+    for stream in program.ranks:
+        received = {(i.stage, i.microbatch) for i in stream if i.op is Op.RECV_F}
+        forwards = {(i.stage, i.microbatch): i for i in stream if i.op is Op.F}
+        out = []
+        for instr in stream:
+            key = (instr.stage, instr.microbatch)
+            if instr.op is Op.F and key in received:
+                continue
+            out.append(instr)
+            if instr.op is Op.RECV_F and key in forwards:
+                out.append(forwards[key])
+        streams.append(tuple(out))
+    return program.replace(streams)
+
+
+def check_step(program: Program, learning: bool, early: bool, same_pair_order: bool = False) -> Program:
+    """Prove, for a step that runs ``program`` (validated by :func:`~pipesched.validate.validate`), what the
+    checker's model of the program alone leaves out; return ``program``.
+
+    - ``learning``: the step completes although each RECV_F blocks until its SEND_F is issued (the shape
+      header's wait): ``validate(learning_view(program))``.
+    - The verdict on the target and the loss (training programs): on each rank, the verdict's receive is its
+      first post with the last stage's rank and the loss's receive its last receive from it, so first-in
+      first-out matching gives each its message (the first and the last that rank sends it). The verdict's
+      sender waits for nothing before sending it; nothing in the program waits for the loss and its sends
+      follow the sender's last instruction, so a complete execution of the program plus the loss receives
+      (which never block) ends with every loss send finding its receive posted.
+    - ``same_pair_order`` (a backend that runs the messages between two ranks in issue order on one stream,
+      NCCL): between every two ranks, both post their messages of both directions (:func:`step_posts`) in
+      one order. With the program proven, each pair's messages then complete in that order.
+
+    Args:
+        early: the program posts receives early (where the loss receive goes).
+    Raises:
+        DeadlockError: the learning step would hang (names the blocked instructions of the learning view).
+        PairingError: the loss would not match last, or two ranks post their messages in different orders.
+    """
+    if learning:
+        try:
+            validate(learning_view(program))
+        except DeadlockError as exc:
+            raise DeadlockError("while learning the message shapes (each RECV_F waits for its SEND_F's header; "
+                                "the grid is the learning view, each such F moved up to its RECV_F): " + exc.reason,
+                                exc.rank, exc.instr, exc.grid) from None
+    posts = [_numbered_posts(program, rank, learning, early) for rank in range(program.num_ranks)]
+    _check_verdict_first_and_loss_last(program, posts)
+    if same_pair_order:
+        _check_same_pair_order(program, posts)
+    return program
+
+
+def _check_verdict_first_and_loss_last(program: Program, posts: list) -> None:
+    last = program.stage_to_rank[-1]
+    for rank, mine in enumerate(posts):
+        with_last = [(at, post) for at, post in mine if post.peer == last]
+        received = [(at, post) for at, post in with_last if post.kind == "recv"]
+        messages = {post.message for _, post in received}
+        if TARGET in messages and with_last[0][1].message != TARGET:
+            at = with_last[0][0]
+            raise PairingError(f"rank {rank} posts a message with rank {last} before the receive of the verdict on "
+                               f"the target, which opens the step", rank, program.ranks[rank][at],
+                               render_grid(program.ranks, {rank: at}))
+        if LOSS in messages and received[-1][1].message != LOSS:
+            at = received[-1][0]
+            raise PairingError(f"the receive of the step's loss is posted before this receive from rank {last}, "
+                               f"so first-in first-out matching would give it another message", rank,
+                               program.ranks[rank][at], render_grid(program.ranks, {rank: at}))
+
+
+def _check_same_pair_order(program: Program, posts: list) -> None:
+    for a in range(program.num_ranks):
+        for b in range(a + 1, program.num_ranks):
+            mine = [(at, post) for at, post in posts[a] if post.peer == b]
+            theirs = [(at, post) for at, post in posts[b] if post.peer == a]
+            for (at_a, ours), (at_b, peer) in zip(mine, theirs):
+                if ours.message != peer.message or ours.kind == peer.kind:
+                    raise PairingError(
+                        f"ranks {a} and {b} post their messages to each other in different orders: here rank {a} "
+                        f"posts the {ours.kind} of {_describe(ours.message)}, where rank {b} posts the "
+                        f"{peer.kind} of {_describe(peer.message)}; a backend that runs a pair's messages in "
+                        f"issue order on one stream (NCCL) would hang", a, program.ranks[a][at_a],
+                        render_grid(program.ranks, {a: at_a, b: at_b}))
+
+
+def _describe(message: tuple) -> str:
+    kind, stage, mb = message
+    return {"loss": "the step's loss", "act_header": f"the shape header of stage {stage}'s output, microbatch {mb}",
+            "act": f"stage {stage}'s output, microbatch {mb}", "target": "the verdict on the step's target",
+            "grad": f"the gradient of stage {stage}'s input, microbatch {mb}"}[kind]

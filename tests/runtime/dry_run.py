@@ -1,0 +1,190 @@
+"""A dry run of a whole pipeline in one process: every rank's real step-opening ``Handshake`` and ``Executor``
+in its own thread, over an in-memory process group that logs every post in call order and matches the
+point-to-point messages between two ranks first in, first out whatever their tag (as NCCL does; the checker's
+model), failing on a message whose tag or size is not the one the receive was posted for, or on a receive
+nothing comes for."""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipesched.api import StepPrograms
+from pipesched.ir import Op
+from pipesched.runtime.executor import Executor, StepInputs
+from pipesched.runtime.handshake import Handshake
+from pipesched.runtime.transport import Transport
+
+WAIT_S = 20.0  # a receive that gets nothing in this time fails (a hang, in a real run)
+
+
+class _Done:
+    """A finished work (sends are buffered; a fake all-reduce does nothing)."""
+
+    def wait(self):
+        return True
+
+
+class _Receive:
+    """The ``index``-th receive posted from ``src`` on ``dst``: it gets the ``index``-th message ``src`` sent
+    ``dst``, which must carry ``tag`` and fit ``buf``."""
+
+    def __init__(self, net, src, dst, index, tag, buf):
+        self.net, self.src, self.dst, self.index, self.tag, self.buf = net, src, dst, index, tag, buf
+
+    def wait(self):
+        net, channel = self.net, (self.src, self.dst)
+        with net.cond:
+            if not net.cond.wait_for(lambda: net.failed or len(net.sent[channel]) > self.index, WAIT_S):
+                raise RuntimeError(f"rank {self.dst}: receive {self.index} from rank {self.src} (tag {self.tag}) got "
+                                   f"nothing in {WAIT_S} s")
+            if len(net.sent[channel]) <= self.index:
+                raise RuntimeError(f"rank {self.dst}: stopped, another rank failed")
+            tag, data = net.sent[channel][self.index]
+        if tag != self.tag or data.shape != self.buf.shape:
+            raise RuntimeError(f"rank {self.dst}: receive {self.index} from rank {self.src} was posted for tag "
+                               f"{self.tag} {tuple(self.buf.shape)}, the message sent is tag {tag} {tuple(data.shape)}")
+        self.buf.copy_(data)
+        return True
+
+
+class Network:
+    """The messages between ``num_ranks`` in-process ranks, and each rank's log of posts:
+    ``("send" | "recv", peer, tag)`` in call order."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self.cond = threading.Condition()
+        self.sent = defaultdict(list)  # (src, dst) -> [(tag, tensor)] in send order
+        self.posted = defaultdict(int)  # (src, dst) -> receives posted so far
+        self.failed = False  # a rank failed: every wait stops
+        self.num_ranks = num_ranks
+        self.gathers = defaultdict(dict)  # all-gather number -> {rank: its tensor}
+        self.gathered = [0] * num_ranks  # per rank, the all-gathers it joined
+        self.log = [[] for _ in range(num_ranks)]
+
+    def group(self, rank: int) -> "FakeGroup":
+        return FakeGroup(self, rank)
+
+
+class FakeGroup:
+    """The pipeline group as one rank sees it: ``send``/``recv`` of one packed tensor, as ``Transport`` calls them."""
+
+    def __init__(self, net: Network, rank: int) -> None:
+        self.net, self.rank = net, rank
+
+    def send(self, tensors, dst, tag):
+        net = self.net
+        net.log[self.rank].append(("send", dst, tag))
+        with net.cond:
+            net.sent[(self.rank, dst)].append((tag, tensors[0].clone()))
+            net.cond.notify_all()
+        return _Done()
+
+    def allgather(self, outputs, inputs):
+        net = self.net
+        net.log[self.rank].append(("all_gather", None, None))
+        with net.cond:
+            number = net.gathered[self.rank]
+            net.gathered[self.rank] += 1
+            net.gathers[number][self.rank] = inputs[0].clone()
+            net.cond.notify_all()
+        return _Gather(net, number, outputs[0])
+
+    def recv(self, tensors, src, tag):
+        net = self.net
+        net.log[self.rank].append(("recv", src, tag))
+        with net.cond:
+            index = net.posted[(src, self.rank)]
+            net.posted[(src, self.rank)] += 1
+        return _Receive(net, src, self.rank, index, tag, tensors[0])
+
+
+class _Gather:
+    """One rank's side of all-gather number ``number``: done when every rank has joined."""
+
+    def __init__(self, net, number, rows):
+        self.net, self.number, self.rows = net, number, rows
+
+    def wait(self):
+        net = self.net
+        with net.cond:
+            if not net.cond.wait_for(lambda: net.failed or len(net.gathers[self.number]) == net.num_ranks, WAIT_S):
+                raise RuntimeError(f"all-gather {self.number}: only ranks {sorted(net.gathers[self.number])} came")
+            if len(net.gathers[self.number]) < net.num_ranks:
+                raise RuntimeError("stopped, another rank failed")
+            parts = net.gathers[self.number]
+        for rank, row in enumerate(self.rows):
+            row.copy_(parts[rank])
+        return True
+
+
+class _FakeDP:
+    def allreduce(self, tensors):
+        return _Done()
+
+
+class DryPipeline:
+    """``programs`` run by one real :class:`Executor` per pipeline rank on a stage of ``nn.Linear(4, 4)`` each."""
+
+    def __init__(self, programs: StepPrograms, width: int = 4) -> None:
+        torch.manual_seed(0)
+        program = programs.train
+        self.programs, self.p, self.m = programs, program.num_ranks, program.num_microbatches
+        self.layers = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(program.num_stages)]
+        recomputed = program.stages_with(Op.R)
+        flags = [s in recomputed for s in range(program.num_stages)]
+        self.net = Network(self.p)
+        cpu = torch.device("cpu")
+        transports = [Transport(self.net.group(r), program.num_stages, cpu) for r in range(self.p)]
+        self.executors = [
+            Executor(programs, r, {s: self.layers[s] for s in program.stages_of(r)}, transports[r],
+                     _FakeDP() if program.dp_size > 1 else None, F.mse_loss, flags, cpu)
+            for r in range(self.p)]
+        self.handshakes = [Handshake(transports[r], program, r, cpu) for r in range(self.p)]
+        self.metas = {True: [None] * self.p, False: [None] * self.p}  # per kind of step, per rank, once learned
+        g = torch.Generator().manual_seed(1)
+        self.x, self.y = torch.randn(2 * self.m, width, generator=g), torch.randn(2 * self.m, width, generator=g)
+
+    def run(self, train: bool) -> list[list]:
+        """One step (``train``) or forward on every rank, as ``Pipeline`` runs it (the handshake, then the
+        executor); returns each rank's posts ``(kind, peer, tag)``, the all-gather as ``("all_gather", None, None)``.
+
+        Raises:
+            RuntimeError: a rank failed (the first failure, naming the rank).
+        """
+        start = [len(log) for log in self.net.log]
+        errors, threads = [], []
+        for r in range(self.p):
+            threads.append(threading.Thread(target=self._body, args=(r, train, errors)))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            rank, exc = errors[0]  # the first to fail
+            raise RuntimeError(f"rank {rank} failed: {type(exc).__name__}: {exc}") from exc
+        return [log[n:] for log, n in zip(self.net.log, start)]
+
+    def _body(self, rank, train, errors):
+        program, handshake = self.programs.train, self.handshakes[rank]
+        first, last = program.stage_to_rank[0], program.stage_to_rank[-1]
+        try:
+            key, micro, is_tuple = handshake.signature(self.x if rank == first else None, train, lambda x: x, 0)
+            targets = None
+            if train:
+                targets = handshake.target_verdict(self.y if rank == last else None, key.batch_size,
+                                                   lambda y, total: list(y.chunk(self.m)))
+            metas = self.metas[train][rank]
+            inputs = StepInputs(train, micro, is_tuple, targets, [1 / self.m] * self.m,
+                                {} if metas is None else metas, metas is None)
+            self.executors[rank].run(inputs)
+            handshake.settle()
+            self.metas[train][rank] = inputs.metas
+        except BaseException as exc:  # noqa: BLE001 - reported by run()
+            errors.append((rank, exc))
+            with self.net.cond:
+                self.net.failed = True
+                self.net.cond.notify_all()

@@ -1,0 +1,104 @@
+"""Per-rank bodies of tests/runtime/test_dp_and_tuples.py, on 3 spawned ranks: data parallelism where the
+replica count differs from the pipeline's rank count (p=1 x dp=3), and a stage whose output tuple starts with a
+floating tensor that needs no gradient (p=3)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipesched.runtime import Pipeline
+
+from rt_cases import SCHEDULES, grad_report, mlp, pair, reference_step
+
+WORLD = 3
+
+
+def dp_over_replicas(rank, schedule, v, **options):
+    """p=1 x dp=3: replica k steps on shard k of a 24-row batch (4 microbatches of 2 rows); after the all-reduce,
+    every gradient must be that of the unsplit model on the whole batch (the same 12 microbatches of 2 rows)."""
+    model, ref = pair()
+    pipe = Pipeline(model, schedule=schedule, num_microbatches=4, loss_fn=F.mse_loss, virtual_stages=v,
+                    dp_size=WORLD, **options)
+    g = torch.Generator().manual_seed(11)
+    x, y = torch.randn(8 * WORLD, 8, generator=g), torch.randn(8 * WORLD, 8, generator=g)
+    shard = slice(8 * pipe.grid.dp_rank, 8 * (pipe.grid.dp_rank + 1))
+    loss = pipe.step(x[shard], target=y[shard])
+    reference_step(ref, x, y, 4 * WORLD)
+    count, _, worst = grad_report(pipe, model, ref)
+    shard_loss = reference_step(mlp(), x[shard], y[shard], 4)  # a fresh copy of the same model
+    return {"layout": (pipe.program.num_ranks, pipe.program.dp_size, pipe.grid.dp_rank), "grads": count,
+            "params": len(list(pipe.parameters())), "worst": worst, "loss_equal": bool(torch.equal(loss, shard_loss))}
+
+
+class ConstThenActivation(nn.Module):
+    """x (B, D) -> (c, a): ``c`` a floating tensor computed from x without autograd (needs no gradient), first;
+    then ``a``, the activation, which does."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        c = torch.cos(x.detach()) * 0.5  # (B, D) float32, requires_grad False
+        return c, torch.tanh(self.lin(x))  # (B, D), (B, D)
+
+
+class UseBoth(nn.Module):
+    """(c, a) -> (B, D): uses both elements, so a swapped or misplaced gradient changes the result."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, pair_):
+        c, a = pair_
+        if c.requires_grad or not c.is_floating_point():
+            raise TypeError(f"element 0 arrived with requires_grad={c.requires_grad}, dtype {c.dtype}")
+        return torch.tanh(self.lin(a) * (1.0 + c))  # (B, D)
+
+
+def const_first_model(seed=0):
+    """Linear+Tanh, ConstThenActivation | UseBoth, then Linear+Tanh blocks: 7 layers, so that interleaved on 3 ranks
+    (6 stages, balance [2, 1, 1, 1, 1, 1]) also cuts between the tuple's producer and its consumer."""
+    torch.manual_seed(seed)
+    blocks = list(mlp(num_layers=5, seed=seed))
+    return nn.Sequential(blocks[0], ConstThenActivation(), UseBoth(), *blocks[1:])
+
+
+def const_first_tuple(rank, schedule, v, steps=2, **options):
+    """Per step (the first learns the messages, the second uses what it learned): loss and every gradient
+    bitwise those of the unsplit model over the same microbatches."""
+    model = const_first_model()
+    ref = copy.deepcopy(model)
+    balance = [2, 1, 1, 1, 1, 1] if v == 2 else [2, 2, 3]
+    pipe = Pipeline(model, schedule=schedule, num_microbatches=4, loss_fn=F.mse_loss, virtual_stages=v,
+                    balance=balance, **options)
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(steps):
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+        loss = pipe.step(x, target=y)
+        ref_loss = reference_step(ref, x, y, 4)
+        count, equal, worst = grad_report(pipe, model, ref)
+        out.append({"loss_equal": bool(torch.equal(loss, ref_loss)), "grads": count, "bitwise": equal,
+                    "worst": worst})
+        for p in list(model.parameters()) + list(ref.parameters()):
+            p.grad = None
+    return {"stages": pipe.stage_ids, "params": len(list(pipe.parameters())), "steps": out}
+
+
+OPTIONS = ((), ("split_backward",), ("recompute",))
+
+
+def suite(rank):
+    results = {}
+    for schedule, v in SCHEDULES:
+        results[("dp", schedule)] = dp_over_replicas(rank, schedule, v)
+        for options in OPTIONS:
+            results[("tuple", schedule, options)] = const_first_tuple(rank, schedule, v,
+                                                                      **{name: True for name in options})
+    results[("dp", "1f1b", "split_backward")] = dp_over_replicas(rank, "1f1b", 1, split_backward=True)
+    return results
