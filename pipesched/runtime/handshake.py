@@ -80,8 +80,8 @@ class Handshake:
                 words = encode_signature(train, m, micro, is_tuple)
             except (TypeError, ValueError) as exc:
                 words = encode_text([1, int(train), m], str(exc))
-        rows = self._gather([settings, int(train)] + words)
-        words = rows[first][2:]
+        rows = self._gather([settings, int(train), int(train and not torch.is_grad_enabled())] + words)
+        words = rows[first][3:]
         if words[0]:
             raise Rejected(decode_text(words) if self.pp_rank == first else
                            f"the rank of stage 0 (pipeline rank {first}) rejected the step input: {decode_text(words)}")
@@ -90,6 +90,11 @@ class Handshake:
         if len(set(made)) > 1:
             raise Rejected("every rank of a pipeline must make the same call; "
                            + ", ".join(f"pipeline rank {r} called {calls[c]}" for r, c in enumerate(made)))
+        no_grad = [r for r, row in enumerate(rows) if row[2]]
+        if no_grad:  # a training step needs autograd: refuse it on every rank before any work
+            raise Rejected(f"step() trains, but pipeline ranks {no_grad} called it with gradients disabled "
+                           f"(inside torch.no_grad() or torch.inference_mode()); call step() outside it, or use "
+                           f"forward() for evaluation")
         return StepKey(tuple(words[1:]), tuple(row[0] for row in rows)), micro, is_tuple
 
     def target_verdict(self, target, total: int, check_targets):

@@ -185,6 +185,23 @@ def mixed_calls(rank):
     return message, float(loss)
 
 
+def step_under_no_grad(rank):
+    """step() inside torch.no_grad() on every rank: the same ValueError everywhere, the pipeline still usable."""
+    torch.manual_seed(0)
+    pipe = Pipeline(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), schedule="1f1b", num_microbatches=2,
+                    loss_fn=F.mse_loss)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    try:
+        with torch.no_grad():
+            pipe.step(x, target=y)
+        message = "no error"
+    except ValueError as exc:
+        message = str(exc)
+    loss = pipe.step(x, target=y)
+    pipe.close()
+    return message, float(loss) > 0
+
+
 def suite(rank):
     results = {}
     for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2)):
@@ -198,4 +215,5 @@ def suite(rank):
     results["eval"] = eval_between_steps(rank)
     results["data_dependent"] = data_dependent_gradient(rank)
     results["mixed_calls"] = mixed_calls(rank)
+    results["no_grad"] = step_under_no_grad(rank)
     return results

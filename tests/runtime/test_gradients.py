@@ -73,3 +73,10 @@ def test_ranks_that_call_step_and_forward_get_the_same_value_error(results):
     for message, loss in (res["mixed_calls"] for res in results):
         assert message == expect
         assert loss > 0  # the pipeline stays usable
+
+
+def test_a_step_under_no_grad_is_refused_on_every_rank_and_the_pipeline_stays_usable(results):
+    expect = ("step() trains, but pipeline ranks [0, 1] called it with gradients disabled (inside torch.no_grad() "
+              "or torch.inference_mode()); call step() outside it, or use forward() for evaluation")
+    for res in results:
+        assert res["no_grad"] == (expect, True)
