@@ -155,6 +155,11 @@ def meta_of(tensors, is_tuple: bool) -> Meta:
     return (is_tuple, tuple((tuple(t.shape), t.dtype, bool(t.requires_grad)) for t in tensors))
 
 
+def grad_specs(meta) -> list:
+    """(shape, dtype) of the gradients a message of ``meta`` gets back: one per tensor that requires grad."""
+    return [(shape, dtype) for shape, dtype, requires_grad in meta[1] if requires_grad]
+
+
 def describe_change(what: str, now: Meta, before: Meta) -> str:
     """What differs between two metas of one message, in words: ``"{what} was a tensor, is now a tuple"``,
     ``"element 0 of {what}: requires_grad False -> True"``... (empty if they are equal)."""

@@ -13,36 +13,17 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from ..ir import Op
 from .accounting import SavedBytes, tensor_bytes
 from .failure import CommError
-from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, describe_change, meta_of, tag_of
+from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, describe_change, grad_specs, meta_of, tag_of
 from .microbatch import as_tuple, stage_output
 from .recompute import BufferLedger, check_no_forward_hooks, keep_nothing, replay_rng, rng_state
 from .settings import SETTINGS
 from .split import backward_input, backward_weight
+from .stage import call_stage
 from .clock import clock_for
-from .torch_errors import inplace_on_leaf
 from ..api import StepPrograms
 from ..protocol import loss_post_position
 from .plan import reduced_params
 from .transport import Transport, wait
-
-def _call_stage(module, arg, stage: int):
-    """``module(arg)``, explaining the one failure a pipeline adds: a stage's input is a leaf tensor that needs
-    a gradient, so a first layer that modifies it in place (``nn.ReLU(inplace=True)``) is refused by autograd
-    although the same layer works inside the unsplit model."""
-    try:
-        return module(arg)
-    except RuntimeError as exc:
-        if not inplace_on_leaf(exc):
-            raise
-        raise ValueError(f"stage {stage} modifies its input in place (e.g. nn.ReLU(inplace=True) as its first "
-                         f"layer); a stage's input is a leaf tensor that needs a gradient, which autograd does not "
-                         f"allow to change in place: make that layer out-of-place, or end stage {stage - 1} with it "
-                         f"(balance=...)") from exc
-
-
-def _grad_specs(meta) -> list:
-    """(shape, dtype) of the gradients a message of ``meta`` gets back: one per tensor that requires grad."""
-    return [(shape, dtype) for shape, dtype, requires_grad in meta[1] if requires_grad]
 
 
 class StepInputs:
@@ -206,7 +187,7 @@ class Executor:
         if redo:  # what R must replay: the RNG, the buffers; and the input's versions, to check them
             st.rng[(s, mb)] = (rng_state(self.device), [t._version for t in inputs], st.buffers.snapshot(module))
         with (keep_nothing() if redo else self.counter.track()):
-            out = _call_stage(module, arg, s)
+            out = call_stage(module, arg, s)
             loss = self._loss(out, mb) if s == self.last else None
         saved = self.counter.take()
         st.inputs[(s, mb)] = (inputs, is_tuple)
@@ -269,7 +250,7 @@ class Executor:
         # the stage input is already held (counted at F): count only what the recompute adds. Copies of F's
         # buffer values are swapped in for the forward and the module's own put back after it
         with replay_rng(state, self.device), buffers.replayed(), torch.enable_grad(), self.counter.track(inputs):
-            out = _call_stage(self.stages[s], inputs if is_tuple else inputs[0], s)
+            out = call_stage(self.stages[s], inputs if is_tuple else inputs[0], s)
             loss = self._loss(out, mb) if s == self.last else None
         st.roots[(s, mb)] = (loss,) if loss is not None else as_tuple(out)[0]
         self._hold((s, mb), self.counter.take())
@@ -375,12 +356,12 @@ class Executor:
                                f"{list(st.io.metas[('in_grad', s, mb)])} before, with the same input signature "
                                f"and settings ({SETTINGS}); which inputs get a gradient must follow from those")
         tag = tag_of("grad", s, mb, self.program.num_stages)
-        specs = _grad_specs(st.io.metas[("in", s, mb)])
+        specs = grad_specs(st.io.metas[("in", s, mb)])
         st.other_sends.extend(self.transport.send_grads(grads, specs, instr.peer, tag, st.io.learning))
 
     def _recv_b(self, instr):
         s, mb, st = instr.stage, instr.microbatch, self.step
-        specs = _grad_specs(st.io.metas[("out", s, mb)])
+        specs = grad_specs(st.io.metas[("out", s, mb)])
         if not specs:
             return
         mask = None if st.io.learning else st.io.metas[("out_grad", s, mb)]

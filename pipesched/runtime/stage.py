@@ -6,6 +6,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .torch_errors import inplace_on_leaf
+
 
 def layers_of(model) -> list[nn.Module]:
     """The layers of ``model`` in order.
@@ -138,3 +140,18 @@ def stage_device(stages, device) -> torch.device:
         for tensor in list(module.parameters()) + list(module.buffers()):
             return tensor.device
     return torch.device("cpu")
+
+
+def call_stage(module, arg, stage: int):
+    """``module(arg)``, explaining the one failure a pipeline adds: a stage's input is a leaf tensor that needs
+    a gradient, so a first layer that modifies it in place (``nn.ReLU(inplace=True)``) is refused by autograd
+    although the same layer works inside the unsplit model."""
+    try:
+        return module(arg)
+    except RuntimeError as exc:
+        if not inplace_on_leaf(exc):
+            raise
+        raise ValueError(f"stage {stage} modifies its input in place (e.g. nn.ReLU(inplace=True) as its first "
+                         f"layer); a stage's input is a leaf tensor that needs a gradient, which autograd does not "
+                         f"allow to change in place: make that layer out-of-place, or end stage {stage - 1} with it "
+                         f"(balance=...)") from exc
