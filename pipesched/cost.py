@@ -51,8 +51,9 @@ class CostModel:
 
     Raises:
         CostError: (a ``ValueError`` whose ``field`` names the field) at construction, a cost that is negative,
-            infinite, NaN or not a number (a string is not a sequence of costs), or a bandwidth <= 0; at use, a
-            per-stage sequence of the wrong length.
+            infinite, NaN or not a number (a string is not a sequence of costs), a bandwidth <= 0, or a
+            ``recompute_bytes`` below ``input_bytes`` on some stage (both given); at use, a per-stage sequence of the
+            wrong length.
     """
 
     forward: PerStage = 1.0
@@ -83,6 +84,20 @@ class CostModel:
         if not (_is_number(self.bandwidth) and self.bandwidth > 0):
             raise CostError("bandwidth", f"cost bandwidth must be a number of bytes/s > 0 (inf: free transfers), "
                                          f"got {self.bandwidth!r}")
+        self._check_recompute_holds_input()
+
+    def _check_recompute_holds_input(self) -> None:
+        """``recompute_bytes`` includes the stage input, so it cannot be below ``input_bytes`` (both given)."""
+        if self.input_bytes is None or self.recompute_bytes is None:
+            return
+        held, kept = self.recompute_bytes, self.input_bytes
+        n = next((len(v) for v in (held, kept) if not _is_number(v)), 1)
+        pairs = zip([held] * n if _is_number(held) else held, [kept] * n if _is_number(kept) else kept)
+        for stage, (h, k) in enumerate(pairs):
+            if h < k:
+                raise CostError("recompute_bytes", f"cost recompute_bytes ({h:g} for stage {stage}) must be >= "
+                                                   f"input_bytes ({k:g}): what a stage holds after its R includes "
+                                                   f"its input")
 
     def per_stage(self, name: str, num_stages: int) -> tuple[float, ...]:
         """The named field as one float per stage (defaults resolved).
@@ -119,11 +134,17 @@ class CostModel:
         return self.latency + (0.0 if math.isinf(self.bandwidth) else nbytes / self.bandwidth)
 
     def describe(self) -> str:
-        """A one-line summary for plot titles: the assumptions a timeline depends on."""
+        """A one-line summary for plot titles: the assumptions a timeline depends on (seconds; bytes given, as
+        ``act=...B``)."""
         parts = [f"F={_fmt(self.forward)}", f"B={_fmt(self.backward)}"]
         for name, label in (("input_grad", "I"), ("weight_grad", "W"), ("recompute", "R")):
             if getattr(self, name) is not None:
                 parts.append(f"{label}={_fmt(getattr(self, name))}")
+        for name, label in (("activation_bytes", "act"), ("grad_bytes", "grads"), ("stash_bytes", "stash"),
+                            ("input_bytes", "input"), ("recompute_bytes", "held after R")):
+            value = getattr(self, name)
+            if value is not None and value != 0:
+                parts.append(f"{label}={_fmt(value)}B")
         if self.latency:
             parts.append(f"latency={self.latency:g}s")
         if not math.isinf(self.bandwidth):

@@ -178,6 +178,8 @@ def test_recompute_never_holds_more_than_the_stash_by_default(capsys):
     (("--recompute", "--input-bytes", "1,2"), "--input-bytes: cost input_bytes has 2 values but the program has 4 "
                                               "stages"),
     (("--recompute", "--recompute-bytes", "-1"), "--recompute-bytes: cost recompute_bytes must be a finite number"),
+    (("--recompute", "--input-bytes", "10", "--recompute-bytes", "20,20,5,20"),
+     "--recompute-bytes: cost recompute_bytes (5 for stage 2) must be >= input_bytes (10)"),
 ])
 def test_input_and_recompute_bytes_errors_name_the_option(capsys, argv, message):
     code, _, err = run(capsys, "simulate", "1f1b", "-p", "4", "-m", "8", *argv)
@@ -236,3 +238,20 @@ def test_size_errors_carry_the_argument_they_name():
             compile_program(**sizes)
         assert info.value.argument == argument, kwargs
         assert pickle.loads(pickle.dumps(info.value)).argument == argument
+
+
+def test_recompute_bytes_below_input_bytes_is_refused_per_stage():
+    from pipesched.cost import CostError, CostModel
+
+    CostModel(input_bytes=[10, 0], recompute_bytes=[10, 0])  # equal is fine: R re-saves nothing beyond the input
+    with pytest.raises(CostError) as info:
+        CostModel(input_bytes=[10, 30], recompute_bytes=25)
+    assert info.value.field == "recompute_bytes" and "(25 for stage 1) must be >= input_bytes (30)" in str(info.value)
+
+
+def test_the_cost_line_of_a_picture_names_the_byte_costs_given():
+    from pipesched.cost import CostModel
+
+    assert CostModel().describe() == "F=1 B=2"
+    line = CostModel(activation_bytes=[100, 0], recompute=0.5, input_bytes=4, latency=0.1).describe()
+    assert line == "F=1 B=2 R=0.5 act=[100,0]B input=4B latency=0.1s"

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from .. import ScheduleArgumentError, UnknownScheduleError, build, get_schedule
+from .corpus import check_corpus
 
 DESCRIPTION = "Train a small GPT (byte level) across pipeline ranks with pipesched, then show where the bubble was."
 
@@ -56,6 +57,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                      f"at least one sequence)")
     if args.data is not None and not Path(args.data).exists():
         parser.error(f"--data {args.data!r}: no such file or folder")
+    if why := check_corpus(args.data, args.corpus_bytes):
+        parser.error(why)
     try:
         args.balance = _balance(args.balance)
     except ValueError:

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..runtime import Pipeline, launch
-from .data import batches, load_text
+from .corpus import load_text
+from .data import batches
 from .model import generate, lm_loss, make_gpt
 from .options import options
 

@@ -41,7 +41,7 @@ def resolve_balance(layers: Sequence[nn.Module], num_stages: int, balance=None) 
     """
     n = len(layers)
     if n < num_stages:
-        raise ValueError(f"the model has {n} layers but the pipeline needs {num_stages} stages "
+        raise ValueError(f"the model has {n} layer{'' if n == 1 else 's'} but the pipeline needs {num_stages} stages "
                          f"(ranks x virtual_stages); every stage needs at least one layer: give the model at "
                          f"least {num_stages} layers (split a layer in two, or add layers)"
                          + (f", or use fewer ranks or virtual stages, so that ranks x virtual_stages <= {n}"

@@ -81,12 +81,17 @@ def test_quickstart():
     assert 0 < last < first
 
 
+TINY = Path(__file__).parent / "tiny_corpus"  # two files of 6 bytes
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--ranks", "0"], "--ranks must be >= 1, got 0"),
     (["--heads", "3"], "--width 128 must be a multiple of --heads 3"),
     (["--batch", "2", "--microbatches", "4"], "--batch 2 must be >= --microbatches 4"),
     (["--balance", "foo"], "--balance must be 'params', 'layers' or layer counts"),
     (["--data", "/nonexistent/text"], "--data '/nonexistent/text': no such file or folder"),
+    (["--data", str(TINY)], f"--data '{TINY}' has only 12 bytes of text; the demo needs at least 10000"),
+    (["--corpus-bytes", "500"], "--corpus-bytes 500: the demo needs at least 10000 bytes of text"),
 ])
 def test_demo_options_are_checked_before_any_rank_starts(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
