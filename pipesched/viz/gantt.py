@@ -208,7 +208,7 @@ def add_legend(ax, timeline: Timeline, extra: tuple = ()) -> None:
     handles = []
     for op in ops:
         for chunk in range(num_chunks):
-            suffix = f", chunk {chunk}" if num_chunks > 1 else ""
+            suffix = f", virtual stage {chunk}" if num_chunks > 1 else ""
             handles.append(Patch(facecolor=_style.chunk_colour(op, chunk, num_chunks), edgecolor="white",
                                  hatch=_style.chunk_hatch(chunk), label=_style.KIND_NAME[op] + suffix))
     handles.append(Patch(facecolor=_style.IDLE, label="idle (bubble)"))
