@@ -9,11 +9,12 @@ Data items are small tuples:
 - ``("fwd", s, mb)``: stage ``s`` holds what its backward needs (after ``F``).
 - ``("rec", s, mb)``: the recompute ``R`` of (s, mb) ran (a recomputed stage's backward needs it, not ``fwd``).
 - ``("igrad", s, mb)``: the input-gradient half of a split backward is done (``W`` may run).
-- ``("wgrad", s, mb)``: the weight gradient of (s, mb) is accumulated (``ALL_REDUCE`` waits for all of them).
+- ``("wgrad", s, mb)``: the weight gradient of (s, mb) is accumulated (``ALL_REDUCE`` and ``TIE_REDUCE`` wait
+  for all of them).
 
 The rules: F(s) needs act(s-1); B/I(s) need fwd(s) (rec(s) when (s, mb) is recomputed) and grad(s+1);
-W needs igrad; R needs F's stage input (modelled as the ``F`` having run); ALL_REDUCE(s) needs every
-wgrad(s, ·). Only act and grad cross ranks, and :data:`STEP` is the one neighbour rule: item
+W needs igrad; R needs F's stage input (modelled as the ``F`` having run); ALL_REDUCE(s) and TIE_REDUCE(s) need
+every wgrad(s, ·) (that TIE_REDUCE(s) also comes after the other tied stages' is :mod:`pipesched.ties`'s check). Only act and grad cross ranks, and :data:`STEP` is the one neighbour rule: item
 (kind, s, mb) is consumed by stage ``s + STEP[kind]``. A SEND carries an item of its own stage, the matching
 RECV posts for it at the consumer's stage (:func:`message`, :func:`route`). Memory: ``F`` stashes what the
 backward of (s, mb) needs, the instruction that ends that backward (``B``, or ``W`` of a split) frees it
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .ir import BACKWARD_OPS, COMM_OPS, RECV_OPS, SEND_OPS, Instr, Op
+from .ir import BACKWARD_OPS, COLLECTIVE_OPS, COMM_OPS, RECV_OPS, SEND_OPS, Instr, Op
 
 Item = tuple  # ("act" | "grad" | "fwd" | "rec" | "igrad" | "wgrad", stage, microbatch)
 
@@ -59,7 +60,7 @@ def needs(instr: Instr, num_stages: int, num_microbatches: int, recomputed: bool
         return (("fwd", s, mb),)
     if op in SEND_OPS:
         return (message(instr),)
-    if op is Op.ALL_REDUCE:
+    if op in COLLECTIVE_OPS:
         return tuple(("wgrad", s, m) for m in range(num_microbatches))
     return ()  # RECV_F, RECV_B need nothing local
 
@@ -142,7 +143,8 @@ class RuleTable:
     Item ``(kind, s, mb)`` is numbered ``item_id(kind, s, mb)``; stages -1 and ``S`` (the items an ill-formed
     instruction at the pipeline's ends would name) get numbers of their own, so ids never collide.
     Every instruction ``(op, s, mb)`` maps to a *rule* ``rule(op, s, recomputed)``, an index into tuples of
-    per-rule facts; an item id is a rule's base plus the microbatch (``ALL_REDUCE`` bases are complete ids).
+    per-rule facts; an item id is a rule's base plus the microbatch (``ALL_REDUCE``/``TIE_REDUCE`` bases are complete
+    ids).
 
     Attributes, indexed by rule:
         op, stage: what the rule is for.
@@ -158,8 +160,6 @@ class RuleTable:
         self.need: list[tuple[int, ...]] = []
         self.made: list[tuple[int, ...]] = []
         self._index: dict[tuple[Op, int, bool], int] = {}
-        #: ``by_op[op][s]``: the rule of ``op`` at stage ``s``, not recomputed (made for an op on first use)
-        self.by_op = _RulesByOp(self)
 
     def item_id(self, kind: str, stage: int, microbatch: int) -> int:
         """The number of item ``(kind, stage, microbatch)``."""
@@ -177,22 +177,9 @@ class RuleTable:
         index = self._index.get(key)
         if index is None:
             index = self._index[key] = len(self.op)
-            probe = Instr(op, stage) if op is Op.ALL_REDUCE else Instr(op, stage, 0, 0 if op in COMM_OPS else None)
+            probe = Instr(op, stage) if op in COLLECTIVE_OPS else Instr(op, stage, 0, 0 if op in COMM_OPS else None)
             self.op.append(op)
             self.stage.append(stage)
             self.need.append(tuple(self.item_id(*it) for it in needs(probe, self.S, self.M, recomputed)))
             self.made.append(tuple(self.item_id(*it) for it in produces(probe)))
         return index
-
-
-class _RulesByOp(dict):
-    """op -> [the rule of op at each stage], filled in on first use."""
-
-    def __init__(self, table: RuleTable) -> None:
-        super().__init__()
-        self.table = table
-
-    def __missing__(self, op: Op) -> list[int]:
-        rules = self[op] = [self.table.rule(op, s) for s in range(self.table.S)]
-        return rules
-

@@ -1,4 +1,4 @@
-"""The execution model shared by the validator and the simulator.
+"""The execution model shared by the validator and the timing (:mod:`pipesched.timing`: the simulator, lowering).
 
 Each rank runs its stream in order:
 
@@ -7,7 +7,7 @@ Each rank runs its stream in order:
   that completes here completes under any buffering an executor adds;
 - a compute instruction waits until the data it needs from another rank has been sent to it (in a
   compute-only program: until the producing instruction has run);
-- ALL_REDUCE starts an asynchronous collective and moves on.
+- ALL_REDUCE and TIE_REDUCE start an asynchronous collective and move on.
 
 Messages between two ranks match first in, first out, whatever their kind, as NCCL matches
 point-to-point messages, and a SEND and the RECV it matches must carry the same message
@@ -23,49 +23,20 @@ instruction costs a few list lookups. A complete :class:`Run` is remembered for 
 """
 from __future__ import annotations
 
-import gc
 import weakref
 from bisect import bisect_right
 from collections import defaultdict, deque
-from contextlib import contextmanager
+from functools import cache, partial
 from itertools import chain, repeat
 from operator import is_, itemgetter
 
 from .deps import REMOTE_KINDS, RuleTable, describe, message, route
 from .errors import DeadlockError, PairingError, render_grid
-from .ir import BACKWARD_OPS, COMM_OPS, PROOF_ATTR, RECV_OPS, SEND_OPS, Op, Program
+from .ir import BACKWARD_OPS, COLLECTIVE_OPS, COMM_OPS, PROOF_ATTR, RECV_OPS, SEND_OPS, Op, Program
 
-_MICROBATCH, _PEER, _OP_STAGE = itemgetter(2), itemgetter(3), itemgetter(0, 1)  # fields of an Instr
+_OP, _STAGE, _MICROBATCH, _PEER = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(3)  # fields of an Instr
 
 COMPUTE, RECV, SEND = 0, 1, 2  # how the engine treats a rule's instructions (ALL_REDUCE counts as compute)
-
-
-@contextmanager
-def paused_gc():
-    """Pause the cyclic garbage collector for a pass over a large program (also usable as a decorator).
-
-    Building, lowering, validating and simulating a program allocate an object or two per instruction
-    (instructions, events, tuples), none of them in a reference cycle. With hundreds of thousands of
-    them alive, each full collection the allocations trigger walks every live object, finds nothing to
-    free, and costs more than the pass itself. Reference counting still frees everything; the collector
-    resumes (if it was running) when the pass ends, however it ends.
-
-    When it resumes, the objects made during the pass (the program or timeline it returns: one or two
-    per instruction) would be walked by the next young collections, only to survive them. Instead every
-    tracked object is moved to the oldest generation unwalked (``gc.freeze()`` then ``gc.unfreeze()``),
-    which the collector visits only in its rare full collections; nothing is exempt from collection.
-    This is skipped if the caller keeps frozen objects of its own (``gc.get_freeze_count() > 0``).
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            if gc.get_freeze_count() == 0:
-                gc.freeze()
-                gc.unfreeze()
-            gc.enable()
 
 
 def has_comm(program: Program) -> bool:
@@ -76,22 +47,6 @@ def has_comm(program: Program) -> bool:
 
 class NoSuchStage(IndexError):
     """An instruction names a stage the program does not have (:class:`Plan` needs every stage to exist)."""
-
-
-class _RuleOf(dict):
-    """(op, stage) -> the rule ``rules.by_op[op][stage]``, each key filled on first use (a C-level lookup
-    after that). Raises :class:`NoSuchStage` for a stage the program does not have."""
-
-    def __init__(self, rules: RuleTable) -> None:
-        super().__init__()
-        self.rules = rules
-
-    def __missing__(self, key: tuple[Op, int]) -> int:
-        op, stage = key
-        if stage >= self.rules.S:
-            raise NoSuchStage(f"an instruction names a stage >= {self.rules.S}")
-        rule = self[key] = self.rules.by_op[op][stage]
-        return rule
 
 
 class Plan:
@@ -105,6 +60,7 @@ class Plan:
         program: the program (held weakly; see :func:`remember`).
         rules: its :class:`~pipesched.deps.RuleTable`.
         instrs, rule, mb, peer: per instruction: itself, its rule, microbatch (0 for ALL_REDUCE), peer.
+        ops: the kinds of instruction the program has.
         first: where each rank's instructions start; ``first[-1]`` is the number of instructions.
         lowered: the program carries SEND/RECV.
         kind, wait, give: per rule: ``COMPUTE``/``RECV``/``SEND``; the base id of the item it must
@@ -120,13 +76,15 @@ class Plan:
         for stream in program.ranks:
             self.first.append(self.first[-1] + len(stream))
         self.rules = rules = RuleTable(program.num_stages, program.num_microbatches)
-        self.rule = list(map(_RuleOf(rules).__getitem__, map(_OP_STAGE, instrs)))
+        rule_of = cache(partial(_rule, rules))  # each distinct (op, stage) is looked up once
+        self.rule = list(map(rule_of, map(_OP, instrs), map(_STAGE, instrs)))
+        self.ops = frozenset(rules.op)  # the table makes a rule on first use: only for the kinds the program has
         self.mb = list(map(_MICROBATCH, instrs))
-        if Op.ALL_REDUCE in rules.by_op:
+        if not COLLECTIVE_OPS.isdisjoint(self.ops):
             self.mb = [0 if mb is None else mb for mb in self.mb]
         self.peer = list(map(_PEER, instrs))
-        self.lowered = not COMM_OPS.isdisjoint(rules.by_op)
-        if Op.R in rules.by_op:
+        self.lowered = not COMM_OPS.isdisjoint(self.ops)
+        if Op.R in self.ops:
             self._mark_recomputed(program.recomputed())
         self.kind, self.wait, self.give = [], [], []
         for t in range(len(rules.op)):
@@ -162,7 +120,7 @@ class Plan:
             self.wait.append(-1)
             self.give.append(rules.need[t][0])  # the message is what the SEND needs
         else:
-            items = [] if op is Op.ALL_REDUCE else [(base, rules.item(base)) for base in rules.need[t]]
+            items = [] if op in COLLECTIVE_OPS else [(base, rules.item(base)) for base in rules.need[t]]
             here = s2r[rules.stage[t]]
             remote = [base for base, (kind, s, _) in items if kind in REMOTE_KINDS and s2r[s] != here]
             assert len(remote) <= 1, f"the rules give {op} more than one item from another rank"
@@ -170,6 +128,13 @@ class Plan:
             self.kind.append(COMPUTE)
             self.wait.append(remote[0] if remote else -1)
             self.give.append(handed[0] if handed and not self.lowered else -1)
+
+
+def _rule(rules: RuleTable, op: Op, stage: int) -> int:
+    """The rule of ``op`` at ``stage`` (not recomputed). Raises :class:`NoSuchStage` for a stage >= ``rules.S``."""
+    if stage >= rules.S:
+        raise NoSuchStage(f"an instruction names a stage >= {rules.S}")
+    return rules.rule(op, stage)
 
 
 def _to_other_rank(item, here: int, s2r) -> bool:

@@ -20,8 +20,10 @@ def peak_activation_bytes(program: Program, cost) -> tuple[float, ...] | None:
     stash = cost.per_stage("stash_bytes", S)
     inputs = cost.per_stage("input_bytes", S)
     redone = cost.per_stage("recompute_bytes", S)
+    if not any(stash) and not (any(inputs) or any(redone)):
+        return None  # no size given (checked first: finding the recomputed pairs reads every instruction)
     recomputed = program.recomputed()
-    if not any(stash) and not (recomputed and (any(inputs) or any(redone))):
+    if not any(stash) and not recomputed:
         return None
     if program.forward_only:
         return (0.0,) * program.num_ranks

@@ -1,19 +1,26 @@
-"""The wire protocol of one pipeline step: every point-to-point message a rank posts, in order.
+"""The wire protocol of one pipeline step: every message a rank puts on the wire, in order.
 
 A step of ``pipesched.runtime.Pipeline`` runs one proven program (:class:`pipesched.api.StepPrograms`) and,
 on each rank, posts exactly these messages, in this order (:func:`step_posts`):
 
 0. *The step's opening* (``pipesched.runtime.handshake``): first a collective all-gather over the pipeline
-   group (every rank's settings, stage 0's rank's description of the input), which every rank calls before
-   anything else; then, in a training step, the rank of the last stage sends its verdict on the target to
-   every other rank, in rank order, and each of them waits for it before its first instruction.
+   group (every rank's settings, stage 0's rank's description of the input; :data:`OPENING`), which every
+   rank calls before anything else of the step, and only once every message it posted in the previous step
+   has been waited for (the executor waits for every send and all-reduce at the end of its stream, every
+   receive at the instruction that needs it, the handshake for its own sends); then, in a training step, the
+   rank of the last stage sends its verdict on the target to every other rank, in rank order, and each of
+   them waits for it before its first instruction.
 1. *Program messages*, one per SEND or RECV instruction, at the instruction's place in the rank's stream.
    While a step learns the message shapes (:attr:`Post.message` kind ``"act_header"``), a SEND_F sends a
    shape header right before the activation, and a RECV_F posts the header's receive, waits for it, then
    posts the activation's receive: a header and its payload are consecutive on their pair, in the same
-   order on both sides. (A gradient carries its presence mask in the same message: no header. Once the
-   shapes are known, a SEND_B/RECV_B whose message would hold no gradient, as both sides learned, posts
-   nothing on either side; :func:`step_posts` lists the messages of stages whose inputs all get gradients.)
+   order on both sides. A gradient message (SEND_B/RECV_B) is *masked* (``runtime/transport.py``): only the
+   input tensors of a stage that require grad get one, and some of those may get none (the next stage
+   detaches them or never uses them; a stage whose outputs get none skips its backward). While learning,
+   the message carries a gradient for each tensor that requires grad (zeros for none) plus a presence mask;
+   afterwards only the present gradients; and no message at all where no input tensor requires grad, or
+   (known) none gets a gradient. :func:`step_posts` takes which gradients come (``gradients``) and gives
+   each gradient message's tensor count (:attr:`Post.tensors`, :func:`gradient_tensors`).
 2. *The loss* (training steps): after its last instruction, the rank of the last stage sends the step's
    loss to every other rank, in rank order — its last message to each in the step. Rank ``r`` posts that
    receive at :func:`loss_post_position`: right after its last receive from that rank when the program
@@ -23,13 +30,20 @@ on each rank, posts exactly these messages, in this order (:func:`step_posts`):
 Why this order cannot hang or swap a message (:func:`check_step` checks each point for every program the
 runtime runs): every rank reaches the all-gather, and the verdict's sender waits for nothing after it, so
 each verdict arrives; it is the first message from that rank on each pair, and its receive the first posted.
-The program is proven (:mod:`pipesched.validate`) under first-in first-out matching per pair of ranks, and
-a learning step's program also with each RECV_F blocking until its SEND_F is issued (:func:`learning_view`).
-A header and its payload travel together, in one order on both sides. The loss is the last message from the
-last stage's rank to each rank, and each rank posts its receive after every other receive from that rank,
-so it matches last; the sender sends it once its own stream is done, and the receive is posted without
-waiting for anything, so the sends find it. On a backend that runs a pair's messages in issue order (NCCL),
-both ranks of each pair post them in one order.
+The program is proven (:mod:`pipesched.validate`) under first-in first-out matching per pair of ranks
+whatever the message's kind, and a learning step's program also with each RECV_F blocking until its SEND_F
+is issued (:func:`learning_view`). A header and its payload travel together, in one order on both sides.
+The loss is the last message from the last stage's rank to each rank, and each rank posts its receive after
+every other receive from that rank, so it matches last; the sender sends it once its own stream is done, and
+the receive is posted without waiting for anything, so the sends find it. For every ordered pair of ranks,
+the messages one sends the other in a step are exactly, in order and in tensor count, those the other posts
+receives for in that step: so first-in first-out matching gives every receive its own message, and no
+message of a step is left unmatched when a rank, having waited for all of its own, enters the next step's
+all-gather (on NCCL the collective runs on the pair's stream behind any unfinished point-to-point message,
+which would hang it). A masked gradient drops a message from both sides of its pair alike (both learned the
+mask from the one learning message) and only removes a wait, so it keeps every point above; :func:`check_step`
+takes the masks too. On a backend that runs a pair's messages in issue order (NCCL), both ranks of each pair
+post them in one order.
 """
 from __future__ import annotations
 
@@ -41,17 +55,40 @@ from .validate import validate
 
 
 class Post(NamedTuple):
-    """One point-to-point message post: ``kind`` ``"send"`` or ``"recv"``, the ``peer`` pipeline rank, and the
-    ``message``: ``(kind, stage, microbatch)`` with kind ``"act_header"``, ``"act"`` (the output of ``stage``),
-    ``"grad"`` (the gradient of ``stage``'s input), ``"target"`` or ``"loss"`` (:data:`TARGET`, :data:`LOSS`)."""
+    """One message post: ``kind`` ``"send"`` or ``"recv"`` (point to point, with the ``peer`` pipeline rank) or
+    ``"all_gather"`` (the collective that opens the step, on the whole pipeline group: ``peer`` ``None``, message
+    :data:`OPENING`); the ``message``: ``(kind, stage, microbatch)`` with kind ``"act_header"``, ``"act"`` (the
+    output of ``stage``), ``"grad"`` (the gradient of ``stage``'s input), ``"target"`` or ``"loss"``
+    (:data:`TARGET`, :data:`LOSS`); ``tensors``: the number of tensors a gradient message carries
+    (:func:`gradient_tensors`), ``None`` for the other messages (an activation carries the stage's output
+    tensors, the others one tensor each)."""
 
     kind: str
-    peer: int
+    peer: int | None
     message: tuple
+    tensors: int | None = None
 
 
 LOSS = ("loss", None, None)  #: the step's loss, from the last stage's rank
 TARGET = ("target", None, None)  #: the verdict on the step's target, from the last stage's rank
+OPENING = ("opening", None, None)  #: the all-gather that opens every step (handshake), on every pipeline rank
+#: Which gradients of one stage input come back when a step's ``gradients`` does not say: one tensor that
+#: requires grad and gets a gradient (a stage of a plain ``nn.Sequential`` of ``Linear`` layers).
+ALL_GRADIENTS = (True,)
+
+
+def gradient_tensors(mask: tuple, learning: bool) -> int:
+    """How many tensors the gradient message of one stage input carries (0: no message is posted).
+
+    Args:
+        mask: one bool per tensor of the stage's input that requires grad, True where it gets a gradient
+            (``()``: no input tensor requires grad).
+        learning: the step learns the message metas: the message then carries every gradient of ``mask``
+            (zeros for the absent ones) plus the ``uint8`` presence mask; afterwards only the present ones.
+    """
+    if learning:
+        return len(mask) + 1 if mask else 0
+    return sum(1 for bit in mask if bit)
 
 
 def loss_post_position(stream, last_rank: int, early: bool) -> int:
@@ -69,39 +106,45 @@ def loss_post_position(stream, last_rank: int, early: bool) -> int:
     return max([k for k, i in enumerate(stream) if i.op in RECV_OPS and i.peer == last_rank], default=-1)
 
 
-def instruction_posts(instr, learning: bool) -> list[Post]:
+def instruction_posts(instr, learning: bool, gradients=None) -> list[Post]:
     """The posts one SEND or RECV instruction makes (none for any other kind); ``learning``: the step learns
-    the message shapes (headers before activations)."""
+    the message shapes (headers before activations, gradient masks); ``gradients``: as :func:`step_posts`."""
     if instr.op not in SEND_OPS and instr.op not in RECV_OPS:
         return []
     kind = "send" if instr.op in SEND_OPS else "recv"
     if instr.op in (Op.SEND_B, Op.RECV_B):
         stage = instr.stage if instr.op is Op.SEND_B else instr.stage + 1  # the gradient of that stage's input
-        return [Post(kind, instr.peer, ("grad", stage, instr.microbatch))]
+        mask = (gradients or {}).get((stage, instr.microbatch), ALL_GRADIENTS)
+        count = gradient_tensors(mask, learning)
+        return [Post(kind, instr.peer, ("grad", stage, instr.microbatch), count)] if count else []
     stage = instr.stage if instr.op is Op.SEND_F else instr.stage - 1  # the output of that stage
     header = [Post(kind, instr.peer, ("act_header", stage, instr.microbatch))] if learning else []
     return header + [Post(kind, instr.peer, ("act", stage, instr.microbatch))]
 
 
-def step_posts(program: Program, rank: int, learning: bool, early: bool) -> list[Post]:
-    """Every point-to-point post ``rank`` makes in a step that runs ``program`` (see the module docstring),
-    in order (the all-gather that opens the step, a collective, is not one).
+def step_posts(program: Program, rank: int, learning: bool, early: bool, gradients=None) -> list[Post]:
+    """Every message ``rank`` posts in a step that runs ``program`` (see the module docstring), in order: the
+    opening all-gather (``Post("all_gather", None, OPENING)``), then each point-to-point send and receive.
 
     Args:
         program: the step's program (forward-only for a ``forward()``: no loss is sent).
         learning: the step learns the message shapes.
         early: the program posts receives early (where the loss receive goes, :func:`loss_post_position`).
+        gradients: which gradients come back: ``{(stage, microbatch): mask}``, ``mask`` one bool per tensor of
+            that stage's input that requires grad, True where it gets a gradient (what the step learns;
+            :func:`gradient_tensors`). A missing pair (or ``None``): :data:`ALL_GRADIENTS`.
     """
-    return [post for _, post in _numbered_posts(program, rank, learning, early)]
+    return [post for _, post in _numbered_posts(program, rank, learning, early, gradients)]
 
 
-def _numbered_posts(program: Program, rank: int, learning: bool, early: bool) -> list[tuple[int, Post]]:
+def _numbered_posts(program: Program, rank: int, learning: bool, early: bool,
+                    gradients=None) -> list[tuple[int, Post]]:
     """:func:`step_posts`, each with the position of the instruction it belongs to (the loss: the position
-    its receive follows, clamped to 0, or the last instruction for its sends)."""
+    its receive follows, clamped to 0, or the last instruction for its sends; the opening: 0)."""
     stream, last = program.ranks[rank], program.stage_to_rank[-1]
     train = not program.forward_only
     loss_at = loss_post_position(stream, last, early) if train and rank != last else None
-    posts = []
+    posts = [(0, Post("all_gather", None, OPENING))]
     if train:  # the verdict on the target opens the step
         if rank == last:
             posts += [(0, Post("send", peer, TARGET)) for peer in range(program.num_ranks) if peer != rank]
@@ -110,7 +153,7 @@ def _numbered_posts(program: Program, rank: int, learning: bool, early: bool) ->
     if loss_at == -1:
         posts.append((0, Post("recv", last, LOSS)))
     for at, instr in enumerate(stream):
-        posts += [(at, post) for post in instruction_posts(instr, learning)]
+        posts += [(at, post) for post in instruction_posts(instr, learning, gradients)]
         if at == loss_at:
             posts.append((at, Post("recv", last, LOSS)))
     if train and rank == last:
@@ -142,7 +185,8 @@ def learning_view(program: Program) -> Program:
     return program.replace(streams)
 
 
-def check_step(program: Program, learning: bool, early: bool, same_pair_order: bool = False) -> Program:
+def check_step(program: Program, learning: bool, early: bool, same_pair_order: bool = False,
+               gradients=None) -> Program:
     """Prove, for a step that runs ``program`` (validated by :func:`~pipesched.validate.validate`), what the
     checker's model of the program alone leaves out; return ``program``.
 
@@ -154,15 +198,26 @@ def check_step(program: Program, learning: bool, early: bool, same_pair_order: b
       sender waits for nothing before sending it; nothing in the program waits for the loss and its sends
       follow the sender's last instruction, so a complete execution of the program plus the loss receives
       (which never block) ends with every loss send finding its receive posted.
+    - Every message on the wire is paired within the step: every rank's posts open with the step's all-gather
+      (once), and for every ordered pair of ranks (a, b), the messages a sends b are, in order and in tensor
+      count, exactly those b posts receives from a (verdict, headers, activations, masked gradients, loss).
+      So first-in first-out matching per pair (NCCL's; gloo's per tag) gives every receive its own message,
+      and when a rank enters the next step's all-gather, having waited for all its own posts, no
+      point-to-point message of any pair is unfinished (on NCCL the collective would queue behind one: a hang).
     - ``same_pair_order`` (a backend that runs the messages between two ranks in issue order on one stream,
       NCCL): between every two ranks, both post their messages of both directions (:func:`step_posts`) in
       one order. With the program proven, each pair's messages then complete in that order.
 
     Args:
         early: the program posts receives early (where the loss receive goes).
+        gradients: which gradients come back (as :func:`step_posts`; ``None``: every one). A mask drops a
+            message from both sides of its pair, so the proof with ``None`` covers every mask; pass one to
+            check that too.
     Raises:
         DeadlockError: the learning step would hang (names the blocked instructions of the learning view).
-        PairingError: the loss would not match last, or two ranks post their messages in different orders.
+        PairingError: the step does not open with its all-gather, a message of a pair is not received
+            exactly once in send order within the step, the loss would not match last, or two ranks post
+            their messages in different orders.
     """
     if learning:
         try:
@@ -171,11 +226,59 @@ def check_step(program: Program, learning: bool, early: bool, same_pair_order: b
             raise DeadlockError("while learning the message shapes (each RECV_F waits for its SEND_F's header; "
                                 "the grid is the learning view, each such F moved up to its RECV_F): " + exc.reason,
                                 exc.rank, exc.instr, exc.grid) from None
-    posts = [_numbered_posts(program, rank, learning, early) for rank in range(program.num_ranks)]
-    _check_verdict_first_and_loss_last(program, posts)
+    posts = [_numbered_posts(program, rank, learning, early, gradients) for rank in range(program.num_ranks)]
+    _check_opening(program, posts)
+    _check_verdict_first_and_loss_last(program, posts)  # the most telling message first
+    _check_pairs_match(program, posts)
     if same_pair_order:
         _check_same_pair_order(program, posts)
     return program
+
+
+def _check_opening(program: Program, posts: list) -> None:
+    """Every rank's step opens with the all-gather, and has it once: no message posted before it can still be
+    unfinished, and none of the step comes after the next step's."""
+    for rank, mine in enumerate(posts):
+        gathers = [k for k, (_, post) in enumerate(mine) if post.kind == "all_gather"]
+        if gathers != [0]:
+            at = mine[gathers[0] if gathers else 0][0] if mine else 0
+            raise PairingError(f"rank {rank}'s step must open with the all-gather on the pipeline group, once, before "
+                               f"any point-to-point message; it posts it at positions {gathers} of its posts",
+                               rank, _instr_at(program, rank, at), render_grid(program.ranks, {rank: at}))
+
+
+def _check_pairs_match(program: Program, posts: list) -> None:
+    """For every ordered pair (a, b): a's sends to b and b's receives from a are the same messages, in order."""
+    for a in range(program.num_ranks):
+        for b in range(program.num_ranks):
+            if a == b:
+                continue
+            sent = [(at, post) for at, post in posts[a] if post.kind == "send" and post.peer == b]
+            received = [(at, post) for at, post in posts[b] if post.kind == "recv" and post.peer == a]
+            for k in range(max(len(sent), len(received))):
+                ours = sent[k][1] if k < len(sent) else None
+                theirs = received[k][1] if k < len(received) else None
+                if ours is not None and theirs is not None and ours[2:] == theirs[2:]:
+                    continue
+                marks = {**({a: sent[k][0]} if ours else {}), **({b: received[k][0]} if theirs else {})}
+                rank, at = (a, sent[k][0]) if ours else (b, received[k][0])
+                raise PairingError(
+                    f"message {k + 1} from rank {a} to rank {b} in a step: rank {a} sends {_carried(ours)}, rank {b} "
+                    f"posts the receive of {_carried(theirs)}; first-in first-out matching would give a receive "
+                    f"another message, or leave one unfinished when the next step's all-gather starts",
+                    rank, _instr_at(program, rank, at), render_grid(program.ranks, marks))
+
+
+def _carried(post) -> str:
+    if post is None:
+        return "nothing (no such message in the step)"
+    count = "" if post.tensors is None else f" ({post.tensors} tensors)"
+    return _describe(post.message) + count
+
+
+def _instr_at(program: Program, rank: int, at: int):
+    stream = program.ranks[rank]
+    return stream[at] if stream else None
 
 
 def _check_verdict_first_and_loss_last(program: Program, posts: list) -> None:
@@ -213,6 +316,7 @@ def _check_same_pair_order(program: Program, posts: list) -> None:
 
 def _describe(message: tuple) -> str:
     kind, stage, mb = message
-    return {"loss": "the step's loss", "act_header": f"the shape header of stage {stage}'s output, microbatch {mb}",
+    return {"loss": "the step's loss", "opening": "the step's opening all-gather",
+            "act_header": f"the shape header of stage {stage}'s output, microbatch {mb}",
             "act": f"stage {stage}'s output, microbatch {mb}", "target": "the verdict on the step's target",
             "grad": f"the gradient of stage {stage}'s input, microbatch {mb}"}[kind]

@@ -15,7 +15,7 @@ from pipesched.ir import FORWARD_OPS, RECV_OPS, SEND_OPS, Instr, Op, Program
 from pipesched.lower import EARLY_RECEIVE_WINDOW, forward_only, post_receives_early
 from pipesched import protocol
 from pipesched.errors import PairingError
-from pipesched.protocol import LOSS, TARGET, check_step, learning_view, step_posts
+from pipesched.protocol import LOSS, OPENING, TARGET, check_step, learning_view, step_posts
 from pipesched.testing import schedule_configs
 
 
@@ -29,7 +29,7 @@ def _config_program(config, split: bool) -> Program:
 
 
 def _old_hoist(stream, ahead):
-    """The executor's reordering before it became a pass (runtime/plan.py ``hoist_recvs``): today's behaviour."""
+    """The executor's reordering before it became a pass (``hoist_recvs`` in the former runtime/plan.py): today's behaviour."""
     keyed = [((pos - ahead if i.op in RECV_OPS else pos), 0 if i.op in RECV_OPS else 1, pos, i)
              for pos, i in enumerate(stream)]
     out, run = [], []
@@ -210,12 +210,22 @@ def test_step_programs_refuse_what_would_not_be_safe():
 
 def test_step_posts_by_hand():
     program = ps.compile_program("1f1b", 2, 1)
-    act, grad = ("act", 0, 0), ("grad", 1, 0)
+    act, grad, opening = ("act", 0, 0), ("grad", 1, 0), ("all_gather", None, OPENING)
+    # a gradient message carries the gradient plus its presence mask while learning (2 tensors), then 1
     assert [tuple(p) for p in step_posts(program, 0, learning=True, early=False)] == [
-        ("recv", 1, TARGET), ("send", 1, ("act_header", 0, 0)), ("send", 1, act), ("recv", 1, grad), ("recv", 1, LOSS)]
+        opening + (None,), ("recv", 1, TARGET, None), ("send", 1, ("act_header", 0, 0), None), ("send", 1, act, None),
+        ("recv", 1, grad, 2), ("recv", 1, LOSS, None)]
     assert [tuple(p) for p in step_posts(program, 1, learning=False, early=False)] == [
-        ("send", 0, TARGET), ("recv", 0, act), ("send", 0, grad), ("send", 0, LOSS)]
-    assert [tuple(p) for p in step_posts(forward_only(program), 1, learning=False, early=False)] == [("recv", 0, act)]
+        opening + (None,), ("send", 0, TARGET, None), ("recv", 0, act, None), ("send", 0, grad, 1),
+        ("send", 0, LOSS, None)]
+    assert [tuple(p) for p in step_posts(forward_only(program), 1, learning=False, early=False)] == [
+        opening + (None,), ("recv", 0, act, None)]
+    # masked: stage 1's input is two tensors that require grad, the second gets no gradient (3 tensors while
+    # learning, then 1); none gets one: a message while learning (the mask says so), then none at all
+    for mask, counts in (((True, False), (3, 1)), ((False,), (2, None)), ((), (None, None))):
+        for learning, count in zip((True, False), counts):
+            grads = [p.tensors for p in step_posts(program, 1, learning, False, {(1, 0): mask}) if p.message == grad]
+            assert grads == ([] if count is None else [count]), (mask, learning)
 
 
 def test_a_learning_step_blocks_at_each_activation_receive():

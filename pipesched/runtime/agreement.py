@@ -18,14 +18,25 @@ from ..program_io import fingerprint
 _PREFIX = "pipesched/construct"
 
 
-def describe(program, balance, num_layers: int, world_size: int) -> dict:
-    """What every rank of the job must agree on, JSON-ready, most telling field first."""
+def describe(program, balance, num_layers: int, world_size: int, early_receives: int = 0) -> dict:
+    """What every rank of the job must agree on, JSON-ready, most telling field first (each named after the
+    ``Pipeline`` argument it comes from, so a mismatch names the argument and both values; the program's
+    fingerprint last, for what no argument explains).
+
+    Args:
+        program: the program ``step()`` runs once the message shapes are known (``Pipeline.program``).
+        early_receives: how many instructions early that program posts receives (``StepPrograms.early_receives``;
+            0: program order), reported as the ``early_receives`` argument it follows from.
+    """
     recomputed = program.stages_with(Op.R)
+    early = (f"True (receives posted up to {early_receives} instructions early)" if early_receives else
+             "False (every message at its program position)")
     return {"world_size": world_size, "dp_size": program.dp_size, "schedule": program.schedule,
             "num_microbatches": program.num_microbatches, "stages": program.num_stages,
             "recompute": [s in recomputed for s in range(program.num_stages)],
             "split_backward stages": sorted(program.stages_with(Op.I)), "layers": num_layers,
-            "balance": list(balance), "program fingerprint": f"{fingerprint(program):014x}"}
+            "balance": list(balance), "early_receives": early,
+            "program fingerprint": f"{fingerprint(program):014x}"}
 
 
 def agree(store, world_rank: int, world_size: int, description: dict, timeout: float) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..checks import check_positive
 from ..errors import ScheduleArgumentError
-from ..ir import Instr, Op, Program, trusted_instr
+from ..ir import Instr, Op, Program
 
 
 def check_one_stage_sizes(name: str, num_ranks, num_microbatches, virtual_stages) -> tuple[int, int]:
@@ -24,12 +24,12 @@ def check_one_stage_sizes(name: str, num_ranks, num_microbatches, virtual_stages
 
 def forward(stage: int, microbatch: int) -> Instr:
     """``F(stage, microbatch)``; the builders pass indices >= 0, so it skips the checks of ``Instr(...)``."""
-    return trusted_instr((Op.F, stage, microbatch, None))
+    return Instr.trusted(Op.F, stage, microbatch)
 
 
 def backward(stage: int, microbatch: int) -> Instr:
     """``B(stage, microbatch)``, made like :func:`forward`."""
-    return trusted_instr((Op.B, stage, microbatch, None))
+    return Instr.trusted(Op.B, stage, microbatch)
 
 
 def program(name: str, streams, stage_to_rank, num_microbatches: int, virtual_stages: int = 1) -> Program:

@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 from .. import placement
-from ..engine import paused_gc
 from ._common import backward, check_one_stage_sizes, forward, program
 
 
-@paused_gc()
 def build_gpipe(num_ranks: int, num_microbatches: int, virtual_stages: int = 1):
     """GPipe (arXiv:1811.06965): every rank runs F for microbatches 0..m-1, then B for 0..m-1.
 

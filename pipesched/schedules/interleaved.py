@@ -1,18 +1,14 @@
 """Interleaved 1F1B: v model chunks per rank on a looped placement (Narayanan et al., 2021, arXiv:2104.04473)."""
 from __future__ import annotations
 
-from itertools import repeat
-
 from .. import placement
-from ..engine import paused_gc
-from ..ir import Instr, Op, trusted_instrs
 from ..checks import check_positive
+from ..ir import Instr, Op
 from ._common import program
 
 F, B = Op.F, Op.B
 
 
-@paused_gc()
 def build_interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int = 2):
     """Interleaved 1F1B (Megatron-LM, arXiv:2104.04473, section 2.2.2).
 
@@ -51,13 +47,14 @@ def _round_sizes(p: int, m: int) -> list[int]:
 
 def _orders(rank: int, p: int, v: int, rounds: list[int]) -> tuple[list[Instr], list[Instr]]:
     """The rank's forwards and its backwards, each in the order the rank runs them."""
+    stages = [chunk * p + rank for chunk in range(v)]  # the rank's stages, one per model chunk (looped placement)
     fwd, bwd, first = [], [], 0
     for size in rounds:
         mbs = range(first, first + size)
-        for c in range(v):
-            fwd += trusted_instrs(zip(repeat(F), repeat(c * p + rank), mbs, repeat(None)))
-        for c in reversed(range(v)):
-            bwd += trusted_instrs(zip(repeat(B), repeat(c * p + rank), mbs, repeat(None)))
+        for stage in stages:
+            fwd += [Instr.trusted(F, stage, mb) for mb in mbs]
+        for stage in reversed(stages):
+            bwd += [Instr.trusted(B, stage, mb) for mb in mbs]
         first += size
     return fwd, bwd
 

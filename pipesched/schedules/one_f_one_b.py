@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 from .. import placement
-from ..engine import paused_gc
 from ._common import backward, check_one_stage_sizes, forward, program
 
 
-@paused_gc()
 def build_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int = 1):
     """1F1B / PipeDream-Flush (Narayanan et al., 2021, arXiv:2006.09503).
 

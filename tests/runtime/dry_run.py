@@ -1,8 +1,9 @@
 """A dry run of a whole pipeline in one process: every rank's real step-opening ``Handshake`` and ``Executor``
 in its own thread, over an in-memory process group that logs every post in call order and matches the
 point-to-point messages between two ranks first in, first out whatever their tag (as NCCL does; the checker's
-model), failing on a message whose tag or size is not the one the receive was posted for, or on a receive
-nothing comes for."""
+model), failing on a message whose tag or size is not the one the receive was posted for, on a receive
+nothing comes for, or on a rank entering the step-opening all-gather while a message it posted is not yet
+waited for (on NCCL that collective would queue behind it)."""
 from __future__ import annotations
 
 import threading
@@ -22,9 +23,13 @@ WAIT_S = 20.0  # a receive that gets nothing in this time fails (a hang, in a re
 
 
 class _Done:
-    """A finished work (sends are buffered; a fake all-reduce does nothing)."""
+    """A finished work (sends are buffered; a fake all-reduce does nothing); ``waited`` once waited for."""
+
+    waited = False
+    what = "a send"
 
     def wait(self):
+        self.waited = True
         return True
 
 
@@ -32,10 +37,14 @@ class _Receive:
     """The ``index``-th receive posted from ``src`` on ``dst``: it gets the ``index``-th message ``src`` sent
     ``dst``, which must carry ``tag`` and fit ``buf``."""
 
+    waited = False
+
     def __init__(self, net, src, dst, index, tag, buf):
         self.net, self.src, self.dst, self.index, self.tag, self.buf = net, src, dst, index, tag, buf
+        self.what = f"the receive of tag {tag} from rank {src}"
 
     def wait(self):
+        self.waited = True
         net, channel = self.net, (self.src, self.dst)
         with net.cond:
             if not net.cond.wait_for(lambda: net.failed or len(net.sent[channel]) > self.index, WAIT_S):
@@ -64,6 +73,7 @@ class Network:
         self.gathers = defaultdict(dict)  # all-gather number -> {rank: its tensor}
         self.gathered = [0] * num_ranks  # per rank, the all-gathers it joined
         self.log = [[] for _ in range(num_ranks)]
+        self.works = [[] for _ in range(num_ranks)]  # per rank, its point-to-point works not yet seen waited
 
     def group(self, rank: int) -> "FakeGroup":
         return FakeGroup(self, rank)
@@ -81,10 +91,18 @@ class FakeGroup:
         with net.cond:
             net.sent[(self.rank, dst)].append((tag, tensors[0].clone()))
             net.cond.notify_all()
-        return _Done()
+        return self._track(_Done())
+
+    def _track(self, work):
+        self.net.works[self.rank].append(work)
+        return work
 
     def allgather(self, outputs, inputs):
         net = self.net
+        unfinished = [work.what for work in net.works[self.rank] if not work.waited]
+        if unfinished:
+            raise RuntimeError(f"rank {self.rank} enters the step-opening all-gather with {unfinished} not waited for")
+        net.works[self.rank] = []
         net.log[self.rank].append(("all_gather", None, None))
         with net.cond:
             number = net.gathered[self.rank]
@@ -99,7 +117,7 @@ class FakeGroup:
         with net.cond:
             index = net.posted[(src, self.rank)]
             net.posted[(src, self.rank)] += 1
-        return _Receive(net, src, self.rank, index, tag, tensors[0])
+        return self._track(_Receive(net, src, self.rank, index, tag, tensors[0]))
 
 
 class _Gather:
@@ -121,24 +139,62 @@ class _Gather:
         return True
 
 
+class CountingTransport(Transport):
+    """The real :class:`Transport`, adding to each post it logs the number of tensors the message carries:
+    ``("send" | "recv", peer, tag, tensors)``."""
+
+    def __init__(self, net: Network, rank: int, num_stages: int, device) -> None:
+        super().__init__(net.group(rank), num_stages, device)
+        self.log = net.log[rank]
+
+    def send(self, tensors, peer: int, tag: int):
+        sent = super().send(tensors, peer, tag)
+        self.log[-1] += (len(tensors),)
+        return sent
+
+    def post(self, specs, peer: int, tag: int, what: str):
+        pending = super().post(specs, peer, tag, what)
+        self.log[-1] += (len(specs),)
+        return pending
+
+
+class Boundary(nn.Module):
+    """A stage whose input and output may be a pair of tensors, for masked gradients: ``y = tanh(lin(h))``
+    from the input's first tensor ``h`` (``detach``: ``h.detach()``, so ``h`` gets no gradient), plus its
+    second tensor if ``use_aux`` (otherwise that one gets none); returns ``(y, 2 * y)`` if ``pair_out``, else
+    ``y``."""
+
+    def __init__(self, width: int, detach: bool, use_aux: bool, pair_out: bool) -> None:
+        super().__init__()
+        self.lin, self.detach, self.use_aux, self.pair_out = nn.Linear(width, width), detach, use_aux, pair_out
+
+    def forward(self, x):
+        h, aux = x if isinstance(x, tuple) else (x, None)
+        y = torch.tanh(self.lin(h.detach() if self.detach else h))
+        if self.use_aux and aux is not None:
+            y = y + aux
+        return (y, 2 * y) if self.pair_out else y
+
+
 class _FakeDP:
     def allreduce(self, tensors):
         return _Done()
 
 
 class DryPipeline:
-    """``programs`` run by one real :class:`Executor` per pipeline rank on a stage of ``nn.Linear(4, 4)`` each."""
+    """``programs`` run by one real :class:`Executor` per pipeline rank on a stage of ``nn.Linear(4, 4)`` each,
+    or on ``layers`` (one module per stage taking and giving tensors of width 4, e.g. :class:`Boundary`)."""
 
-    def __init__(self, programs: StepPrograms, width: int = 4) -> None:
+    def __init__(self, programs: StepPrograms, width: int = 4, layers=None) -> None:
         torch.manual_seed(0)
         program = programs.train
         self.programs, self.p, self.m = programs, program.num_ranks, program.num_microbatches
-        self.layers = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(program.num_stages)]
+        self.layers = layers or [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(program.num_stages)]
         recomputed = program.stages_with(Op.R)
         flags = [s in recomputed for s in range(program.num_stages)]
         self.net = Network(self.p)
         cpu = torch.device("cpu")
-        transports = [Transport(self.net.group(r), program.num_stages, cpu) for r in range(self.p)]
+        transports = [CountingTransport(self.net, r, program.num_stages, cpu) for r in range(self.p)]
         self.executors = [
             Executor(programs, r, {s: self.layers[s] for s in program.stages_of(r)}, transports[r],
                      _FakeDP() if program.dp_size > 1 else None, F.mse_loss, flags, cpu)
@@ -150,7 +206,8 @@ class DryPipeline:
 
     def run(self, train: bool) -> list[list]:
         """One step (``train``) or forward on every rank, as ``Pipeline`` runs it (the handshake, then the
-        executor); returns each rank's posts ``(kind, peer, tag)``, the all-gather as ``("all_gather", None, None)``.
+        executor); returns each rank's posts ``(kind, peer, tag, tensors)``, the all-gather as
+        ``("all_gather", None, None)``.
 
         Raises:
             RuntimeError: a rank failed (the first failure, naming the rank).

@@ -147,25 +147,48 @@ class _DeadStore:
     add = compare_set = get = check
 
 
-def test_lost_connection_with_an_unreachable_store_blames_the_peer_not_this_rank():
-    """No record can be read and the peer closed the connection: the peer is the origin."""
-    from pipesched.runtime.comm import make_grid
-    from pipesched.runtime.failure import CommError, FailureChannel, PipelineError
-    from pipesched.runtime.pipeline import Pipeline as P
+class _MemoryStore:
+    """A reachable store holding no record yet."""
 
-    channel = FailureChannel(_DeadStore(), ["g"])
-    assert channel.lookup(wait_s=0.0) is None and channel.unreachable
-    exc = CommError("RECV_F1.1 from pipeline rank 0", RuntimeError("[pair.cc:553] Connection closed by peer [::1]:1"), 0)
+    def __init__(self):
+        self.data = {}
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def compare_set(self, key, expected, value):
+        self.data.setdefault(key, value)
+
+    def get(self, key):
+        return self.data[key].encode()
+
+
+def test_a_lost_connection_without_a_record_names_the_lost_rank(monkeypatch):
+    """No record can be read and the peer closed the connection: the peer is named as lost, or the store's
+    host when the store no longer answers (through the public lost_record, not the Pipeline's private state)."""
+    from pipesched.runtime.comm import make_grid
+    from pipesched.runtime.failure import CommError, FailureChannel
+    from pipesched.runtime.lost_rank import lost_record
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)  # world rank 0 hosts the store
+    closed = RuntimeError("[pair.cc:553] Connection closed by peer [::1]:1")
+    exc = CommError("RECV_F1.1 from pipeline rank 0", closed, 0)
     assert exc.connection_lost
     assert not CommError("x", RuntimeError("Timed out waiting 3000ms for recv"), 0).connection_lost
-    pipe = P.__new__(P)  # only what _lost_peer reads
-    pipe.grid, pipe._failures = make_grid(3, 4, 2), channel  # world rank 3 = pipeline rank 1 of replica 1
-    err = PipelineError(pipe._lost_peer(exc), 3)
-    assert (err.rank, err.pp_rank, err.instr) == (2, 0, None)
-    assert str(err) == (
-        "pipeline rank failure: world rank 3 (pipeline rank 1) lost its connection to pipeline rank 0 (world rank 2) "
-        "while waiting for RECV_F1.1 from pipeline rank 0; that rank failed or exited first (its failure record is "
-        "unreachable: the process hosting the store has exited) [reported to world rank 3]")
+    grid = make_grid(3, 4, 2)  # world rank 3 = pipeline rank 1 of replica 1; its pipeline rank 0 is world rank 2
+    found = "world rank 3 (pipeline rank 1) found it while waiting for RECV_F1.1 from pipeline rank 0"
+    lost = ("was lost: its process ended in the middle of the step without a failure record (killed, e.g. by SIGKILL "
+            "or the out-of-memory killer, or exited)")
+    cpu = torch.device("cpu")
+    record = lost_record(exc, grid, FailureChannel(_MemoryStore(), ["g"]), (None, None), cpu)
+    assert (record.rank, record.pp_rank, record.lost) == (2, 0, True)
+    assert record.cause == f"world rank 2 (pipeline rank 0) {lost}; {found}: it closed its connection"
+    dead = FailureChannel(_DeadStore(), ["g"])
+    assert dead.lookup(wait_s=0.0) is None and dead.unreachable
+    record = lost_record(exc, grid, dead, (None, None), cpu)
+    assert (record.rank, record.pp_rank, record.lost) == (0, 0, True)
+    assert record.cause == (f"world rank 0 (pipeline rank 0) {lost}; {found}: it hosts the store, which no longer "
+                            f"answers")
 
 
 class _CountingStore:
@@ -219,23 +242,58 @@ def test_clocks_turn_marks_into_seconds_from_the_step_start(monkeypatch):
     assert first.synced and second.synced
 
 
-def test_a_tensor_shared_by_stages_on_different_ranks_is_refused():
-    from pipesched.runtime.stage import check_no_cross_rank_sharing
-
-    first, last = nn.Linear(4, 4), nn.Linear(4, 4)
-    last.weight = first.weight  # tied, like an embedding and the output layer
-    layers = [first, nn.Tanh(), nn.Linear(4, 4), last]
-    with pytest.raises(ValueError, match=r"layer 0 \(weight\) of stage 0 \(pipeline rank 0\) is also layer 3 "
-                                         r"\(weight\) of stage 1 \(pipeline rank 1\)"):
-        check_no_cross_rank_sharing(layers, [2, 2], (0, 1))
-    check_no_cross_rank_sharing(layers, [1, 1, 1, 1], (0, 1, 1, 0))  # stages 0 and 3 share rank 0: fine
-    first.weight.requires_grad_(False)
-    check_no_cross_rank_sharing(layers, [2, 2], (0, 1))  # a frozen shared weight gets no gradient: fine
-
-
 def test_the_stages_device_comes_from_a_parameter_or_buffer_or_the_argument():
     from pipesched.runtime.stage import stage_device
 
     assert stage_device({0: nn.Sequential(nn.ReLU(), nn.Linear(2, 2))}, None) == torch.device("cpu")
     assert stage_device({1: nn.Sequential(nn.ReLU())}, None) == torch.device("cpu")  # no tensors at all
     assert stage_device({1: nn.Sequential(nn.ReLU())}, "cuda:1") == torch.device("cuda", 1)  # not created
+
+
+class _DictStore:
+    """The store calls ``agree`` makes, in memory (every key already there: no waiting)."""
+
+    def __init__(self):
+        self.data = {}
+
+    def add(self, key, n):
+        self.data[key] = self.data.get(key, 0) + n
+        return self.data[key]
+
+    def set(self, key, value):
+        self.data[key] = value
+
+    def wait(self, keys, timeout):
+        assert all(k in self.data for k in keys)
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        return self.data[key].encode()
+
+
+def test_a_mismatched_early_receives_is_named_with_both_values():
+    import json
+
+    from pipesched import compile_program, step_programs
+    from pipesched.runtime.agreement import agree, describe
+
+    program = compile_program("1f1b", 2, 4)
+    early, order = step_programs(program, "gloo", None), step_programs(program, "gloo", False)
+    store = _DictStore()
+    for rank, programs in ((1, order), (0, early)):  # rank 1 publishes first, rank 0 then reads both entries
+        description = describe(programs.train, [4, 4], 8, 2, programs.early_receives)
+        if rank == 1:
+            store.set("pipesched/construct/1/1", json.dumps({"description": description}))
+            store.add("pipesched/construct/count/1", 1)
+            continue
+        with pytest.raises(ValueError) as err:
+            agree(store, 0, 2, description, timeout=1.0)
+    assert str(err.value) == (
+        "world rank 1 built its Pipeline with early_receives='False (every message at its program position)' but "
+        "world rank 0 with early_receives='True (receives posted up to 16 instructions early)'; every rank must "
+        "construct Pipeline with the same arguments (and the same model)")
+    # the same arguments agree (None on gloo is early receives, as True)
+    same = step_programs(program, "gloo", True)
+    assert describe(same.train, [4, 4], 8, 2, same.early_receives) == describe(early.train, [4, 4], 8, 2, 16)

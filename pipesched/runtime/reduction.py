@@ -1,6 +1,5 @@
-"""What one rank's executor decides once per program, beside the order (which is the program's own) and the
-loss receive's place (:func:`pipesched.protocol.loss_post_position`): which parameters each ALL_REDUCE
-averages."""
+"""What each ALL_REDUCE of one rank averages, decided once per program: a parameter shared by two of the
+rank's stages is averaged once."""
 from __future__ import annotations
 
 from ..ir import Op

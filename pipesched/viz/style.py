@@ -24,6 +24,7 @@ COMM_WAIT = "#8c8c8c"  # hatch and edge of a communication wait
 COMM_WAIT_FILL = "#c8c8c8"  # its fill: a wait too short for the hatch still shows as a thin grey mark
 COMM_WAIT_LABEL = "comm wait: message in flight (thin grey mark if short)"
 ALL_REDUCE = "#000000"
+TIE_REDUCE = "#6a3d9a"  # purple: the sum of a tied parameter's gradients over its ranks
 DARK_TEXT = {Op.F, Op.B}  # kinds dark enough for white microbatch numbers on the first chunk
 CHUNK_HATCH = ("", "////", "\\\\\\\\", "xxx")
 
