@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 from .checks import check_positive
 from .errors import ScheduleArgumentError
+from .gcpause import paused_gc
 from .ir import Program
 from .protocol import check_step
 from . import lower
@@ -13,6 +14,7 @@ from .schedules import get_schedule
 from .validate import validate
 
 
+@paused_gc()
 def build(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int | None = None) -> Program:
     """The compute-only program (F, B, ... per rank, no communication) of a registered schedule.
 
@@ -54,6 +56,7 @@ def compile_program(
     split_backward=False,
     forward_only: bool = False,
     early_receives: int = 0,
+    ties=(),
 ) -> Program:
     """Build, lower and validate: the program an executor runs.
 
@@ -61,6 +64,7 @@ def compile_program(
     :func:`~pipesched.lower.add_recompute` (if ``recompute``),
     :func:`~pipesched.lower.add_send_recv` (``check=False``: the builder's program is not validated on
     its own, the lowered one is), :func:`~pipesched.lower.add_all_reduce` (if ``dp_size > 1``),
+    :func:`~pipesched.lower.add_tie_reduce` (if ``ties``),
     :func:`~pipesched.lower.forward_only` (if ``forward_only``),
     :func:`~pipesched.lower.post_receives_early` (if ``early_receives``),
     then :func:`~pipesched.validate.validate` of the result, whichever passes ran.
@@ -75,8 +79,11 @@ def compile_program(
             SEND_F and RECV_F, proven as a forward-only program.
         early_receives: post each receive up to this many instructions earlier (0: where
             :func:`~pipesched.lower.add_send_recv` put it); :func:`passes_for` says which backend may.
+        ties: groups of stages that use one parameter, each on >= 2 ranks, e.g. ``[(0, 7)]`` (a GPT's embedding
+            and head): their gradients are summed by a ``TIE_REDUCE`` per rank (:mod:`pipesched.ties`).
     Raises:
-        UnknownScheduleError, ScheduleArgumentError: as :func:`build`; ``early_receives`` not an integer >= 0.
+        UnknownScheduleError, ScheduleArgumentError: as :func:`build`; ``early_receives`` not an integer >= 0;
+            ill-formed ``ties`` (``argument="ties"``).
         ScheduleError: the compiled program fails validation (a bug in a schedule or a pass; please report it).
     """
     check_positive("dp_size", dp_size)
@@ -87,6 +94,11 @@ def compile_program(
     if recompute is not False:
         program = lower.add_recompute(program, _flags("recompute", recompute, program.num_stages))
     program = lower.add_all_reduce(lower.add_send_recv(program, check=False), dp_size)  # validated as a whole below
+    if ties:
+        try:
+            program = lower.add_tie_reduce(program, ties)
+        except ValueError as exc:
+            raise ScheduleArgumentError(str(exc), argument="ties") from None
     if forward_only:
         program = lower.forward_only(program)
     return validate(lower.post_receives_early(program, early_receives))

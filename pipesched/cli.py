@@ -7,7 +7,7 @@ import sys
 
 from . import program_io
 from .api import build, compile_program
-from .lower import add_recompute, forward_only, split_backward
+from .lower import add_recompute, add_tie_reduce, forward_only, split_backward
 from .cost import CostError, CostModel
 from .engine import has_comm
 from .errors import DeadlockError, ScheduleArgumentError, ScheduleError, render_grid
@@ -31,6 +31,17 @@ def add_schedule_args(parser: argparse.ArgumentParser, optional_name: bool = Fal
                              "(the input gradient leaves before the weight gradient is computed)")
     parser.add_argument("--forward-only", action="store_true",
                         help="the forward-only program (what Pipeline.forward() runs): F, SEND_F, RECV_F only")
+    parser.add_argument("--ties", nargs="+", type=_tie_group, default=(), metavar="S,S",
+                        help="groups of stages that share a parameter, e.g. --ties 0,7 (an embedding tied to the "
+                             "head): adds a TIE_REDUCE per rank holding one")
+
+
+def _tie_group(text: str) -> tuple[int, ...]:
+    """A tie: stages joined by commas (``0,7``)."""
+    try:
+        return tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected stages joined by commas (e.g. 0,7), got {text!r}") from None
 
 
 def _per_stage(text: str):
@@ -44,10 +55,12 @@ def _per_stage(text: str):
     return values[0] if len(values) == 1 else values
 
 
-_COST_FLAGS = {"forward": "--forward", "backward": "--backward", "input_grad": "--input-grad",
+#: the command-line option of each :class:`~pipesched.cost.CostModel` field (errors name the option)
+COST_FLAGS = {"forward": "--forward", "backward": "--backward", "input_grad": "--input-grad",
                "weight_grad": "--weight-grad", "recompute": "--recompute-cost", "latency": "--latency",
                "bandwidth": "--bandwidth", "activation_bytes": "--activation-bytes", "stash_bytes": "--stash-bytes",
-               "input_bytes": "--input-bytes", "recompute_bytes": "--recompute-bytes", "grad_bytes": "--grad-bytes"}
+               "input_bytes": "--input-bytes", "recompute_bytes": "--recompute-bytes", "grad_bytes": "--grad-bytes",
+               "tie_bytes": "--tie-bytes"}
 
 
 def add_cost_args(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +86,8 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
                        help="with --recompute: bytes a stage holds for one microbatch after its R, input and re-saved "
                             "activations (default: the larger of stash and input bytes)")
     group.add_argument("--grad-bytes", type=_per_stage, default=0.0, help="bytes of a stage's gradients (all-reduce)")
+    group.add_argument("--tie-bytes", type=_per_stage, default=0.0,
+                       help="bytes of the tied gradients the TIE_REDUCE naming a stage sums (with --ties)")
 
 
 def cost_from_args(args: argparse.Namespace) -> CostModel:
@@ -87,6 +102,7 @@ def cost_from_args(args: argparse.Namespace) -> CostModel:
             weight_grad=args.weight_grad, recompute=args.recompute_cost, latency=args.latency,
             bandwidth=args.bandwidth, activation_bytes=args.activation_bytes, stash_bytes=args.stash_bytes,
             input_bytes=args.input_bytes, recompute_bytes=args.recompute_bytes, grad_bytes=args.grad_bytes,
+            tie_bytes=args.tie_bytes,
         )
     except CostError as exc:
         raise _named_cost_error(exc) from None
@@ -94,11 +110,12 @@ def cost_from_args(args: argparse.Namespace) -> CostModel:
 
 def _named_cost_error(exc: CostError) -> ValueError:
     """``exc`` prefixed with the command-line option of the cost field it names (``--input-grad: cost ...``)."""
-    return ValueError(f"{_COST_FLAGS[exc.field]}: {exc}")
+    return ValueError(f"{COST_FLAGS[exc.field]}: {exc}")
 
 
 _SIZE_FLAGS = {"num_ranks": ("--ranks", "ranks"), "num_microbatches": ("--microbatches", "microbatches"),
-               "virtual_stages": ("--virtual-stages", "virtual_stages"), "dp_size": ("--dp", "dp")}
+               "virtual_stages": ("--virtual-stages", "virtual_stages"), "dp_size": ("--dp", "dp"),
+               "ties": ("--ties", "ties")}
 
 
 def program_from_args(args: argparse.Namespace):
@@ -110,7 +127,8 @@ def program_from_args(args: argparse.Namespace):
     try:
         return compile_program(args.schedule, args.ranks, args.microbatches, args.virtual_stages,
                                dp_size=args.dp, recompute=bool(args.recompute),
-                               split_backward=bool(args.split_backward), forward_only=bool(args.forward_only))
+                               split_backward=bool(args.split_backward), forward_only=bool(args.forward_only),
+                               ties=tuple(args.ties))
     except ScheduleArgumentError as exc:
         if exc.argument not in _SIZE_FLAGS:
             raise
@@ -123,8 +141,8 @@ def simulate_from_args(args: argparse.Namespace):
 
     Raises:
         ValueError: a bad option; or ``--input-grad``/``--weight-grad`` for a program without I and W, or
-            ``--recompute-cost``, ``--input-bytes`` or ``--recompute-bytes`` without ``--recompute`` (they would be
-            ignored).
+            ``--recompute-cost``, ``--input-bytes`` or ``--recompute-bytes`` without ``--recompute``, or
+            ``--tie-bytes`` without ``--ties`` (they would be ignored).
     """
     program = program_from_args(args)
     for flag, value, what in (("--recompute-cost", args.recompute_cost, "the cost of R"),
@@ -140,6 +158,9 @@ def simulate_from_args(args: argparse.Namespace):
                     "this program has none" if args.split_backward else "add --split-backward, or drop " + flag)
             raise ValueError(f"{flag} {value} sets the cost of I/W, but this program runs fused B backwards "
                              f"(no I or W); {hint}")
+    if args.tie_bytes and not program.ties:
+        raise ValueError(f"--tie-bytes {_show(args.tie_bytes)} sets the size of the tied gradients, but this program "
+                         f"has no ties; add --ties (e.g. --ties 0,{program.num_stages - 1}), or drop --tie-bytes")
     cost = cost_from_args(args)
     try:
         return program, simulate(program, cost, check=False)
@@ -186,6 +207,8 @@ def _cmd_show(args) -> int:
             program = split_backward(program)
         if args.recompute:
             program = add_recompute(program)
+        if args.ties:
+            program = add_tie_reduce(program, args.ties)
         if args.forward_only:
             program = forward_only(program)
     else:

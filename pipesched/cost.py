@@ -37,6 +37,8 @@ class CostModel:
         activation_bytes: bytes of one microbatch's output of a stage (the message size; the gradient
             message has the same size). Default 0.
         grad_bytes: bytes of a stage's gradients, for ALL_REDUCE (ring: 2(d-1)/d of it crosses each link).
+        tie_bytes: bytes of the tied parameters' gradients that the ``TIE_REDUCE`` naming a stage sums (ring over
+            the tie's k ranks: 2(k-1)/k of it crosses each link).
         stash_bytes: bytes a stage holds for backward per in-flight microbatch without recompute.
             Default: ``activation_bytes``.
         input_bytes: bytes of a stage's input per microbatch, kept instead of the stash when the stage
@@ -68,6 +70,7 @@ class CostModel:
     stash_bytes: PerStage | None = None
     input_bytes: PerStage | None = None
     recompute_bytes: PerStage | None = None
+    tie_bytes: PerStage = 0.0
 
     def __post_init__(self) -> None:
         for name in _PER_STAGE:
@@ -141,7 +144,7 @@ class CostModel:
             if getattr(self, name) is not None:
                 parts.append(f"{label}={_fmt(getattr(self, name))}")
         for name, label in (("activation_bytes", "act"), ("grad_bytes", "grads"), ("stash_bytes", "stash"),
-                            ("input_bytes", "input"), ("recompute_bytes", "held after R")):
+                            ("input_bytes", "input"), ("recompute_bytes", "held after R"), ("tie_bytes", "ties")):
             value = getattr(self, name)
             if value is not None and value != 0:
                 parts.append(f"{label}={_fmt(value)}B")
@@ -153,7 +156,7 @@ class CostModel:
 
 
 _PER_STAGE = ("forward", "backward", "input_grad", "weight_grad", "recompute", "activation_bytes", "grad_bytes",
-              "stash_bytes", "input_bytes", "recompute_bytes")
+              "stash_bytes", "input_bytes", "recompute_bytes", "tie_bytes")
 
 
 def _is_number(value) -> bool:

@@ -4,8 +4,6 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
-from functools import partial
-from itertools import repeat
 from typing import NamedTuple
 
 
@@ -37,6 +35,10 @@ class Op(str, enum.Enum):
     - A SEND may block until its RECV is posted (the validator assumes it does).
     - ``ALL_REDUCE``: start averaging the gradients of ``stage`` over the data-parallel group
       (asynchronous; waited for at the end of the step). Has no microbatch and no peer.
+    - ``TIE_REDUCE``: start summing the gradients of every tied parameter this rank holds over each tie's
+      ranks (:attr:`Program.ties`; one collective per tie, in tie order; asynchronous, waited for at the end of
+      the step). ``stage`` is the rank's tied stage whose backward ends last; one per rank holding a tie
+      (:mod:`pipesched.ties`). Has no microbatch and no peer.
     """
 
     F = "F"
@@ -49,6 +51,7 @@ class Op(str, enum.Enum):
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
     ALL_REDUCE = "ALL_REDUCE"
+    TIE_REDUCE = "TIE_REDUCE"
 
     def __str__(self) -> str:
         return self.value
@@ -60,6 +63,7 @@ RECV_OPS = frozenset({Op.RECV_F, Op.RECV_B})
 COMM_OPS = SEND_OPS | RECV_OPS
 BACKWARD_OPS = frozenset({Op.B, Op.I})  # the ops that consume the output gradient
 FORWARD_OPS = frozenset({Op.F, Op.SEND_F, Op.RECV_F})  # the only kinds a forward-only program runs
+COLLECTIVE_OPS = frozenset({Op.ALL_REDUCE, Op.TIE_REDUCE})  # asynchronous collectives: no microbatch, no peer
 
 _TOKEN = re.compile(r"^(?P<op>[A-Z_]+?)(?P<stage>\d+)(?:\.(?P<mb>\d+))?(?:(?P<dir>[<>])(?P<peer>\d+))?$")
 
@@ -77,19 +81,19 @@ class Instr(_Fields):
     Attributes:
         op: the kind (see :class:`Op`).
         stage: global stage index, 0-based.
-        microbatch: microbatch index, 0-based; ``None`` only for ``ALL_REDUCE``.
+        microbatch: microbatch index, 0-based; ``None`` only for ``ALL_REDUCE`` and ``TIE_REDUCE``.
         peer: the other rank of a SEND/RECV; ``None`` for every other kind.
 
     Text form: ``F0.3`` (forward, stage 0, microbatch 3), ``SEND_F0.3>1`` (to rank 1),
-    ``RECV_B2.0<3`` (from rank 3), ``ALL_REDUCE1``. ``Instr.parse(str(i)) == i``.
+    ``RECV_B2.0<3`` (from rank 3), ``ALL_REDUCE1``, ``TIE_REDUCE3``. ``Instr.parse(str(i)) == i``.
 
     A named tuple rather than a frozen dataclass (same fields, order, hash and repr) because a large
-    program holds hundreds of thousands of them: passes that make instructions they know to be valid
-    use :func:`trusted_instr`, a C-level constructor that skips the checks of ``Instr(...)``.
+    program holds hundreds of thousands of them: builders and passes that make instructions they know to
+    be valid use :meth:`trusted`, which skips the checks of ``Instr(...)``.
 
     Raises:
         ValueError: ``Instr(...)`` with a negative stage, a missing or negative microbatch, a peer on
-            a non-SEND/RECV (or none on a SEND/RECV), or a microbatch or peer on ``ALL_REDUCE``.
+            a non-SEND/RECV (or none on a SEND/RECV), or a microbatch or peer on ``ALL_REDUCE``/``TIE_REDUCE``.
     """
 
     __slots__ = ()
@@ -99,9 +103,9 @@ class Instr(_Fields):
             op = Op(op)
         if stage < 0:
             raise ValueError(f"stage must be >= 0, got {stage}")
-        if op is Op.ALL_REDUCE:
+        if op in COLLECTIVE_OPS:
             if microbatch is not None or peer is not None:
-                raise ValueError(f"ALL_REDUCE takes no microbatch or peer, got {microbatch}, {peer}")
+                raise ValueError(f"{op} takes no microbatch or peer, got {microbatch}, {peer}")
         elif microbatch is None or microbatch < 0:
             raise ValueError(f"{op} needs a microbatch >= 0, got {microbatch}")
         elif (op in COMM_OPS) != (peer is not None):
@@ -112,6 +116,13 @@ class Instr(_Fields):
     def _make(cls, iterable) -> "Instr":
         """An instruction from an iterable of its fields, checked as ``Instr(...)`` (``_replace`` uses it)."""
         return cls(*iterable)
+
+    @classmethod
+    def trusted(cls, op: Op, stage: int, microbatch: int | None = None, peer: int | None = None) -> "Instr":
+        """``Instr(op, stage, microbatch, peer)`` without its checks, at about half the cost: for builders and
+        passes that make many instructions from fields they know to be valid (``op`` an :class:`Op` member).
+        The programs they make are validated all the same."""
+        return tuple.__new__(cls, (op, stage, microbatch, peer))
 
     def __str__(self) -> str:
         op, stage, microbatch, peer = self
@@ -144,17 +155,6 @@ class Instr(_Fields):
         return self[:3]
 
 
-#: ``trusted_instr((op, stage, microbatch, peer))`` is ``Instr(op, stage, microbatch, peer)`` without its
-#: checks, as one C-level call (usable with ``map``): only for fields known to be valid, ``op`` an
-#: :class:`Op` member. Builders and lowering passes make most instructions of a program with it.
-trusted_instr = partial(tuple.__new__, Instr)
-
-
-def trusted_instrs(rows):
-    """``map(trusted_instr, rows)`` for an iterable of field tuples, a fifth faster (no partial call)."""
-    return map(tuple.__new__, repeat(Instr), rows)
-
-
 @dataclass(frozen=True)
 class Program:
     """Per-rank ordered instruction streams plus what is needed to interpret them.
@@ -167,6 +167,9 @@ class Program:
         schedule: the schedule's registry name, or a free label for a hand-written program.
         forward_only: the program runs forwards only (``Pipeline.forward()``): only F, SEND_F and RECV_F,
             one F per (stage, microbatch), no backward (:func:`pipesched.lower.forward_only` makes one).
+        ties: the tie groups: each a sorted tuple of >= 2 stages, on >= 2 ranks, that use one parameter (the
+            caller's knowledge of the model); their gradients are summed by ``TIE_REDUCE`` (:mod:`pipesched.ties`).
+            Part of the program (compared, printed, fingerprinted): which ranks must meet in a collective.
     """
 
     ranks: tuple[tuple[Instr, ...], ...]
@@ -176,10 +179,12 @@ class Program:
     schedule: str = "custom"
     meta: dict = field(default_factory=dict, compare=False, hash=False)
     forward_only: bool = False
+    ties: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(tuple(stream) for stream in self.ranks))
         object.__setattr__(self, "stage_to_rank", tuple(self.stage_to_rank))
+        object.__setattr__(self, "ties", tuple(tuple(tie) for tie in self.ties))
 
     @property
     def num_ranks(self) -> int:
@@ -203,9 +208,9 @@ class Program:
         return frozenset((i.stage, i.microbatch) for stream in self.ranks for i in stream if i.op is Op.R)
 
     def replace(self, ranks) -> "Program":
-        """A copy with new streams and the same placement, sizes and label."""
+        """A copy with new streams and the same placement, sizes, label and ties."""
         return Program(tuple(ranks), self.stage_to_rank, self.num_microbatches, self.dp_size, self.schedule,
-                       dict(self.meta), self.forward_only)
+                       dict(self.meta), self.forward_only, self.ties)
 
     def __len__(self) -> int:
         return sum(len(stream) for stream in self.ranks)

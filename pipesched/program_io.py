@@ -21,7 +21,9 @@ JSON form::
 ``num_microbatches``, ``stage_to_rank`` and ``ranks`` are required; ``dp_size`` defaults to 1 and
 ``schedule`` to ``"custom"``; other keys are ignored. A forward-only program
 (:attr:`~pipesched.ir.Program.forward_only`) has the header line ``forward_only: true`` and the JSON key
-``"forward_only": true``; both are left out for a training program (the default).
+``"forward_only": true``; both are left out for a training program (the default). A program with ties
+(:attr:`~pipesched.ir.Program.ties`) has the header line ``ties: 0,3 1,2`` (each tie's stages joined by commas)
+and the JSON key ``"ties": [[0, 3], [1, 2]]``; both are left out when it has none.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import re
 from .errors import ProgramFormatError
 from .ir import Instr, Program
 
-_HEADER_KEYS = ("schedule", "microbatches", "stage_to_rank", "dp_size", "forward_only")
+_HEADER_KEYS = ("schedule", "microbatches", "stage_to_rank", "dp_size", "forward_only", "ties")
 _RANK_LINE = re.compile(r"^rank\s+(\d+)\s*:(.*)$")
 
 
@@ -45,6 +47,8 @@ def to_text(program: Program) -> str:
         "stage_to_rank: " + " ".join(str(r) for r in program.stage_to_rank),
         f"dp_size: {program.dp_size}",
     ] + (["forward_only: true"] if program.forward_only else [])
+    if program.ties:
+        lines.append("ties: " + " ".join(",".join(map(str, tie)) for tie in program.ties))
     for rank, stream in enumerate(program.ranks):
         lines.append(f"rank {rank}:")
         lines.extend(f"  {instr}" for instr in stream)
@@ -100,6 +104,7 @@ def _assemble(header: dict[str, str], ranks: dict[int, list[Instr]]) -> Program:
             dp_size=int(header.get("dp_size", "1")),
             schedule=header.get("schedule", "custom"),
             forward_only=_flag(header.get("forward_only", "false")),
+            ties=tuple(tuple(int(s) for s in tie.split(",")) for tie in header.get("ties", "").split()),
         )
     except ValueError as exc:
         raise ProgramFormatError(f"bad header value: {exc}") from None
@@ -126,6 +131,8 @@ def to_json_dict(program: Program) -> dict:
     }
     if program.forward_only:
         data["forward_only"] = True
+    if program.ties:
+        data["ties"] = [list(tie) for tie in program.ties]
     return data
 
 
@@ -146,6 +153,7 @@ def from_json_dict(data: dict) -> Program:
             dp_size=int(data.get("dp_size", 1)),
             schedule=str(data.get("schedule", "custom")),
             forward_only=_json_flag(data.get("forward_only", False)),
+            ties=tuple(tuple(int(s) for s in tie) for tie in data.get("ties", ())),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ProgramFormatError(f"bad instruction or field in JSON program: {exc!r}") from None

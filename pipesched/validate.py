@@ -6,6 +6,7 @@
 2. completeness — each (stage, microbatch) has one F and one B (or one I and one W), at most one R;
    with ``dp_size > 1`` each stage has one ALL_REDUCE; a forward-only program
    (:attr:`~pipesched.ir.Program.forward_only`) has one F each and nothing but F, SEND_F and RECV_F;
+   with ties, each rank holding one has one TIE_REDUCE after its tied stages' backwards (:mod:`pipesched.ties`);
 3. order — on each rank, everything an instruction needs (:mod:`pipesched.deps`) comes before it; in a
    lowered program, data from another rank must arrive through an earlier RECV;
 4. pairing and deadlock — between any two ranks the receives are posted in the order the sends are
@@ -30,10 +31,12 @@ from typing import NamedTuple
 from . import engine
 from .deps import REMOTE_KINDS, describe, message, needs, produces, route
 from .errors import DependencyError, InvalidProgramError, PairingError, render_grid
-from .ir import COMM_OPS, FORWARD_OPS, RECV_OPS, SEND_OPS, Instr, Op, Program
+from .gcpause import paused_gc
+from .ir import COLLECTIVE_OPS, COMM_OPS, FORWARD_OPS, RECV_OPS, SEND_OPS, Instr, Op, Program
+from .ties import check_ties
 
 
-@engine.paused_gc()
+@paused_gc()
 def validate(program: Program) -> Program:
     """Check ``program``; return it unchanged if it is valid.
 
@@ -60,6 +63,7 @@ def check_static(program: Program) -> engine.Plan:
     """
     plan = check_structure(program)
     check_complete(program, plan)
+    _decide(TIES, program, plan)  # the ties' TIE_REDUCE: one per rank, after its tied stages' backwards
     check_order(program, plan)
     check_pairing(program, plan)
     return plan
@@ -102,7 +106,7 @@ def _has_structure_problem(plan: engine.Plan) -> bool:
     for rank in range(program.num_ranks):
         for t in set(plan.rule[plan.first[rank]:plan.first[rank + 1]]):
             op, stage = rules.op[t], rules.stage[t]
-            probe = Instr(op, stage, None if op is Op.ALL_REDUCE else 0, expected[t])
+            probe = Instr(op, stage, None if op in COLLECTIVE_OPS else 0, expected[t])
             if _structure_problem(probe, rank, s2r, M, dp_size, program.forward_only):
                 return True
     return False
@@ -353,8 +357,24 @@ STRUCTURE = Check("structure", lambda program, plan: plan is not None and not _h
 COMPLETENESS = Check("completeness", lambda program, plan: _is_complete(plan), _explain_incomplete)
 ORDER = Check("order", _in_order, _explain_order)
 PAIRING = Check("pairing", _paired, _explain_pairing)
+#: :func:`pipesched.ties.check_ties`; decided at once for a program without ties or TIE_REDUCE, else by its scan
+TIES = Check("ties", lambda program, plan: _ties_pass(program, plan), check_ties)
 #: the checks :func:`check_static` runs, in its order (each assumes the ones before it passed)
-CHECKS = (STRUCTURE, COMPLETENESS, ORDER, PAIRING)
+CHECKS = (STRUCTURE, COMPLETENESS, TIES, ORDER, PAIRING)
+
+
+def _ties_pass(program: Program, plan: engine.Plan) -> bool:
+    if not program.ties and Op.TIE_REDUCE not in plan.ops:
+        return True
+    return _exact_passes(check_ties, program)
+
+
+def _exact_passes(explain, program: Program) -> bool:
+    try:
+        explain(program)
+    except (InvalidProgramError, DependencyError):
+        return False
+    return True
 
 
 def _decide(check: Check, program: Program, plan) -> None:

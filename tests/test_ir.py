@@ -36,9 +36,7 @@ def test_instructions_are_hashable_and_ordered():
 
 
 def test_trusted_constructor_makes_the_same_value():
-    from pipesched.ir import trusted_instr
-
-    made = trusted_instr((Op.SEND_F, 0, 3, 1))
+    made = Instr.trusted(Op.SEND_F, 0, 3, 1)
     assert made == Instr(Op.SEND_F, 0, 3, 1) and type(made) is Instr
     assert hash(made) == hash(Instr.parse("SEND_F0.3>1")) and str(made) == "SEND_F0.3>1"
 

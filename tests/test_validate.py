@@ -191,7 +191,7 @@ def _agree(program) -> str:
 
 
 def _rekind(instr: Instr, op: Op, peer: int) -> Instr:
-    if op is Op.ALL_REDUCE:
+    if op in (Op.ALL_REDUCE, Op.TIE_REDUCE):
         return Instr(op, instr.stage)
     mb = instr.microbatch if instr.microbatch is not None else 0
     return Instr(op, instr.stage, mb, peer if op in COMM_OPS else None)
@@ -210,7 +210,8 @@ def edited_programs(draw):
     v = draw(st.integers(1, 2)) if SCHEDULES[name].default_virtual_stages > 1 else 1
     program = compile_program(name, p, m, v, dp_size=draw(st.integers(1, 2)), recompute=draw(st.booleans()),
                               split_backward=draw(st.booleans()), forward_only=draw(st.integers(0, 3)) == 0,
-                              early_receives=0 if only_moves else draw(st.sampled_from([0, 2, 16])))
+                              early_receives=0 if only_moves else draw(st.sampled_from([0, 2, 16])),
+                              ties=[(0, p * v - 1)] if p > 1 and draw(st.booleans()) else ())  # first and last
     streams = [list(stream) for stream in program.ranks]
     for _ in range(draw(st.integers(1, 3))):
         rank = draw(st.integers(0, p - 1))
@@ -252,4 +253,4 @@ def test_fast_and_exact_checks_and_the_engine_agree():
 
     agree()
     # not vacuous: the edits reach every check's failure, deadlocks and valid programs
-    assert seen == {"structure", "completeness", "order", "pairing", "deadlock", "valid"}
+    assert seen == {"structure", "completeness", "ties", "order", "pairing", "deadlock", "valid"}

@@ -23,6 +23,8 @@ class StepRecord:
         allocated: CUDA bytes allocated at the step's peak above its start, or ``None`` (CPU).
         train: a training ``step()`` (else ``forward()``).
         dp_rank: this rank's data-parallel replica.
+        sent: ``{SEND instruction: bytes}``: what each of this rank's SEND_F / SEND_B put on the wire (the packed
+            payload; while learning also the 2048-byte meta header of an activation and the gradients' mask).
     """
 
     events: list
@@ -33,6 +35,7 @@ class StepRecord:
     allocated: int | None
     train: bool
     dp_rank: int
+    sent: dict = field(default_factory=dict)
     _seconds: list | None = field(default=None, repr=False)
 
     def seconds(self) -> list:
@@ -60,16 +63,18 @@ def gather_timeline(record: StepRecord, program, pp_rank: int, group) -> Timelin
     Clocks are aligned with each rank's wall-clock time at its step start (exact on one host; across
     hosts as good as their clock synchronisation): time 0 is the earliest rank's start.
     """
-    mine = (pp_rank, record.wall0, [(str(i), s, e) for i, s, e in record.seconds()], record.peak)
+    mine = (pp_rank, record.wall0, [(str(i), s, e) for i, s, e in record.seconds()], record.peak,
+            _message_bytes(record))
     gathered = [None] * program.num_ranks
     dist.all_gather_object(gathered, mine, group=group)
     origin = min(g[1] for g in gathered)
-    events, peaks = [], [0.0] * program.num_ranks
-    for rank, wall0, items, peak in gathered:
+    events, peaks, sent = [], [0.0] * program.num_ranks, {}
+    for rank, wall0, items, peak, nbytes in gathered:
+        sent.update(nbytes)
         shift = wall0 - origin
         events.extend(Event(rank, Instr.parse(text), s + shift, e + shift) for text, s, e in items)
         peaks[rank] = float(peak)
-    return Timeline(tuple(events), program.num_ranks, "measured", _meta(record, program),
+    return Timeline(tuple(events), program.num_ranks, "measured", dict(_meta(record, program), message_bytes=sent),
                     _inflight(program, record.train), tuple(peaks))
 
 
@@ -77,7 +82,13 @@ def _meta(record: StepRecord, program) -> dict:
     return {"schedule": program.schedule, "ranks": program.num_ranks, "microbatches": program.num_microbatches,
             "virtual_stages": program.num_stages // max(1, program.num_ranks), "dp_size": program.dp_size,
             "dp_rank": record.dp_rank, "step": "train" if record.train else "forward",
-            "clock": record.clock.name}
+            "clock": record.clock.name, "message_bytes": _message_bytes(record),
+            **({"ties": [list(tie) for tie in program.ties]} if program.ties else {})}
+
+
+def _message_bytes(record: StepRecord) -> dict:
+    """``{"SEND_F0.1>1": bytes, ...}``: what each SEND of the record put on the wire."""
+    return {str(instr): nbytes for instr, nbytes in record.sent.items()}
 
 
 def _inflight(program, train: bool) -> tuple[int, ...]:

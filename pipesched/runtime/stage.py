@@ -106,32 +106,6 @@ def build_stages(layers: Sequence[nn.Module], balance: Sequence[int], stage_ids:
     return {s: nn.Sequential(*layers[starts[s]:starts[s + 1]]) for s in stage_ids}
 
 
-def check_no_cross_rank_sharing(layers: Sequence[nn.Module], balance: Sequence[int], stage_to_rank) -> None:
-    """Refuse a trainable parameter used by stages on different pipeline ranks, e.g. an embedding tied to the
-    output layer: each rank would update its own copy with only its own use's gradient, silently. (Frozen
-    parameters and buffers get no gradient: sharing them is harmless.)
-
-    Raises:
-        ValueError: names the tensor, the two stages and their ranks. Sharing between stages of one rank
-            (interleaved schedules) is fine: autograd sums both uses into the one ``.grad``.
-    """
-    owner: dict[int, tuple[int, str]] = {}  # id(tensor) -> (stage, name)
-    start = 0
-    for stage, count in enumerate(balance):
-        for index in range(start, start + count):
-            for name, tensor in layers[index].named_parameters():
-                if not tensor.requires_grad:
-                    continue
-                first = owner.setdefault(id(tensor), (stage, f"layer {index} ({name})"))
-                if stage_to_rank[first[0]] != stage_to_rank[stage]:
-                    raise ValueError(
-                        f"{first[1]} of stage {first[0]} (pipeline rank {stage_to_rank[first[0]]}) is also "
-                        f"layer {index} ({name}) of stage {stage} (pipeline rank {stage_to_rank[stage]}): a tensor "
-                        f"shared by stages on different ranks would get only part of its gradient on each; "
-                        f"untie it, or choose a balance that puts both uses on one rank")
-        start += count
-
-
 def stage_device(stages, device) -> torch.device:
     """``device`` if given, else that of the stages' first parameter or buffer, else the CPU."""
     if device is not None:

@@ -166,7 +166,8 @@ def _split_rank(timeline: Timeline, rank: int) -> tuple[dict, list]:
     for e in computes:
         starts.setdefault(e.start, e)
     flights = MessageFlights(timeline)
-    reduces = [(e.start, e.end) for e in timeline.events if e.rank == rank and e.instr.op is Op.ALL_REDUCE]
+    reduces = [(e.start, e.end) for e in timeline.events
+               if e.rank == rank and e.instr.op in (Op.ALL_REDUCE, Op.TIE_REDUCE)]
     backward_starts = [e.start for e in computes if e.instr.op in BACKWARD_OPS]
     warm_end = min(backward_starts) if backward_starts else t1
     forward_ends = [e.end for e in computes if e.instr.op is Op.F]

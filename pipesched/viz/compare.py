@@ -5,10 +5,12 @@ import statistics
 
 from ..api import compile_program
 from ..cost import CostModel
-from ..ir import Op
-from ..sim import COST_FIELD, simulate
+from ..ir import Op, Program
+from ..placement import looped
+from ..sim import simulate
+from ..timing import COST_FIELD
 from ..timeline import Timeline
-from . import _style
+from . import style
 from .analysis import CATEGORIES, MessageFlights, bubble_breakdown
 from .gantt import (ROW_IN, add_legend, annotate_ranks, axes_width_in, draw_rows, rank_axis, set_title,
                     time_axis, title_text)
@@ -53,9 +55,10 @@ def predict_for(measured: Timeline, cost: CostModel | None = None) -> Timeline:
     """Simulate the program a measured run executed, with ``cost`` (default: :func:`fit_cost`).
 
     The program is compiled from the measured timeline's ``meta`` (``schedule``, ``ranks``,
-    ``microbatches``, ``virtual_stages``, ``dp_size``), recomputing the stages that have ``R`` events and
-    splitting the backward of those that have ``I`` events; a timeline of a ``forward()`` (``meta["step"]``)
-    gets the forward-only program (:func:`pipesched.lower.forward_only`).
+    ``microbatches``, ``virtual_stages``, ``dp_size``, ``ties`` if any), recomputing and splitting the backward
+    of the stages the executed program does (its :func:`executed_program`, asked ``stages_with(Op.R)`` and ``(Op.I)``); a
+    timeline of a ``forward()`` (``meta["step"]``) gets the forward-only program
+    (:func:`pipesched.lower.forward_only`).
 
     Raises:
         ValueError: ``meta`` does not name a registered schedule and its sizes; the timeline holds only some
@@ -73,11 +76,23 @@ def predict_for(measured: Timeline, cost: CostModel | None = None) -> Timeline:
     ranks = int(meta.get("ranks", measured.num_ranks))
     v = meta.get("virtual_stages")
     stages = ranks * (int(v) if v else 1)
-    recompute, split = ({e.instr.stage for e in measured.events if e.instr.op is op} for op in (Op.R, Op.I))
+    executed = executed_program(measured, looped(ranks, stages // ranks))
+    recompute, split = executed.stages_with(Op.R), executed.stages_with(Op.I)
     program = compile_program(meta["schedule"], ranks, int(meta["microbatches"]), None if v is None else int(v),
                               dp_size=int(meta.get("dp_size", 1)), recompute=_flags(recompute, stages),
-                              split_backward=_flags(split, stages), forward_only=meta.get("step") == "forward")
+                              split_backward=_flags(split, stages), forward_only=meta.get("step") == "forward",
+                              ties=[tuple(tie) for tie in meta.get("ties", ())])
     return simulate(program, cost or fit_cost(measured), check=False)
+
+
+def executed_program(measured: Timeline, stage_to_rank) -> Program:
+    """The program a timeline ran: each rank's instructions in the order of their start (its events are
+    ordered by rank, then start), with ``stage_to_rank``; ask it what the run did (``stages_with``,
+    ``recomputed``). Not validated: a timeline of one rank has empty streams for the others."""
+    streams = [[] for _ in range(measured.num_ranks)]
+    for event in measured.events:
+        streams[event.rank].append(event.instr)
+    return Program(tuple(map(tuple, streams)), tuple(stage_to_rank), int(measured.meta.get("microbatches", 1)))
 
 
 def _flags(stages: set, num_stages: int):
@@ -121,7 +136,7 @@ def plot_comparison(simulated: Timeline, measured: Timeline, mode: str = "side-b
     if simulated.num_ranks != measured.num_ranks or not simulated.events or not measured.events:
         raise ValueError(f"need two non-empty timelines with the same ranks, got {simulated.num_ranks} "
                          f"and {measured.num_ranks} ranks")
-    unit, factor = _style.time_unit(max(simulated.makespan, measured.makespan))
+    unit, factor = style.time_unit(max(simulated.makespan, measured.makespan))
     p = measured.num_ranks
     panels = [p, p] if mode == "side-by-side" else [2 * p * 0.8]
     fig, gantt_axes, bar_ax = _layout(max(simulated, measured, key=axes_width_in), panels)
@@ -210,7 +225,7 @@ def _cost_label(timeline: Timeline, unit: str, factor: float) -> str:
     """The costs in the picture's time unit (``unit``, ``seconds * factor``), or where they were measured."""
     cost, host = timeline.meta.get("cost"), timeline.meta.get("host")
     if cost:
-        return f"costs [{unit}]: {_style.cost_in_unit(cost, unit, factor)}"
+        return f"costs [{unit}]: {style.cost_in_unit(cost, unit, factor)}"
     return f"costs as measured on {host}" if host else "costs as measured"
 
 

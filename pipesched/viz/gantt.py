@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..ir import Op
 from ..timeline import Timeline, peak_inflight
-from . import _style
+from . import style
 from .analysis import communication_waits, compute_events, stage_chunks
 
 ROW_IN = 0.42  # inches per rank row
@@ -84,25 +84,25 @@ def draw_rows(ax, timeline: Timeline, offset: float = 0.0, height: float = 0.8, 
 
     Row ``r`` is centred at ``y = r + offset`` with boxes ``height`` tall (data units). Every compute box
     is a ``Rectangle`` whose gid is ``"{tag}compute:{rank}:{instr}"``. ``factor`` converts seconds to
-    the x unit (default: the unit :func:`~pipesched.viz._style.time_unit` picks for the makespan).
+    the x unit (default: the unit :func:`~pipesched.viz.style.time_unit` picks for the makespan).
     """
     from matplotlib.patches import Rectangle
 
     t0 = min(e.start for e in timeline.events)
     t1 = t0 + timeline.makespan
     if factor is None:
-        factor = _style.time_unit(timeline.makespan)[1]
+        factor = style.time_unit(timeline.makespan)[1]
     half = height / 2
     held = range(timeline.num_ranks) if timeline.ranks is None else timeline.ranks
     for rank in held:  # a rank the timeline does not hold is left blank, not drawn idle
         y = rank + offset
         ax.add_patch(Rectangle((0.0, y - half), (t1 - t0) * factor, height,
-                               facecolor=_style.IDLE, edgecolor="none", zorder=0, gid=f"{tag}idle:{rank}"))
+                               facecolor=style.IDLE, edgecolor="none", zorder=0, gid=f"{tag}idle:{rank}"))
     for rank, waits in enumerate(communication_waits(timeline)):
         for start, end, kind in waits:
             if kind == "p2p":
                 ax.add_patch(Rectangle(((start - t0) * factor, rank + offset - half), (end - start) * factor,
-                                       height, facecolor=_style.COMM_WAIT_FILL, edgecolor=_style.COMM_WAIT,
+                                       height, facecolor=style.COMM_WAIT_FILL, edgecolor=style.COMM_WAIT,
                                        hatch="xxxx", linewidth=0, zorder=1, gid=f"{tag}wait:{rank}"))
     chunks = stage_chunks(timeline)
     counts = _chunk_counts(chunks)
@@ -113,19 +113,20 @@ def draw_rows(ax, timeline: Timeline, offset: float = 0.0, height: float = 0.8, 
         chunk = chunks[(rank, instr.stage)]
         x, w = (event.start - t0) * factor, event.duration * factor
         ax.add_patch(Rectangle((x, rank + offset - half), w, height,
-                               facecolor=_style.chunk_colour(instr.op, chunk, counts[rank]),
-                               hatch=_style.chunk_hatch(chunk), edgecolor="white", linewidth=0.4,
+                               facecolor=style.chunk_colour(instr.op, chunk, counts[rank]),
+                               hatch=style.chunk_hatch(chunk), edgecolor="white", linewidth=0.4,
                                zorder=2, gid=f"{tag}compute:{rank}:{instr}"))
         drawn += 1
         text = str(instr.microbatch)
         if labels and w * points_per_unit >= len(text) * 0.62 * LABEL_PT + 2.5:
             ax.text(x + w / 2, rank + offset, text, ha="center", va="center", fontsize=LABEL_PT,
-                    color=_style.text_colour(instr.op, chunk), zorder=3, clip_on=True)
+                    color=style.text_colour(instr.op, chunk), zorder=3, clip_on=True)
     for event in timeline.events:
-        if event.instr.op is Op.ALL_REDUCE:
+        if event.instr.op in (Op.ALL_REDUCE, Op.TIE_REDUCE):
             y = event.rank + offset + half
             ax.add_patch(Rectangle(((event.start - t0) * factor, y - 0.14 * height),
-                                   max(event.duration, 0) * factor, 0.14 * height, facecolor=_style.ALL_REDUCE,
+                                   max(event.duration, 0) * factor, 0.14 * height,
+                                   facecolor=getattr(style, event.instr.op.name),
                                    edgecolor="none", zorder=4, gid=f"{tag}allreduce:{event.rank}:{event.instr}"))
     lo, hi = ax.get_xlim() if ax.get_autoscalex_on() is False else (0.0, 0.0)
     ax.set_xlim(min(lo, -0.01 * (t1 - t0) * factor), max(hi, (t1 - t0) * factor * 1.01))
@@ -143,9 +144,9 @@ def title_text(timeline: Timeline, title: str | None = None) -> str:
          f"m={meta.get('microbatches', '?')} microbatches", f"v={meta.get('virtual_stages', '?')}"]
         + ([f"dp={meta['dp_size']}"] if meta.get("dp_size", 1) != 1 else []) + [timeline.source]
         + ([held_ranks(timeline)] if held_ranks(timeline) else []))
-    unit, factor = _style.time_unit(timeline.makespan)
+    unit, factor = style.time_unit(timeline.makespan)
     cost = meta.get("cost") or ("costs as measured" if timeline.source == "measured" else "default costs")
-    cost_label = (f"costs [{unit} per stage and microbatch]: {_style.cost_in_unit(cost, unit, factor)}"
+    cost_label = (f"costs [{unit} per stage and microbatch]: {style.cost_in_unit(cost, unit, factor)}"
                   if meta.get("cost") else cost)
     second = (f"bubble {100 * timeline.bubble_fraction:.2f}%{SEP}makespan {timeline.makespan * factor:.4g} "
               f"{unit}{SEP}{cost_label}")
@@ -204,19 +205,21 @@ def add_legend(ax, timeline: Timeline, extra: tuple = ()) -> None:
 
     chunks = stage_chunks(timeline)
     num_chunks = max(_chunk_counts(chunks).values(), default=1)
-    ops = [op for op in _style.BASE if any(e.instr.op is op for e in timeline.events)]
+    ops = [op for op in style.BASE if any(e.instr.op is op for e in timeline.events)]
     handles = []
     for op in ops:
         for chunk in range(num_chunks):
             suffix = f", virtual stage {chunk}" if num_chunks > 1 else ""
-            handles.append(Patch(facecolor=_style.chunk_colour(op, chunk, num_chunks), edgecolor="white",
-                                 hatch=_style.chunk_hatch(chunk), label=_style.KIND_NAME[op] + suffix))
-    handles.append(Patch(facecolor=_style.IDLE, label="idle (bubble)"))
+            handles.append(Patch(facecolor=style.chunk_colour(op, chunk, num_chunks), edgecolor="white",
+                                 hatch=style.chunk_hatch(chunk), label=style.KIND_NAME[op] + suffix))
+    handles.append(Patch(facecolor=style.IDLE, label="idle (bubble)"))
     if any(waits for waits in communication_waits(timeline)):
-        handles.append(Patch(facecolor=_style.COMM_WAIT_FILL, edgecolor=_style.COMM_WAIT, hatch="xxxx",
-                             label=_style.COMM_WAIT_LABEL))
+        handles.append(Patch(facecolor=style.COMM_WAIT_FILL, edgecolor=style.COMM_WAIT, hatch="xxxx",
+                             label=style.COMM_WAIT_LABEL))
     if any(e.instr.op is Op.ALL_REDUCE for e in timeline.events):
-        handles.append(Patch(facecolor=_style.ALL_REDUCE, label="all-reduce"))
+        handles.append(Patch(facecolor=style.ALL_REDUCE, label="all-reduce"))
+    if any(e.instr.op is Op.TIE_REDUCE for e in timeline.events):
+        handles.append(Patch(facecolor=style.TIE_REDUCE, label="tied-gradient sum"))
     handles.extend(extra)
     width_in = ax.get_position().width * ax.figure.get_figwidth()
     ncol = max(1, min(len(handles), int(width_in / 1.45)))
@@ -248,7 +251,7 @@ def rank_axis(ax, num_ranks: int) -> None:
 
 
 def time_axis(ax, timeline: Timeline, unit: str | None = None) -> None:
-    unit = unit or _style.time_unit(timeline.makespan)[0]
+    unit = unit or style.time_unit(timeline.makespan)[0]
     ax.set_xlabel(f"time from step start ({unit})", fontsize=8)
     ax.tick_params(axis="x", labelsize=7.5)
     ax.grid(axis="x", color="#dddddd", linewidth=0.5, zorder=-1)

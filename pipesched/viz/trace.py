@@ -9,7 +9,7 @@ import json
 from ..ir import COMPUTE_OPS, RECV_OPS, SEND_OPS, Op
 from ..timeline import Timeline
 
-_CATEGORY = {Op.ALL_REDUCE: "all-reduce"}
+_CATEGORY = {Op.ALL_REDUCE: "all-reduce", Op.TIE_REDUCE: "tie-reduce"}
 _LANE_NAMES = {"compute": "compute + sends", "recv": "recv (posted → landed)", "all-reduce": "all-reduce"}
 
 

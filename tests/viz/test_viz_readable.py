@@ -5,7 +5,7 @@ import pytest
 from matplotlib.colors import to_rgba
 
 from pipesched import CostModel, Timeline
-from pipesched.viz import _style
+from pipesched.viz import style
 from pipesched.viz.charts import plot_bubble_vs_microbatches
 from pipesched.viz.compare import plot_comparison
 from pipesched.viz.gantt import plot_timeline, title_text
@@ -46,9 +46,9 @@ def test_a_picture_in_seconds_keeps_its_costs_as_given():
 
 
 def test_cost_lines_convert_every_time_and_rate():
-    assert _style.cost_in_unit("F=[0.000738,0.00076] B=0.002 R=0.001 latency=0.0001s bw=2e+06B/s", "ms", 1e3) == \
+    assert style.cost_in_unit("F=[0.000738,0.00076] B=0.002 R=0.001 latency=0.0001s bw=2e+06B/s", "ms", 1e3) == \
         "F=[0.738,0.76] B=2 R=1 latency=0.1ms bw=2e+03B/ms"
-    assert _style.cost_in_unit("F=1 B=2 latency=0.5s", "s", 1.0) == "F=1 B=2 latency=0.5s"
+    assert style.cost_in_unit("F=1 B=2 latency=0.5s", "s", 1.0) == "F=1 B=2 latency=0.5s"
 
 
 def test_the_breakdown_panel_is_as_wide_as_the_charts_of_a_wide_figure():

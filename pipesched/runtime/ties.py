@@ -1,0 +1,183 @@
+"""Tied parameters across pipeline ranks: find them, check their copies agree, give each tie its process group.
+
+A *tied* parameter is one ``nn.Parameter`` used by layers of two or more stages (a GPT's token embedding and its
+LM head: ``head.weight = embedding.weight``). The model is built identically on every rank, so each rank holding a
+use keeps its own copy; the copies start identical (:func:`check_copies`), their gradients are summed among exactly
+those ranks after the last backward of the step (the ``TIE_REDUCE`` of the program, :mod:`pipesched.ties`, run by
+:class:`~pipesched.runtime.tie_reduce.TieReducer`), so the same optimizer step keeps them bitwise identical.
+A parameter shared by stages of one rank only (interleaved placement) needs nothing: autograd sums both uses.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..lower import add_tie_reduce
+from ..validate import validate
+from .comm import backend_for
+from .stage import layer_starts
+from .tie_reduce import TieReducer
+
+
+class TiedParameter(NamedTuple):
+    """One parameter used by two or more stages.
+
+    Attributes:
+        names: its names in the unsplit model (fully qualified: layer index + name), one per use, in model
+            order, e.g. ``("0.weight", "5.weight")``.
+        stages: the stages using it, sorted.
+        ranks: the pipeline ranks holding those stages, sorted.
+        owner: the stage that owns it (the first): a global norm or a checkpoint counts it on that stage's rank.
+    """
+
+    names: tuple[str, ...]
+    stages: tuple[int, ...]
+    ranks: tuple[int, ...]
+    owner: int
+
+    @property
+    def cross_rank(self) -> bool:
+        """Whether its uses are on two ranks or more (then its gradients need a ``TIE_REDUCE``)."""
+        return len(self.ranks) > 1
+
+
+def find_ties(layers: Sequence[nn.Module], balance: Sequence[int], stage_to_rank) -> tuple[TiedParameter, ...]:
+    """Every trainable parameter used by two stages or more, in the order of its first use.
+
+    Args:
+        layers: the model's layers, in order. balance: layers per stage. stage_to_rank: pipeline rank per stage.
+    Frozen parameters (``requires_grad=False``) get no gradient and are left out, as are buffers.
+    """
+    starts = layer_starts(balance)
+    uses: dict[int, list[tuple[str, int]]] = {}  # id(parameter) -> [(name, stage)] in model order
+    for stage in range(len(balance)):
+        for index in range(starts[stage], starts[stage + 1]):
+            for name, tensor in layers[index].named_parameters(remove_duplicate=False):
+                if tensor.requires_grad:
+                    uses.setdefault(id(tensor), []).append((f"{index}.{name}", stage))
+    ties = []
+    for found in uses.values():
+        stages = tuple(sorted({stage for _, stage in found}))
+        if len(stages) > 1:
+            ranks = tuple(sorted({stage_to_rank[s] for s in stages}))
+            ties.append(TiedParameter(tuple(dict.fromkeys(n for n, _ in found)), stages, ranks, stages[0]))
+    return tuple(ties)
+
+
+def program_ties(ties: Sequence[TiedParameter]) -> tuple[tuple[int, ...], ...]:
+    """The tie groups a program needs (:attr:`pipesched.ir.Program.ties`): the stages of each cross-rank tie,
+    each group once (two parameters shared by the same stages are summed by one collective)."""
+    return tuple(dict.fromkeys(t.stages for t in ties if t.cross_rank))
+
+
+def parameter_of(layers: Sequence[nn.Module], name: str) -> nn.Parameter:
+    """The parameter called ``name`` (``"5.weight"``) in the unsplit model made of ``layers``."""
+    index, _, rest = name.partition(".")
+    return layers[int(index)].get_parameter(rest)
+
+
+def tied_params(layers, ties: Sequence[TiedParameter], groups: Sequence[tuple[int, ...]], pp_rank: int) -> dict:
+    """{number of a program tie group this rank holds: [this rank's copies of its parameters]}."""
+    out: dict[int, list] = {}
+    for k, stages in enumerate(groups):
+        mine = [parameter_of(layers, t.names[0]) for t in ties if t.stages == stages and pp_rank in t.ranks]
+        if mine:
+            out[k] = mine
+    return out
+
+
+def counted_parameters(stages: dict, first_layers, ties: Sequence[TiedParameter], stage_to_rank, pp_rank: int):
+    """This rank's parameters that a global norm or a checkpoint counts once over the pipeline: every parameter of
+    its ``stages`` ({stage: nn.Sequential of its layers}, the first being layer ``first_layers[stage]`` of the
+    model), each once, except tied copies whose owning stage is on another rank."""
+    elsewhere = {id(p) for t in ties if stage_to_rank[t.owner] != pp_rank
+                 for p in _local_copies(stages, first_layers, t)}
+    seen = set()
+    for module in stages.values():
+        for p in module.parameters():
+            if id(p) not in seen and id(p) not in elsewhere:
+                seen.add(id(p))
+                yield p
+
+
+def _local_copies(stages: dict, first_layers, tie: TiedParameter) -> list:
+    """The parameter of ``tie`` as the layers of ``stages`` (this rank's) hold it, once per local use."""
+    found = []
+    for name in tie.names:
+        index, _, rest = name.partition(".")
+        stage = max(s for s in range(len(first_layers) - 1) if first_layers[s] <= int(index))
+        if stage in stages:
+            found.append(stages[stage][int(index) - first_layers[stage]].get_parameter(rest))
+    return found
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """A checksum of ``tensor``'s dtype, shape and bytes (equal exactly when the values are bitwise equal)."""
+    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    head = f"{tensor.dtype}{tuple(tensor.shape)}".encode()
+    return hashlib.blake2b(head + data, digest_size=16).hexdigest()
+
+
+def check_copies(layers, ties: Sequence[TiedParameter], grid) -> None:
+    """Collective over the default group (every world rank): each rank's copy of each cross-rank tied parameter it
+    holds must equal the others' bit for bit (every replica's too). Every rank reaches the same verdict.
+
+    Raises:
+        ValueError: on every rank, for the first tie whose copies differ: names the parameter (its names in the
+            unsplit model), the world and pipeline ranks whose copies differ, and what to do.
+    """
+    ties = [t for t in ties if t.cross_rank]
+    if not ties or grid.world_size == 1:
+        return
+    mine = {k: digest(parameter_of(layers, t.names[0])) for k, t in enumerate(ties) if grid.pp_rank in t.ranks}
+    every: list = [None] * grid.world_size
+    dist.all_gather_object(every, mine)
+    for k, tie in enumerate(ties):
+        holders = [(rank, sums[k]) for rank, sums in enumerate(every) if k in sums]
+        differ = [rank for rank, value in holders if value != holders[0][1]]
+        if differ:
+            first, other = holders[0][0], differ[0]
+            raise ValueError(
+                f"tied parameter {' = '.join(tie.names)} (stages {list(tie.stages)}) has different values on world "
+                f"rank {first} (pipeline rank {first % grid.pp_size}) and world rank {other} (pipeline rank "
+                f"{other % grid.pp_size}); its copies must be identical at construction: build the model the same "
+                f"way on every rank (same seed, same initialisation) before Pipeline(...)")
+
+
+def make_tie_groups(groups: Sequence[tuple[int, ...]], stage_to_rank, grid, timeout: float, backend: str) -> dict:
+    """One process group per program tie group: the world ranks of the tie's pipeline ranks in every replica (so
+    one sum gives the sum over uses and over replicas). Collective over the world (every rank creates every group,
+    in tie order). Returns {tie number: group} for the ties this rank holds."""
+    delta = datetime.timedelta(seconds=timeout)
+    out = {}
+    for k, stages in enumerate(groups):
+        pp_ranks = sorted({stage_to_rank[s] for s in stages})
+        world = [replica * grid.pp_size + r for replica in range(grid.dp_size) for r in pp_ranks]
+        group = dist.new_group(world, timeout=delta, backend=backend)
+        if grid.pp_rank in pp_ranks:
+            out[k] = group
+    return out
+
+
+def with_ties(program, ties: Sequence[TiedParameter]):
+    """``program`` (as :func:`~pipesched.api.compile_program` returns it) with the cross-rank ``ties`` added by
+    :func:`~pipesched.lower.add_tie_reduce` and validated; ``program`` itself when no tie spans two ranks."""
+    groups = program_ties(ties)
+    return validate(add_tie_reduce(program, groups)) if groups else program
+
+
+def start_ties(layers, ties: Sequence[TiedParameter], program, grid, timeout: float, device):
+    """At construction, collective over the world: check the copies agree (:func:`check_copies`), then make the
+    tie groups (:func:`make_tie_groups`). Returns ``({tie number: group} for this rank's ties, the TieReducer of
+    this rank or None when it holds no cross-rank tie)``. Raises as :func:`check_copies`."""
+    check_copies(layers, ties, grid)
+    groups = make_tie_groups(program.ties, program.stage_to_rank, grid, timeout, backend_for(device))
+    if not groups:
+        return groups, None
+    return groups, TieReducer(tied_params(layers, ties, program.ties, grid.pp_rank), groups, grid.dp_size)
