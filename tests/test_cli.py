@@ -190,10 +190,10 @@ def test_every_cost_field_has_an_option_and_errors_carry_their_field():
     import dataclasses
     import pickle
 
-    from pipesched.cli import _COST_FLAGS
+    from pipesched.cli import COST_FLAGS
     from pipesched.cost import CostError, CostModel
 
-    assert set(_COST_FLAGS) == {f.name for f in dataclasses.fields(CostModel)}
+    assert set(COST_FLAGS) == {f.name for f in dataclasses.fields(CostModel)}
     with pytest.raises(CostError) as info:
         CostModel(recompute_bytes=[1.0, -1.0])
     assert info.value.field == "recompute_bytes" and isinstance(info.value, ValueError)

@@ -19,9 +19,12 @@ Example (``torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 295
 Without torchrun, ``launch(fn, world_size, *args)`` runs ``fn(rank, *args)`` on local processes.
 """
 from .accounting import stage_activation_bytes
+from .checkpoint import CheckpointInfo, latest_checkpoint, load_checkpoint, load_into, save_checkpoint
+from .amp import GradScaler
 from .comm import SingleProcessWarning
 from .failure import PipelineError
 from .launch import ChildTraceback, launch
 from .pipeline import Pipeline
+from .ties import TiedParameter
 
-__all__ = ["ChildTraceback", "Pipeline", "PipelineError", "SingleProcessWarning", "launch", "stage_activation_bytes"]
+__all__ = ["CheckpointInfo", "ChildTraceback", "GradScaler", "Pipeline", "PipelineError", "SingleProcessWarning", "latest_checkpoint", "launch", "load_checkpoint", "load_into", "save_checkpoint", "stage_activation_bytes", "TiedParameter"]

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .elastic import attempt_store
+
 #: dtypes that may cross a stage boundary, by wire code
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
@@ -109,15 +111,32 @@ def warn_if_unlaunched(stacklevel: int = 4) -> None:
         SingleProcessWarning, stacklevel=stacklevel)
 
 
-def init_default_group(device: torch.device) -> None:
-    """Create the default process group if there is none: env:// under torchrun, else a 1-process group."""
+def init_default_group(device: torch.device, timeout: float = 300.0) -> None:
+    """Create the default process group if there is none: env:// under torchrun, else a 1-process group.
+
+    Raises:
+        TimeoutError: under env://, the other ranks did not join within ``timeout`` seconds (names ``WORLD_SIZE``,
+            the address and how to start every rank).
+    """
     if dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if "MASTER_ADDR" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)
-    else:
+    if not ("MASTER_ADDR" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ):
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return
+    try:
+        store = attempt_store(timeout)  # torchrun's agent store: a key space per restart (runtime/elastic.py)
+        given = {} if store is None else dict(store=store, rank=int(os.environ["RANK"]),
+                                              world_size=int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **given)
+    except (dist.DistStoreError, dist.DistNetworkError) as exc:
+        env = os.environ
+        raise TimeoutError(
+            f"rank {env['RANK']} of WORLD_SIZE={env['WORLD_SIZE']}: the other ranks did not join at "
+            f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '?')} within timeout={timeout:g} s "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0]}); start every rank (e.g. torchrun "
+            f"--nproc-per-node {env['WORLD_SIZE']} train.py), or unset WORLD_SIZE, RANK and MASTER_ADDR to run "
+            f"one process") from None
 
 
 def backend_for(device: torch.device) -> str:

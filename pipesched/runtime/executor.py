@@ -7,6 +7,8 @@ instruction; the executor records when each started and ended (a measured
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -22,7 +24,7 @@ from .stage import call_stage
 from .clock import clock_for
 from ..api import StepPrograms
 from ..protocol import loss_post_position
-from .plan import reduced_params
+from .reduction import reduced_params
 from .transport import Transport, wait
 
 
@@ -33,9 +35,10 @@ class StepInputs:
     ``("in_grad" | "out_grad", stage, mb)``: which of the gradients of that stage's input / output come (a
     bool per tensor that requires grad)."""
 
-    def __init__(self, train, microbatches, is_tuple, targets, weights, metas, learning):
+    def __init__(self, train, microbatches, is_tuple, targets, weights, metas, learning, scale=None):
         self.train, self.microbatches, self.is_tuple = train, microbatches, is_tuple
         self.targets, self.weights, self.metas, self.learning = targets, weights, metas, learning
+        self.scale = scale or (lambda loss: loss)  # the loss a backward starts from (a GradScaler's scale())
 
 
 class _Step:
@@ -63,28 +66,32 @@ class Executor:
         recompute: per stage, whether its forward is recomputed (the program has R for it).
         first_layers: per stage, the index in the model of its first layer (names layers in errors; default:
             each stage counts its layers from 0).
+        ties: the :class:`~pipesched.runtime.tie_reduce.TieReducer` that ``TIE_REDUCE`` starts and the step's end
+            waits for (``None``: this rank holds no tie); the data-parallel ALL_REDUCE leaves its parameters out.
     """
 
     def __init__(self, programs: StepPrograms, pp_rank, stages, transport: Transport, dp_group, loss_fn, recompute,
-                 device, first_layers=None):
+                 device, first_layers=None, autocast=contextlib.nullcontext, ties=None):
         program = programs.train  # the four share placement and sizes
         self.programs, self.program, self.pp_rank, self.stages = programs, program, pp_rank, stages
         self.transport, self.dp_group, self.loss_fn = transport, dp_group, loss_fn
         self.recompute, self.device = recompute, device
+        self.autocast = autocast  # () -> the context F, R and the loss run in (pipesched.runtime.amp)
         self.first_layers = first_layers if first_layers is not None else [0] * program.num_stages
         self.last = program.num_stages - 1
         self.local = set(stages)
         self.params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in stages.items()}
         self.counter = SavedBytes(p for ps in self.params.values() for p in ps)
-        self.reduced = reduced_params(self.params, program.ranks[pp_rank])
+        self.ties = ties  # the TieReducer of TIE_REDUCE (pipesched.runtime.tie_reduce), None without ties here
+        self.reduced = reduced_params(self.params if ties is None else ties.untied(self.params), program.ranks[pp_rank])
         table = {Op.F: self._f, Op.B: self._b, Op.I: self._i, Op.W: self._w, Op.R: self._r,
                  Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b,
-                 Op.RECV_B: self._recv_b, Op.ALL_REDUCE: self._all_reduce}
+                 Op.RECV_B: self._recv_b, Op.ALL_REDUCE: self._all_reduce, Op.TIE_REDUCE: lambda _: self.ties.start()}
         #: per (train, learning): this rank's stream of that program, each instruction with its handler
-        self.plans, self.loss_post = {}, {}
+        self.streams, self.loss_post = {}, {}
         for key in ((True, False), (True, True), (False, False), (False, True)):
             stream = programs.pick(*key).ranks[pp_rank]
-            self.plans[key] = [(table[i.op], i) for i in stream]
+            self.streams[key] = [(table[i.op], i) for i in stream]
             #: the position after which the loss receive is posted (see :func:`loss_post_position`)
             early = programs.early_receives > 0 and not key[1]
             self.loss_post[key] = loss_post_position(stream, program.stage_to_rank[-1], early)
@@ -92,6 +99,7 @@ class Executor:
         self.current = None  # the instruction running now (for error reports)
         self.clock = clock_for(device)
         self.events: list = []  # [instr, start mark, end mark] per instruction run, see pipesched.runtime.clock
+        self.sent: dict = {}  # {SEND instr: bytes its messages put on the wire} of the last step
         self.origin = None  # the mark of the step's start
         self.step = None
         self.waited = None
@@ -106,14 +114,15 @@ class Executor:
         """
         self.step = st = _Step(inputs)
         self.events = events = []
+        self.sent = {}
         mark = self.clock.mark
         self.origin = mark()
         key = (inputs.train, inputs.learning)
-        self.ran = self.programs.pick(*key)  # the program this step runs (its stream is self.plans[key])
+        self.ran = self.programs.pick(*key)  # the program this step runs (its stream is self.streams[key])
         loss_post = self.loss_post[key] if inputs.train and self.last not in self.local else None
         if loss_post == -1:
             self._post_loss()
-        for at, (handler, instr) in enumerate(self.plans[key]):
+        for at, (handler, instr) in enumerate(self.streams[key]):
             self.current = instr
             self.waited = mark()
             handler(instr)
@@ -144,6 +153,8 @@ class Executor:
             flat.div_(self.program.dp_size)
             for g, avg in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(avg)
+        if self.ties is not None:
+            self.ties.finish()  # the tied-gradient sums TIE_REDUCE started
         if not st.io.train:
             return None
         if self.last in self.local:
@@ -176,7 +187,7 @@ class Executor:
         inputs, is_tuple = self._stage_input(s, mb)
         module, arg = self.stages[s], (inputs if is_tuple else inputs[0])
         if not st.io.train:
-            with torch.no_grad():
+            with torch.no_grad(), self.autocast():
                 out = module(arg)
             if s == self.last:
                 st.outputs[mb] = out
@@ -186,14 +197,14 @@ class Executor:
         redo = self.recompute[s]
         if redo:  # what R must replay: the RNG, the buffers; and the input's versions, to check them
             st.rng[(s, mb)] = (rng_state(self.device), [t._version for t in inputs], st.buffers.snapshot(module))
-        with (keep_nothing() if redo else self.counter.track()):
+        with (keep_nothing() if redo else self.counter.track()), self.autocast():
             out = call_stage(module, arg, s)
             loss = self._loss(out, mb) if s == self.last else None
         saved = self.counter.take()
         st.inputs[(s, mb)] = (inputs, is_tuple)
         if loss is not None:
             st.losses[mb] = loss.detach()
-            roots = (loss,)
+            roots = (st.io.scale(loss),)
         else:
             roots = self._stash(s, mb, out)
         if not redo:
@@ -249,10 +260,11 @@ class Executor:
         check_no_forward_hooks(self.stages[s], s, self.first_layers[s], self.recompute)  # one added since
         # the stage input is already held (counted at F): count only what the recompute adds. Copies of F's
         # buffer values are swapped in for the forward and the module's own put back after it
-        with replay_rng(state, self.device), buffers.replayed(), torch.enable_grad(), self.counter.track(inputs):
+        with replay_rng(state, self.device), buffers.replayed(), torch.enable_grad(), self.counter.track(inputs), \
+                self.autocast():
             out = call_stage(self.stages[s], inputs if is_tuple else inputs[0], s)
             loss = self._loss(out, mb) if s == self.last else None
-        st.roots[(s, mb)] = (loss,) if loss is not None else as_tuple(out)[0]
+        st.roots[(s, mb)] = (st.io.scale(loss),) if loss is not None else as_tuple(out)[0]
         self._hold((s, mb), self.counter.take())
 
     def _hold(self, key, nbytes):
@@ -330,6 +342,7 @@ class Executor:
                                f"({SETTINGS}); a stage's output shapes, dtypes and requires_grad must follow "
                                f"from those (data-dependent ones are not supported)")
         sends = self.transport.send_act(outs, meta, instr.peer, s, mb, st.io.learning)
+        self.sent[instr] = tensor_bytes(buf for _, buf in sends)
         if st.io.train:
             st.act_sends[(s, mb)] = sends
         else:
@@ -357,7 +370,9 @@ class Executor:
                                f"and settings ({SETTINGS}); which inputs get a gradient must follow from those")
         tag = tag_of("grad", s, mb, self.program.num_stages)
         specs = grad_specs(st.io.metas[("in", s, mb)])
-        st.other_sends.extend(self.transport.send_grads(grads, specs, instr.peer, tag, st.io.learning))
+        sends = self.transport.send_grads(grads, specs, instr.peer, tag, st.io.learning)
+        st.other_sends.extend(sends)
+        self.sent[instr] = tensor_bytes(buf for _, buf in sends)
 
     def _recv_b(self, instr):
         s, mb, st = instr.stage, instr.microbatch, self.step

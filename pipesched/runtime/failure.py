@@ -9,8 +9,8 @@ configured timeout, so no rank waits forever even if a process hangs without fai
 The store lives in one process (world rank 0 under ``env://``). The rank that publishes the first record,
 and world rank 0, keep their processes, and so the store, up until every rank of the job has read the record
 or a bounded grace period ends (:func:`linger`: ``launch``'s children call it before exiting; a Pipeline registers it
-at interpreter exit). If a rank still finds no record while its peer closed the connection (the peer's
-process exited or was killed), it reports that peer as the likely origin instead of itself.
+at interpreter exit). If a rank still finds no record while a connection closed (a process was killed), it names the
+lost rank and publishes that ``lost`` record for the others (:mod:`pipesched.runtime.lost_rank`).
 """
 from __future__ import annotations
 
@@ -29,15 +29,16 @@ class FailureRecord:
     """What failed, as every rank of the job learns it: published to the store as JSON (:meth:`to_json`).
 
     Attributes:
-        rank: world rank of the rank that failed (for a ``lost`` record: the peer that closed its connection).
+        rank: world rank of the rank that failed (for a ``lost`` record: the rank whose process was lost).
         pp_rank: its pipeline rank (``None`` if unknown).
         instr: the instruction it was running, text form (``"F1.2"``), or ``None`` (outside any instruction).
         op, stage, microbatch: the instruction's kind (``"F"``, ``"B"``, ...), stage and microbatch, or ``None``.
         cause: ``"ExceptionType: message"`` of the original exception.
         traceback: the original traceback text.
-        id: unique per published record (``"rank:time_ns"``): the store key counting the ranks that read it.
-            ``None`` for a ``lost`` record, which is never published.
-        lost: no record could be read, but the peer ``rank`` closed its connection: it failed or exited first.
+        id: unique per published record (``"rank:time_ns"``, ``"lost:rank:time_ns"``): the store key counting the
+            ranks that read it.
+        lost: ``rank``'s process was lost (killed, crashed) and left no record; the first rank to notice published
+            this one (:func:`~pipesched.runtime.lost_rank.lost_record`).
     """
 
     rank: int | None
@@ -75,10 +76,19 @@ class FailureRecord:
 class PipelineError(RuntimeError):
     """A rank of the pipeline failed during a step; raised on every rank of the job.
 
+    A rank whose process is lost in the middle of a step (SIGKILL, the out-of-memory killer, a crash) raises
+    nothing; every other rank raises this error naming it (``rank``, ``pp_rank``; ``record.lost`` true; see
+    :mod:`pipesched.runtime.lost_rank`). Bound (gloo, CPU stages): a rank raises at most ``timeout + 2`` seconds
+    after it starts waiting for a message or collective that can no longer complete (``timeout``: the
+    Pipeline's); the 2 s are at most 1 s looking for a failure record in the store, the probe of closed
+    connections and the teardown of its groups. As the operating system closes a lost process's connections, a
+    rank waiting on it directly ends after about 1 s, and each rank between it and the lost one adds about 1 s.
+    A rank still computing in a layer ends when it next waits.
+
     Attributes:
         record: the :class:`FailureRecord` every rank read.
-        rank: world rank of the rank that failed first (or, when its record could not be read and this
-            rank lost its connection to a peer, that peer: ``record.lost`` is then true).
+        rank: world rank of the rank that failed first (``record.lost`` true: of the rank whose process was
+            lost).
         pp_rank: its pipeline rank (``None`` if unknown).
         instr: the instruction it was running, text form (``"F1.2"``), or ``None`` (outside any instruction).
         op, stage, microbatch: the instruction's kind (``"F"``, ``"B"``, ...), stage and microbatch, or ``None``.
@@ -183,7 +193,8 @@ class FailureChannel:
         until all ``world_size`` ranks have read it, at most ``grace_s`` seconds."""
         if world_size > 1 and record.id is not None:
             global _registered
-            _origins.append((self.store, _seen_key(record), world_size, grace_s))
+            readers = world_size - 1 if record.lost else world_size  # a lost rank never reads
+            _origins.append((self.store, _seen_key(record), readers, grace_s))
             if not _registered:
                 _registered = True
                 atexit.register(linger)

@@ -69,7 +69,9 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
         ValueError: a ``start_method`` that cannot run ``fn`` here (says why and what to do).
         TimeoutError: the children did not all finish within ``timeout`` seconds (all are terminated).
         RuntimeError: a child died without reporting (killed, ``os._exit``, or failed while starting, e.g.
-            could not unpickle an argument); names its rank and exit code and quotes the end of its stderr.
+            could not unpickle an argument); names its rank and exit code (``killed by signal 9`` after a
+            SIGKILL) and quotes the end of its stderr. The others get ``grace`` seconds to end on their own first
+            (a :class:`PipelineError` they raise naming the lost rank is not re-raised: this error is).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -293,9 +295,11 @@ def _collect(procs, results, timeout: float, grace: float, logs: _Stderr) -> lis
         for rank, proc in enumerate(procs):
             if rank not in outcome and proc.exitcode is not None:
                 time.sleep(0.2)  # its report may still be in the pipe
-                if not _drain(results, outcome, errors):
-                    if rank not in outcome:
-                        raise RuntimeError(_unreported(rank, proc.exitcode, logs.tail(rank)))
+                if not _drain(results, outcome, errors) and rank not in outcome:  # killed: the others get grace
+                    died = RuntimeError(_unreported(rank, proc.exitcode, logs.tail(rank)))
+                    outcome[rank] = ("err", None)
+                    errors.append((rank, pickle.dumps(died), None))
+                    deadline = min(deadline, time.monotonic() + grace)
     if errors:
         _reraise(errors)
     return [pickle.loads(outcome[r][1]) for r in range(len(procs))]
@@ -329,7 +333,8 @@ def _drain(results, outcome, errors) -> bool:
 
 
 def _reraise(errors) -> None:
-    chosen = errors[0]
+    died = [e for e in errors if e[2] is None]  # a child that died without reporting (text None)
+    chosen = died[0] if died else errors[0]
     for rank, payload, text in errors:
         exc = _load(payload)
         if exc is not None and getattr(exc, "rank", None) == rank and type(exc).__name__ == "PipelineError":
@@ -339,6 +344,8 @@ def _reraise(errors) -> None:
     exc = _load(payload)
     if exc is None:
         exc = RuntimeError(f"rank {rank} failed (its exception could not be pickled)")
+    if text is None:
+        raise exc from None
     raise exc from ChildTraceback(f"in rank {rank}:\n{text}")
 
 

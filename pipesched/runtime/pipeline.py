@@ -15,16 +15,21 @@ from ..ir import Op, Program
 from ..checks import check_positive
 from .comm import backend_for, init_default_group, make_grid, make_groups, warn_if_unlaunched, world_and_rank
 from .accounting import cuda_memory_base, cuda_peak_since
+from .amp import autocast_context, checked_autocast, loss_scaling
+from .clipping import clip_grad_norm_ as clip_all_stages
 from .agreement import agree, describe, refuse
 from .devices import checked_device, move_to
 from .executor import StepInputs, Executor
 from .handshake import Handshake, Rejected, StepKey
 from .settings import fingerprint
 from .failure import CommError, FailureChannel, FailureRecord, PipelineError
+from .lost_rank import lost_record
 from .measured import StepRecord, gather_timeline, local_timeline
 from .microbatch import batch_size, merge, split, split_sizes
 from .recompute import refuse_forward_hooks
-from .stage import build_stages, check_no_cross_rank_sharing, layer_starts, layers_of, resolve_balance
+from .stage import build_stages, layer_starts, layers_of, resolve_balance
+from .state import load_rank_state_dict, rank_state_dict, state_spec
+from .ties import counted_parameters, find_ties, start_ties, with_ties
 from .transport import Transport
 
 _CACHE_SIZE = 32  # input signatures whose message metas are remembered
@@ -70,11 +75,22 @@ class Pipeline:
             once a step's message shapes are known, receives are posted up to 16 instructions early
             (:func:`pipesched.lower.post_receives_early`); on NCCL every message stays at its program
             position. ``False``: program order on gloo too. ``True``: early receives (gloo only).
+        autocast: ``None`` (default; the caller's autocast state applies), ``torch.bfloat16`` or ``torch.float16``:
+            each stage's forward, its recompute and ``loss_fn`` run under ``torch.autocast(device.type, autocast)``
+            (as torch advises: the forward including the loss; backward outside); parameters, gradients and
+            optimizer state stay as they are (float32), and activations cross ranks in the dtype the stage
+            produced (bfloat16 halves the bytes). Every rank must pass the same. float16 wants a
+            :class:`~pipesched.runtime.GradScaler` (``step(..., scaler=)``). See :mod:`pipesched.runtime.amp`.
     Attributes:
         programs: the validated programs this pipeline runs (:class:`pipesched.api.StepPrograms`): ``step()``
             and ``forward()``, once the message shapes are known and while learning them; the executor runs
             this rank's stream of the one that fits each step, as it is.
         program: ``programs.train``, what ``step()`` runs once the shapes are known.
+        autocast: the checked ``autocast`` argument (``None``, ``torch.bfloat16`` or ``torch.float16``); read only.
+        ties: the parameters used by two stages or more (:class:`~pipesched.runtime.ties.TiedParameter`: names in
+            the unsplit model, stages, ranks, owning stage). Each rank holding a use keeps its copy; a tie across
+            ranks gets a ``TIE_REDUCE`` that sums the copies' gradients after the step's last backward of its
+            stages (:mod:`pipesched.ties`), so the copies stay identical under any optimizer.
     Raises:
         TypeError, ValueError (incl. ``ScheduleArgumentError``), UnknownScheduleError: a bad argument,
             before any communication; the message names the argument, its value and what is valid.
@@ -84,34 +100,45 @@ class Pipeline:
         ValueError: a layer of a recomputed stage on this rank has a forward hook or pre-hook, or a global module
             forward hook is registered (names the layer, its class and the hook; see
             :func:`~pipesched.runtime.recompute.check_no_forward_hooks`); the other ranks raise it too, as above.
-        TimeoutError: a rank did not construct its Pipeline within ``timeout`` seconds.
+        ValueError: the copies of a tied parameter differ between ranks at construction (names the parameter's names
+            in the unsplit model and two ranks whose copies differ), on every rank
+            (:func:`~pipesched.runtime.ties.check_copies`).
+        TimeoutError: a rank did not construct its Pipeline within ``timeout`` seconds; or, launched through
+            ``env://`` (torchrun), the other ``WORLD_SIZE - 1`` ranks did not join within it (says how to start them).
     """
 
     def __init__(self, model, schedule: str = "1f1b", num_microbatches: int = 1, loss_fn=None,
                  virtual_stages: int | None = None, balance=None, dp_size: int = 1, recompute=False,
                  split_backward=False, device=None, timeout: float = 300.0,
-                 early_receives: bool | None = None) -> None:
+                 early_receives: bool | None = None, autocast: torch.dtype | None = None) -> None:
         try:
             layers = self._setup(model, schedule, num_microbatches, loss_fn, virtual_stages, balance, dp_size,
                                  recompute, split_backward, device, timeout, early_receives)
+            self.autocast = checked_autocast(autocast, self.device)  # ValueError naming autocast and valid values
         except Exception as exc:
             if dist.is_available() and dist.is_initialized():  # the other ranks must not wait for this one
                 refuse(dist.distributed_c10d._get_default_store(), dist.get_rank(), exc)
             raise
-        init_default_group(self.device)  # communication starts here
+        init_default_group(self.device, self.timeout)  # communication starts here
         agree(dist.distributed_c10d._get_default_store(), self.grid.world_rank, self.grid.world_size,
-              describe(self.program, self.balance, len(layers), self.grid.world_size), self.timeout)
+              dict(describe(self.program, self.balance, len(layers), self.grid.world_size,
+                            self.programs.early_receives),
+                   autocast=str(self.autocast)), self.timeout)
         grid = self.grid
+        self._tie_groups, ties = start_ties(layers, self.ties, self.program, grid, self.timeout, self.device)
         self._pp_group, self._dp_group = make_groups(grid, self.timeout, self.device)
         names = [self._pp_group.group_name] + ([self._dp_group.group_name] if self._dp_group else [])
+        names += [group.group_name for group in self._tie_groups.values()]
         self._failures = FailureChannel(dist.distributed_c10d._get_default_store(), names)
         recomputed = self.program.stages_with(Op.R)
         flags = [s in recomputed for s in range(self.program.num_stages)]
         self._executor = Executor(self.programs, grid.pp_rank, self.stages,
                                   Transport(self._pp_group, self.program.num_stages, self.device),
-                                  self._dp_group, self.loss_fn, flags, self.device, first_layers=self.first_layers)
+                                  self._dp_group, self.loss_fn, flags, self.device, first_layers=self.first_layers,
+                                  autocast=autocast_context(self.device, self.autocast), ties=ties)
         self._handshake = Handshake(self._executor.transport, self.program, grid.pp_rank, self.device)
         self._metas: OrderedDict[StepKey, dict] = OrderedDict()  # -> {(kind, stage, mb): meta}
+        self._learned = 0  # steps and forwards that learned their message metas
         self._records: dict[str, StepRecord | None] = {"step": None, "forward": None}  # the last step()'s, forward()'s
         self._broken: PipelineError | None = None
         self._closed = False
@@ -129,12 +156,14 @@ class Pipeline:
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         layers = layers_of(model)
+        self.state_spec = state_spec(layers)  # unsplit-model name -> shape, for state_dict and checkpoints
         world, rank = world_and_rank()
         grid = make_grid(rank, world, dp_size)
         self.program: Program = compile_program(schedule, grid.pp_size, num_microbatches, virtual_stages,
                                                 dp_size, recompute, split_backward)
         self.balance = resolve_balance(layers, self.program.num_stages, balance)
-        check_no_cross_rank_sharing(layers, self.balance, self.program.stage_to_rank)
+        self.ties = find_ties(layers, self.balance, self.program.stage_to_rank)  # parameters used by 2+ stages
+        self.program = with_ties(self.program, self.ties)  # a TIE_REDUCE per rank of a tie that spans ranks
         self.grid, self.loss_fn, self.timeout = grid, loss_fn, float(timeout)
         self.stages = build_stages(layers, self.balance, self.program.stages_of(grid.pp_rank))
         self.first_layers = layer_starts(self.balance)
@@ -163,7 +192,7 @@ class Pipeline:
 
     def parameters(self):
         """This rank's parameters (those of its stages), each once even if two of its stages share it, for an
-        optimizer."""
+        optimizer; a parameter tied to a stage on another rank (:attr:`ties`) is this rank's copy."""
         seen = set()
         for module in self.stages.values():
             for p in module.parameters():
@@ -171,7 +200,49 @@ class Pipeline:
                     seen.add(id(p))
                     yield p
 
-    def step(self, x=None, target=None) -> torch.Tensor:
+    def owned_parameters(self):
+        """The parameters this rank owns: :meth:`parameters` less the copies of tied parameters (:attr:`ties`) whose
+        owning stage is on another rank, so that every parameter of the unsplit model is owned by exactly one
+        pipeline rank (of each replica). What a global norm or a parameter count sums over."""
+        return counted_parameters(self.stages, self.first_layers, self.ties, self.program.stage_to_rank,
+                                  self.pp_rank)
+
+    def run_collective(self, work):
+        """Run ``work(pp_group, dp_group)`` -- a collective of the caller's over this pipeline's process groups
+        (``dp_group`` is None without data parallelism) -- as a step runs: refused on a closed or failed pipeline
+        (as :meth:`step`), and a failure on any rank (an exception, a lost peer, a timeout) ends every rank with a
+        ``PipelineError``. Call it on every rank. For extensions such as :meth:`clip_grad_norm_` and
+        :class:`~pipesched.runtime.GradScaler`. Returns what ``work`` returns."""
+        self._check_local(None, None)
+        return self._guarded(lambda: work(self._pp_group, self._dp_group))
+
+    def state_dict(self) -> dict:
+        """This rank's parameters and buffers under the unsplit model's names (``"3.attn.weight"``), detached,
+        sharing storage; independent of ranks, balance and schedule (:func:`~pipesched.runtime.state.saved_state`)."""
+        return rank_state_dict(self)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Copy this rank's entries of an unsplit-model-named ``state_dict`` in, all checked first; see
+        :func:`~pipesched.runtime.state.load_rank_state_dict` (returns missing/unexpected keys; raises on a bad one)."""
+        return load_rank_state_dict(self, state_dict, strict)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole pipeline (collective over its ranks): scales every
+        ``.grad`` of this rank by ``min(max_norm / (total + 1e-6), 1)``, ``total`` the norm of all gradients of
+        every stage (``.grad is None`` skipped; data-parallel replicas counted once). Returns ``total``: a 0-dim
+        tensor on this rank's device, the same value on every rank, of the dtype torch would return for the
+        unsplit model (float32 for float32 gradients). See :mod:`pipesched.runtime.clipping`.
+
+        Raises:
+            ValueError: a bad ``max_norm`` (> 0), ``norm_type`` (> 0 or inf), ``error_if_nonfinite`` or
+                ``foreach``, before any communication, on every rank alike; the message names the argument.
+            RuntimeError: ``error_if_nonfinite`` and ``total`` is nan or inf: on every rank, gradients unscaled.
+            RuntimeError, PipelineError: a closed or failed pipeline, as :meth:`step`; a rank failed meanwhile.
+        """
+        return clip_all_stages(self, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def step(self, x=None, target=None, scaler=None) -> torch.Tensor:
         """One training step: forward and backward of every microbatch; gradients accumulate into ``.grad``.
 
         ``loss_fn`` gets the last stage's output as the stage returns it (a tensor, or a tuple, list or dict that
@@ -183,6 +254,9 @@ class Pipeline:
             x: the batch, a tensor or tuple of tensors with batch dim 0, ``(N, ...)``. Needed on the rank of
                 stage 0 (which checks it and tells the others its shapes); other ranks ignore it (may pass None).
             target: ``(N, ...)`` tensor or tuple, needed on the rank of the last stage; others may pass None.
+            scaler: ``None``, or this pipeline's :class:`~pipesched.runtime.GradScaler` (on every rank): the last
+                stage backpropagates each microbatch's ``loss * scaler.get_scale()``; the returned loss is unscaled.
+                Else a ``TypeError`` (``ValueError``: one built for another Pipeline) before any communication.
         Returns:
             The loss, the same on every rank of this pipeline: a 0-dim tensor (shape ``()`` whatever shape of one
             element ``loss_fn`` returns) of the dtype ``loss_fn`` returns, on this rank's device, not requiring
@@ -203,7 +277,8 @@ class Pipeline:
         if self.loss_fn is None:
             raise ValueError("step() needs a loss_fn; pass loss_fn= to Pipeline (forward() needs none)")
         self._check_local(x, target)
-        return self._guarded(lambda: self._run(x, target, train=True))
+        scale = loss_scaling(scaler, self)  # None, or the scaler's scale(); counted on the scaler
+        return self._guarded(lambda: self._run(x, target, train=True, scale=scale))
 
     def forward(self, x=None):
         """Forward only (no autograd graph, no loss): the model's output on the rank of the last stage,
@@ -233,7 +308,8 @@ class Pipeline:
     def timeline(self, kind: str = "step"):
         """This rank's measured :class:`~pipesched.timeline.Timeline` of the last training :meth:`step`
         (``None`` before one); ``kind="forward"``: of the last :meth:`forward` instead. A ``forward()`` after
-        a ``step()`` leaves the step's timeline in place."""
+        a ``step()`` leaves the step's timeline in place. ``meta["message_bytes"]``: ``{"SEND_F0.1>1": bytes, ...}``,
+        what each of this rank's sends put on the wire (``gather_timeline()``'s: every rank's)."""
         record = self._record(kind)
         return None if record is None else local_timeline(record, self.program, self.pp_rank)
 
@@ -250,6 +326,12 @@ class Pipeline:
         unusable afterwards. The default process group is left alone."""
         self._teardown()
         self._closed = True
+
+    @property
+    def learned_steps(self) -> int:
+        """How many ``step()`` and ``forward()`` calls so far learned their message metas (shape headers, slower):
+        the first of each input signature and settings, and one whose metas left the cache (32 kept)."""
+        return self._learned
 
     @property
     def peak_activation_bytes(self) -> int | None:
@@ -290,25 +372,26 @@ class Pipeline:
             error = self._fail(exc)
             raise error from (None if isinstance(exc, CommError) else exc)
 
-    def _run(self, x, target, train: bool):
+    def _run(self, x, target, train: bool, scale=None):
         key, micro, is_tuple = self._handshake.signature(x, train, lambda batch: _to(batch, self.device),
-                                                         fingerprint(self.stages, self.device))
+                                                         fingerprint(self.stages, self.device, self.autocast))
         m, total = self.program.num_microbatches, key.batch_size
         sizes = split_sizes(total, m)
         targets = self._handshake.target_verdict(target, total, self._targets) if train else None
         metas = self._metas.get(key)  # metas follow from the input and every rank's settings
         learning = metas is None
         inputs = StepInputs(train, micro, is_tuple, targets, [n / total for n in sizes],
-                            {} if learning else metas, learning)
+                            {} if learning else metas, learning, scale)
         base = cuda_memory_base(self.device)
         wall0 = time.time()
         loss, outputs, peak = self._executor.run(inputs)
         self._handshake.settle()
         self._remember(key, inputs.metas)
+        self._learned += learning
         ex = self._executor
         self._records["step" if train else "forward"] = StepRecord(
             events=ex.events, origin=ex.origin, clock=ex.clock, wall0=wall0, peak=peak,
-            allocated=cuda_peak_since(self.device, base), train=train, dp_rank=self.grid.dp_rank)
+            allocated=cuda_peak_since(self.device, base), train=train, dp_rank=self.grid.dp_rank, sent=ex.sent)
         if train:
             return loss
         return outputs
@@ -340,8 +423,8 @@ class Pipeline:
         if isinstance(exc, CommError):
             note = f"while waiting for {exc.what}"
             record = self._failures.lookup(wait_s=1.0)
-            if record is None and exc.peer is not None and exc.connection_lost:
-                record = self._lost_peer(exc)
+            if record is None and exc.connection_lost:  # a process was lost: name it (published for the others)
+                record = lost_record(exc, self.grid, self._failures, (self._pp_group, self._dp_group), self.device)
         origin = record is None
         if origin:
             record = FailureRecord.local(me, instr, exc, self.pp_rank)
@@ -353,20 +436,8 @@ class Pipeline:
         if exc.__traceback__ is not None:
             traceback.clear_frames(exc.__traceback__)  # drop frame references to pending messages
         self._teardown()
-        self._broken = PipelineError(record, me, "" if record.lost else note)
+        self._broken = PipelineError(record, me, note)  # note: what this rank waited for
         return self._broken
-
-    def _lost_peer(self, exc: CommError) -> FailureRecord:
-        """No record to read, but the peer closed the connection: that peer failed or exited first."""
-        peer_world = self.grid.pipeline_ranks(self.grid.dp_rank)[exc.peer]
-        why = ("its failure record is unreachable: the process hosting the store has exited"
-               if self._failures.unreachable else "it left no failure record")
-        return FailureRecord(
-            rank=peer_world, pp_rank=exc.peer, lost=True,
-            cause=f"world rank {self.grid.world_rank} (pipeline rank {self.pp_rank}) lost its connection to "
-                  f"pipeline rank {exc.peer} (world rank {peer_world}) while waiting for {exc.what}; that rank "
-                  f"failed or exited first ({why})",
-            traceback=f"{type(exc.original).__name__}: {exc.original}")
 
     def _teardown(self) -> None:
         """Destroy this rank's groups so peers blocked on it see a closed connection at once."""
@@ -374,13 +445,14 @@ class Pipeline:
         self._executor.transport.group = None
         self._executor.dp_group = None
         self._handshake.sends = []
-        for group in (self._pp_group, self._dp_group):
+        for group in (self._pp_group, self._dp_group, *self._tie_groups.values()):
             if group is not None:
                 try:
                     dist.destroy_process_group(group)
                 except Exception:  # noqa: BLE001 - best effort while failing
                     pass
         self._pp_group = self._dp_group = None
+        self._tie_groups = {}
         gc.collect()
 
 

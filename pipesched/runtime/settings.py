@@ -12,14 +12,21 @@ SETTINGS = ("requires_grad and dtype of each parameter, dtype of each buffer, tr
             "grad mode, autocast")
 
 
-def fingerprint(stages: dict, device: torch.device) -> int:
+def fingerprint(stages: dict, device: torch.device, autocast: torch.dtype | None = None) -> int:
     """A signed 64-bit digest of this rank's settings (:data:`SETTINGS`) for its ``stages`` ({stage: module}).
+
+    The autocast covered is the one the stages' forwards run under: the Pipeline's own ``autocast`` dtype when
+    given (it overrides the caller's), else the caller's autocast state on ``device``'s type.
 
     Deterministic across processes (a hash of their text, not Python's per-process ``hash``); it costs one
     pass over the stages' modules and tensors, a few microseconds per parameter.
     """
     kind = device.type
-    words = [torch.is_grad_enabled(), torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)]
+    if autocast is not None:
+        amp = [True, autocast]
+    else:
+        amp = [torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)]
+    words = [torch.is_grad_enabled(), *amp]
     for s in sorted(stages):
         for module in stages[s].modules():
             words.append(module.training)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import pipesched
 from pipesched.memory import peak_activation_bytes
 from pipesched.runtime import Pipeline, PipelineError, stage_activation_bytes
+from pipesched.runtime.transport import Transport
 
 from rt_cases import (SCHEDULES, grad_report, pair, params_equal, reference_forward, reference_step, seq_model,
                       tuple_model, mlp)
@@ -21,13 +22,13 @@ def _data(seed, n=8, width=8):
     return torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)
 
 
-def transparency(rank, schedule, v, m=4, n=8, steps=3, layers=8, balance=None, hoist=True, **options):
+def transparency(rank, schedule, v, m=4, n=8, steps=3, layers=8, balance=None, early_receives=None, **options):
     """Several optimizer steps; per step: loss equal, grads bitwise; at the end params bitwise.
-    ``options``: more Pipeline arguments (split_backward, recompute); ``hoist=False``: every message at its
-    program position, as with NCCL (``early_receives=False``)."""
+    ``options``: more Pipeline arguments (split_backward, recompute); ``early_receives=False``: every message at
+    its program position, as with NCCL."""
     model, ref = pair(num_layers=layers)
     pipe = Pipeline(model, schedule=schedule, num_microbatches=m, loss_fn=F.mse_loss, virtual_stages=v,
-                    balance=balance, early_receives=hoist, **options)
+                    balance=balance, early_receives=early_receives, **options)
     opt, ref_opt = torch.optim.AdamW(pipe.parameters(), lr=0.01), torch.optim.AdamW(ref.parameters(), lr=0.01)
     out = []
     for step in range(steps):
@@ -80,7 +81,7 @@ def seq_lengths(rank):
             p.grad = None
         for p in ref.parameters():
             p.grad = None
-    return {"results": results, "signatures": len(pipe._metas)}
+    return {"results": results, "signatures": pipe.learned_steps}
 
 
 def recompute_bitwise(rank, schedule, v):
@@ -171,27 +172,30 @@ def accumulate(rank):
     return grad_report(pipe, model, ref)
 
 
-def message_order(rank, schedule, v, hoist):
+def message_order(rank, schedule, v, early_receives):
     """Every send and receive post this rank makes, in call order, as ("send" | "recv", peer, tag), over a step
-    that learns the shapes, a step that knows them and a forward; ``hoist=False`` runs the NCCL discipline."""
+    that learns the shapes, a step that knows them and a forward; ``early_receives=False`` runs the NCCL
+    discipline. Logged by wrapping the point-to-point calls of every ``Transport`` while it runs."""
     pipe = Pipeline(mlp(), schedule=schedule, num_microbatches=4, loss_fn=F.mse_loss, virtual_stages=v,
-                    early_receives=hoist)
-    transport, ops = pipe._executor.transport, []
-    send, post = transport.send, transport.post
+                    early_receives=early_receives)
+    ops, send, post = [], Transport.send, Transport.post
 
-    def logged_send(tensors, peer, tag):
+    def logged_send(transport, tensors, peer, tag):
         ops.append(("send", peer, tag))
-        return send(tensors, peer, tag)
+        return send(transport, tensors, peer, tag)
 
-    def logged_post(specs, peer, tag, what):
+    def logged_post(transport, specs, peer, tag, what):
         ops.append(("recv", peer, tag))
-        return post(specs, peer, tag, what)
+        return post(transport, specs, peer, tag, what)
 
-    transport.send, transport.post = logged_send, logged_post
-    x, y = _data(0)
-    pipe.step(x, target=y)
-    pipe.step(x, target=y)
-    pipe.forward(x)
+    Transport.send, Transport.post = logged_send, logged_post
+    try:
+        x, y = _data(0)
+        pipe.step(x, target=y)
+        pipe.step(x, target=y)
+        pipe.forward(x)
+    finally:
+        Transport.send, Transport.post = send, post
     pipe.close()
     return ops
 
@@ -206,9 +210,10 @@ def two_rank_suite(rank):
     results["uneven"] = transparency(rank, "1f1b", 1, m=4, n=10, steps=1)
     results["tuple"] = tuple_flow(rank)
     for schedule, v in SCHEDULES:
-        for hoist in (True, False):
-            results[("order", schedule, hoist)] = message_order(rank, schedule, v, hoist)
-    results["no_hoist"] = transparency(rank, "interleaved-1f1b", 2, steps=2, hoist=False, split_backward=True)
+        for early in (True, False):
+            results[("order", schedule, early)] = message_order(rank, schedule, v, early)
+    results["program_order"] = transparency(rank, "interleaved-1f1b", 2, steps=2, early_receives=False,
+                                            split_backward=True)
     results["seq"] = seq_lengths(rank)
     for schedule, v in SCHEDULES:
         results[("recompute", schedule)] = recompute_bitwise(rank, schedule, v)
@@ -292,8 +297,8 @@ def four_rank_suite(rank):
     results["dp_split"] = dp_case(rank, "1f1b", 1, split_backward=True)
     results["dp_tied"] = dp_case(rank, "interleaved-1f1b", 2, tied=True)
     for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
-        for hoist in (True, False):
-            results[("order", schedule, hoist)] = message_order(rank, schedule, v, hoist)
+        for early in (True, False):
+            results[("order", schedule, early)] = message_order(rank, schedule, v, early)
     # replica 1 (world ranks 2 and 3) asks for 8 microbatches, replica 0 for 4: every rank must refuse at once
     results["replica_mismatch"] = mismatch_case(rank, num_microbatches=(4, 4, 8, 8), dp_size=(2, 2, 2, 2))
     results["failure"] = failing_case(rank, fail_rank=2, fail_mb=1, world=4, linger=1.0)

@@ -123,7 +123,7 @@ def _vanishes(rank):
 
 def test_a_child_that_dies_without_reporting_is_quoted():
     with pytest.raises(RuntimeError) as info:
-        launch(_vanishes, 2, timeout=120)
+        launch(_vanishes, 2, timeout=120, grace=2.0)  # rank 0 sleeps: it gets the grace, then ends
     assert str(info.value) == ("launch: rank 1 exited with code 3 without reporting; the end of its stderr:\n"
                                "rank 1 is about to vanish")
 

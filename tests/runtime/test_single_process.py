@@ -57,3 +57,21 @@ def test_a_launcher_with_one_process_does_not_warn(no_launcher, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _build().program.num_ranks == 1
+
+
+def test_world_size_set_without_the_other_ranks_ends_after_timeout_saying_why(no_launcher, monkeypatch):
+    import socket
+
+    with socket.socket() as sock:  # a free port nobody listens on: rank 1 never reaches a rank 0
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for name, value in dict(WORLD_SIZE="2", RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(TimeoutError) as info:
+        Pipeline(mlp(num_layers=4), schedule="1f1b", num_microbatches=2, loss_fn=F.mse_loss, timeout=2)
+    message = str(info.value)
+    assert message.startswith(f"rank 1 of WORLD_SIZE=2: the other ranks did not join at 127.0.0.1:{port} within "
+                              f"timeout=2 s (DistNetworkError: ")
+    assert message.endswith("start every rank (e.g. torchrun --nproc-per-node 2 train.py), or unset WORLD_SIZE, "
+                            "RANK and MASTER_ADDR to run one process")
+    assert not dist.is_initialized()

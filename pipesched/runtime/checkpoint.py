@@ -1,0 +1,403 @@
+"""Checkpoints of a pipelined model with ``torch.distributed.checkpoint`` (DCP): sharded, atomic, reshardable.
+
+A checkpoint is a DCP directory (``.metadata`` plus one ``__<rank>_0.distcp`` file per writing rank) holding:
+
+- ``model.<fqn>``: every parameter and persistent buffer under the unsplit ``nn.Sequential``'s names
+  (:func:`~pipesched.runtime.state.saved_state`), so it does not depend on ranks, virtual stages, balance or schedule;
+  a data-parallel replica's copies are written once (DCP deduplicates equal names).
+- ``optim.<key>``: optimizer state keyed by parameter name (:mod:`~pipesched.runtime.optim_state`), if given.
+- ``rng.<world rank>.<generator>``: each rank's torch CPU (and CUDA) generator, Python ``random`` and NumPy states.
+- ``pipesched.*`` and ``extra.*``: the format tag, ``step``, the layout it was saved from and the user's ``extra``.
+
+Each rank writes its own file, in parallel, into a temporary directory next to the target
+(``.<name>.saving``); after every rank has finished (DCP's final gather writes ``.metadata``, then a vote of all
+ranks), world rank 0 renames it to the target. A save that dies half-way leaves only that hidden directory,
+which :func:`load_checkpoint` refuses and :func:`latest_checkpoint` skips.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from . import rng_state
+from .optim_state import check_owned, flat_state, load_flat_state, wanted_keys
+from .state import first_mismatch, parameter_names, pipe_read_plan, read_plan, saved_state, shared_aliases
+from .vote import Verdict, vote
+
+FORMAT = "pipesched-checkpoint/1"
+_SAVING, _REPLACED = ".saving", ".replaced"  # suffixes of a save's hidden temporary directories
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What :func:`load_checkpoint` (or :func:`load_into`) read besides the tensors.
+
+    Attributes:
+        step: the ``step`` given to :func:`save_checkpoint` (an int, or ``None``).
+        extra: the ``extra`` given to it on world rank 0, as JSON gives it back (tuples come back as lists), with
+            its tensors (top-level values of a dict) as CPU tensors.
+        rng_restored: whether this rank's random generators were set to those saved by the same world rank (only
+            when the checkpoint was saved with the same pipeline ranks and ``dp_size``).
+    """
+
+    step: int | None
+    extra: object = None
+    rng_restored: bool = False
+
+
+def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=None) -> str:
+    """Save ``pipe``'s model (and ``optimizer``'s state, every rank's RNG state, ``step``, ``extra``) to directory
+    ``path``; collective: call it on every rank of the job with the same ``path`` and ``step``.
+
+    Every rank checks its arguments, then all ranks vote (a bad argument on one rank is the same error on every
+    rank, before anything is written); each rank writes its own shard file in parallel into a hidden temporary
+    directory next to ``path``, and world rank 0 renames it to ``path`` once every rank has finished. An existing
+    checkpoint at ``path`` is replaced; anything else there is refused. ``path`` must be on a filesystem that every
+    rank sees (as DCP's ``FileSystemWriter`` needs).
+
+    Args:
+        path: the checkpoint directory to create (str or ``os.PathLike``), e.g. ``"ckpt/step-000100"``.
+        pipe: the :class:`~pipesched.runtime.Pipeline`.
+        optimizer: ``None``, or a ``torch.optim.Optimizer`` over this rank's parameters (``pipe.parameters()``).
+        step: ``None`` or an int >= 0, returned by :func:`load_checkpoint` (and ordering :func:`latest_checkpoint`).
+        extra: ``None``, a JSON-serialisable value (dict, list, str, int, float, bool, None), or a dict whose
+            top-level values may also be tensors (saved with DCP); taken from world rank 0.
+    Returns:
+        ``path`` as an absolute path.
+    Raises:
+        TypeError, ValueError: a bad argument (names it, its value and what is valid), ranks that give different
+            ``path`` or ``step`` (names both ranks and values), or an optimizer holding another rank's parameters.
+        FileExistsError: ``path`` exists and is not a pipesched checkpoint (it is left alone).
+        TimeoutError: a rank did not reach the save within ``pipe.timeout`` seconds.
+        RuntimeError: a rank failed while writing (DCP's ``CheckpointException``, naming each failed rank and its
+            error), raised on every rank; ``path`` is untouched. A rank that dies makes the others' DCP collectives
+            fail (the connection closes) or, at the latest, the votes time out after ``pipe.timeout``.
+    """
+    rank = dist.get_rank()
+    try:
+        target = _check_save(path, pipe, optimizer, step, extra, rank)
+        verdict = Verdict(ok={"path": target, "step": step, "optimizer": optimizer is not None})
+    except Exception as exc:  # noqa: BLE001 - every rank must learn it
+        verdict = Verdict(error=exc)
+    oks = vote("checkpoint-save", verdict, pipe.timeout)
+    for field in ("path", "step", "optimizer"):
+        _same(oks, field)
+    target = oks[0]["path"]
+    temp = _hidden(target, _SAVING)
+    with _failures_named(target, "writing"):
+        dcp.save(_state_to_save(pipe, optimizer, step, extra, rank), checkpoint_id=temp)
+    vote("checkpoint-written", Verdict(ok=True), pipe.timeout)  # every rank has finished writing
+    error = None
+    if rank == 0:
+        try:
+            _commit(temp, target)
+        except Exception as exc:  # noqa: BLE001 - every rank must learn it
+            error = exc
+    vote("checkpoint-commit", Verdict(ok=True, error=error), pipe.timeout)
+    return target
+
+
+def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
+    """Load a checkpoint of :func:`save_checkpoint` into ``pipe`` (and ``optimizer``); collective: call it on every
+    rank of the job. The checkpoint may come from another layout (ranks, virtual stages, balance, schedule,
+    ``dp_size``): each rank reads the entries of its own layers.
+
+    Everything is checked on every rank before anything is read into the model (names and shapes of every entry
+    against the unsplit model, the optimizer's hyperparameters), then all ranks vote, so a bad checkpoint is the
+    same error on every rank and nothing is half-loaded. The tensors are read into new buffers and copied into the
+    parameters, buffers and optimizer only once every rank has read them. The random generators are restored last
+    (when the checkpoint has the same ranks and ``dp_size``), so the next step draws what it would have drawn.
+
+    Returns:
+        :class:`CheckpointInfo` (``step``, ``extra``, ``rng_restored``).
+    Raises:
+        FileNotFoundError: ``path`` does not exist (names it).
+        ValueError: ``path`` is not a complete pipesched checkpoint (no ``.metadata``: a save that did not finish;
+            a save's temporary directory; a DCP checkpoint of something else), or it does not fit the model: the
+            first offending name (missing from the checkpoint, unknown to the model, or of another shape), or the
+            optimizer's (no optimizer state saved; a hyperparameter missing: another optimizer). Same on every rank.
+        TimeoutError: a rank did not reach the load within ``pipe.timeout`` seconds.
+        RuntimeError: a rank failed while reading the files (names the ranks and errors), on every rank; nothing
+            has been copied into the model or optimizer.
+    """
+    try:
+        target, entries, meta = _read_checkpoint(path)
+        plan = pipe_read_plan(pipe)  # stored name -> this rank's tensors read from it
+        found = {name[6:]: _shape(md) for name, md in entries.items() if name.startswith("model.")}
+        problem = first_mismatch(found, _firsts(plan), pipe.state_spec, f"checkpoint {target!r}")
+        optim_keys = [] if optimizer is None or problem else _optimizer_keys(optimizer, pipe, entries, target)
+        verdict = Verdict(ok={"problem": problem})
+    except Exception as exc:  # noqa: BLE001 - every rank must learn it
+        verdict = Verdict(error=exc)
+    problems = [ok["problem"] for ok in vote("checkpoint-load", verdict, pipe.timeout) if ok["problem"]]
+    if problems:
+        raise ValueError(min(problems)[1])  # the same on every rank: missing names by model position, then the rest
+    same_layout = [meta.get(k) for k in ("world_size", "pp_size", "dp_size")] == [
+        pipe.grid.world_size, pipe.grid.pp_size, pipe.grid.dp_size]
+    staging = _staging(entries, plan, optim_keys, dist.get_rank() if same_layout else None, pipe.device)
+    with _failures_named(target, "reading"):
+        dcp.load(staging, checkpoint_id=target)  # collective; raises on every rank if any rank fails to read
+    _copy_in(plan, staging["model"])
+    if optimizer is not None:
+        load_flat_state(optimizer, parameter_names(pipe), staging["optim"])
+    rng = staging.get("rng", {}).get(str(dist.get_rank()), {})
+    rng_state.restore(rng, pipe.device)
+    return CheckpointInfo(meta.get("step"), _extra(meta, staging), bool(rng))
+
+
+def load_into(model, path, strict: bool = True) -> CheckpointInfo:
+    """Load a checkpoint's model tensors into the plain (unsplit) ``nn.Sequential`` in one process, e.g. for
+    inference; no process group is needed (DCP's ``no_dist`` read). Checked first: nothing is copied unless every
+    name (``strict``) and shape fits. A tensor ``model.state_dict()`` lists under several names (a tied weight) is
+    read from its first name, which the checkpoint stores. The optimizer and RNG states are not read.
+
+    Returns:
+        :class:`CheckpointInfo` with ``step`` and ``extra`` (``rng_restored`` False).
+    Raises:
+        FileNotFoundError, ValueError: as :func:`load_checkpoint` (a missing, incomplete or foreign directory; the
+            first name or shape that does not fit ``model``).
+    """
+    target, entries, meta = _read_checkpoint(path)
+    local = model.state_dict()
+    spec = {name: tuple(t.shape) for name, t in local.items()}
+    plan = read_plan(local, shared_aliases(model))  # a tied weight is read from its first name
+    found = {name[6:]: _shape(md) for name, md in entries.items() if name.startswith("model.")}
+    problem = first_mismatch(found, _firsts(plan), spec, f"checkpoint {target!r}", strict)
+    if problem:
+        raise ValueError(problem[1])
+    plan = {name: ts for name, ts in plan.items() if name in found}
+    staging = {"model": {n: _empty(entries[f"model.{n}"]) for n in plan}}
+    staging["extra"] = {n: _empty(entries[f"extra.{n}"]) for n in meta.get("extra_tensors", [])}
+    _read_locally(staging, target)
+    _copy_in(plan, staging["model"])
+    return CheckpointInfo(meta.get("step"), _extra(meta, staging), False)
+
+
+def latest_checkpoint(directory) -> str | None:
+    """The newest complete checkpoint directly under ``directory`` (highest saved ``step``, then name; e.g.
+    ``ckpt/step-000100`` over ``ckpt/step-000090``), or ``None`` if there is none (or no such directory).
+    Hidden entries (a save's temporary directories) and anything that is not a complete pipesched checkpoint are
+    skipped. Local: reads the directory on this rank only."""
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        return None
+    found = []
+    for name in os.listdir(directory):
+        if name.startswith("."):
+            continue
+        try:
+            target, _, meta = _read_checkpoint(os.path.join(directory, name))
+        except (OSError, ValueError):
+            continue
+        step = meta.get("step")
+        found.append((-1 if step is None else step, name, target))
+    return max(found)[2] if found else None
+
+
+# ---- save ----------------------------------------------------------------------------------------------------
+
+
+def _check_save(path, pipe, optimizer, step, extra, rank: int) -> str:
+    target = _as_path(path)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be None or an int >= 0, got {step!r}")
+    _split_extra(extra)
+    if optimizer is not None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be None or a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        check_owned(optimizer, parameter_names(pipe))
+    if os.path.lexists(target):
+        try:
+            _read_checkpoint(target)
+        except (OSError, ValueError):
+            raise FileExistsError(f"path {target!r} exists and is not a pipesched checkpoint; refusing to replace "
+                                  f"it (save elsewhere or remove it)") from None
+    if rank == 0:  # a stale temporary directory of a save that died is removed; the new one made
+        temp = _hidden(target, _SAVING)
+        shutil.rmtree(temp, ignore_errors=True)
+        os.makedirs(temp)
+    return target
+
+
+def _state_to_save(pipe, optimizer, step, extra, rank: int) -> dict:
+    state: dict = {"model": saved_state(pipe), "rng": {str(rank): rng_state.capture(pipe.device)}}
+    if optimizer is not None:
+        state["optim"] = flat_state(optimizer, parameter_names(pipe))
+    if rank == 0:
+        text, tensors = _split_extra(extra)
+        grid = pipe.grid
+        state["pipesched"] = {"format": FORMAT, "step": step, "world_size": grid.world_size, "pp_size": grid.pp_size,
+                              "dp_size": grid.dp_size, "extra": text, "extra_tensors": list(tensors)}
+        if tensors:
+            state["extra"] = tensors
+    return state
+
+
+def _commit(temp: str, target: str) -> None:
+    """Rename the finished temporary directory to ``target`` (replacing a checkpoint there) and sync the parent."""
+    old = None
+    if os.path.lexists(target):
+        old = _hidden(target, _REPLACED)
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(target, old)
+    os.rename(temp, target)
+    fd = os.open(os.path.dirname(target), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _split_extra(extra) -> tuple[str, dict]:
+    tensors = {}
+    plain = extra
+    if isinstance(extra, dict):
+        plain = {}
+        for key, value in extra.items():
+            if not isinstance(key, str):
+                raise TypeError(f"extra must have str keys, got {key!r}")
+            if isinstance(value, torch.Tensor):
+                tensors[key] = value.detach()
+            else:
+                plain[key] = value
+    try:
+        return json.dumps(plain), tensors
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"extra must be JSON-serialisable (dict, list, str, int, float, bool, None), or a dict whose "
+                        f"top-level values may also be tensors; got {extra!r} ({exc})") from None
+
+
+# ---- load ----------------------------------------------------------------------------------------------------
+
+
+def _read_checkpoint(path) -> tuple[str, dict, dict]:
+    """(absolute path, DCP entries by name, the ``pipesched.*`` values) of a complete pipesched checkpoint."""
+    target = _as_path(path)
+    if not os.path.lexists(target):
+        raise FileNotFoundError(f"checkpoint {target!r} does not exist")
+    name = os.path.basename(target)
+    if name.startswith(".") and name.endswith((_SAVING, _REPLACED)):
+        raise ValueError(f"checkpoint {target!r} is the temporary directory of a save that did not finish; load the "
+                         f"checkpoint it was saved as, or latest_checkpoint() of its folder")
+    if not os.path.isdir(target) or not os.path.isfile(os.path.join(target, ".metadata")):
+        raise ValueError(f"checkpoint {target!r} is incomplete or not a checkpoint: it has no .metadata (written "
+                         f"last, when every rank has finished)")
+    try:
+        entries = FileSystemReader(target).read_metadata().state_dict_metadata
+    except Exception as exc:  # noqa: BLE001 - a damaged file: name the path
+        raise ValueError(f"checkpoint {target!r} has an unreadable .metadata: {type(exc).__name__}: {exc}") from None
+    if "pipesched.format" not in entries:
+        raise ValueError(f"checkpoint {target!r} is not a pipesched checkpoint (a DCP checkpoint without "
+                         f"'pipesched.format'); load_into() reads model.* entries only of pipesched checkpoints")
+    meta = {name[10:]: None for name in entries if name.startswith("pipesched.")}
+    _read_locally({"pipesched": meta}, target)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {target!r} has format {meta.get('format')!r}; this version reads {FORMAT!r}")
+    return target, entries, meta
+
+
+def _optimizer_keys(optimizer, pipe, entries: dict, target: str) -> list[str]:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be None or a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    names = parameter_names(pipe)
+    check_owned(optimizer, names)
+    available = [name[6:] for name in entries if name.startswith("optim.")]
+    if not available:
+        raise ValueError(f"checkpoint {target!r} has no optimizer state (it was saved without optimizer=); "
+                         f"load it with optimizer=None")
+    keys, problem = wanted_keys(optimizer, names, available)
+    if problem:
+        raise ValueError(f"checkpoint {target!r} {problem}")
+    return keys
+
+
+def _staging(entries: dict, plan: dict, optim_keys, rng_rank: int | None, device) -> dict:
+    """New buffers for everything this rank reads (DCP reads into the tensors it is given; objects replace None)."""
+    staging: dict = {"model": {name: _empty(entries[f"model.{name}"]) for name in plan}}
+    staging["optim"] = {key: _empty(entries[f"optim.{key}"]) for key in optim_keys}
+    extras = [name[6:] for name in entries if name.startswith("extra.")]
+    staging["extra"] = {name: _empty(entries[f"extra.{name}"]) for name in extras}
+    if rng_rank is not None:
+        available = [name.split(".")[-1] for name in entries if name.startswith(f"rng.{rng_rank}.")]
+        staging["rng"] = {str(rng_rank): rng_state.placeholders(device, available)}
+    return staging
+
+
+@contextlib.contextmanager
+def _failures_named(target: str, doing: str):
+    """DCP reports a failure on any rank as a ``CheckpointException`` (a ``BaseException``) on every rank: make it a
+    ``RuntimeError`` naming the checkpoint, the ranks and their errors."""
+    try:
+        yield
+    except CheckpointException as exc:
+        ranks = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(exc.failures.items()))
+        raise RuntimeError(f"checkpoint {target!r}: ranks failed while {doing} it ({ranks})") from exc
+
+
+def _read_locally(state: dict, target: str) -> None:
+    """``dcp.load`` in this process only (no collective), without DCP's warning that it assumes so."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=target, no_dist=True)
+
+
+def _firsts(plan: dict) -> dict:
+    return {name: tensors[0] for name, tensors in plan.items()}
+
+
+def _copy_in(plan: dict, read: dict) -> None:
+    """Copy each entry read into every tensor it fills (``Tensor.copy_``: to the tensor's dtype and device)."""
+    with torch.no_grad():
+        for name, tensors in plan.items():
+            for tensor in tensors:
+                tensor.copy_(read[name])
+
+
+def _extra(meta: dict, staging: dict):
+    extra = json.loads(meta.get("extra") or "null")
+    tensors = staging.get("extra", {})
+    if tensors:
+        extra = dict(extra or {})
+        extra.update(tensors)
+    return extra
+
+
+def _empty(md):
+    """A CPU tensor to read a tensor entry into, or ``None`` for an object entry."""
+    if isinstance(md, TensorStorageMetadata):
+        return torch.empty(md.size, dtype=md.properties.dtype)
+    return None
+
+
+def _shape(md):
+    return tuple(md.size) if isinstance(md, TensorStorageMetadata) else None
+
+
+def _hidden(target: str, suffix: str) -> str:
+    return os.path.join(os.path.dirname(target), f".{os.path.basename(target)}{suffix}")
+
+
+def _as_path(path) -> str:
+    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise TypeError(f"path must be a non-empty str or os.PathLike, got {path!r}")
+    return os.path.abspath(os.fspath(path))
+
+
+def _same(oks: list, field: str) -> None:
+    for rank, ok in enumerate(oks):
+        if ok[field] != oks[0][field]:
+            raise ValueError(f"save_checkpoint: world rank {rank} gave {field}={ok[field]!r} but world rank 0 "
+                             f"{field}={oks[0][field]!r}; every rank must pass the same {field}")

@@ -1,0 +1,154 @@
+"""Global gradient clipping: ``torch.nn.utils.clip_grad_norm_``'s contract over every stage of a pipeline.
+
+``torch.nn.utils.clip_grad_norm_(pipe.parameters(), ...)`` sees this rank's gradients only, so each rank would
+clip by its own norm: a different model than the unsplit one. :func:`clip_grad_norm_` computes this rank's part
+with torch's own :func:`torch.nn.utils.get_total_norm` (torch >= 2.6; the same computation before), combines
+the parts of all pipeline ranks with ONE ``all_reduce`` over the pipeline group (SUM of ``norm ** p``, MAX for
+``p = inf``), and scales with torch's :func:`torch.nn.utils.clip_grads_with_norm_`, so the coefficient is
+torch's: ``min(max_norm / (total + 1e-6), 1)``.
+
+Data-parallel replicas hold identical gradients after the step's all-reduce: only the pipeline group is reduced
+over, so nothing is counted twice. The norm counts each parameter of the unsplit model once,
+:meth:`Pipeline.owned_parameters <pipesched.runtime.Pipeline.owned_parameters>` (a tied parameter on its owning
+stage's rank only); every parameter of this rank is scaled.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+import torch.distributed as dist
+
+from .failure import CommError
+
+# floating dtypes a norm can have, in the order of the flags the reduction carries (see :func:`_local_part`)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_clip_arguments(max_norm, norm_type, error_if_nonfinite, foreach) -> tuple[float, float]:
+    """The checked ``(max_norm, norm_type)`` as floats; a local check of arguments every rank passes alike.
+
+    Raises:
+        ValueError: ``max_norm`` not a real number > 0 (``inf``: never clip); ``norm_type`` not a real number > 0,
+            nor ``inf`` / ``"inf"``; ``error_if_nonfinite`` not a bool; ``foreach`` not ``None`` or a bool.
+            The message names the argument, its value and what is valid.
+    """
+    if not _is_real(max_norm) or not max_norm > 0:
+        raise ValueError(f"max_norm must be a number > 0 (inf: no clipping), got {max_norm!r}")
+    norm = math.inf if isinstance(norm_type, str) and norm_type.lower() == "inf" else norm_type
+    if not _is_real(norm) or not norm > 0:
+        raise ValueError(f"norm_type must be a number > 0 or inf (float('inf') or 'inf'), got {norm_type!r}")
+    if not isinstance(error_if_nonfinite, bool):
+        raise ValueError(f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r}")
+    if foreach is not None and not isinstance(foreach, bool):
+        raise ValueError(f"foreach must be None, True or False, got {foreach!r}")
+    return float(max_norm), float(norm)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _norm_of(grads, norm_type: float, foreach) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm`` (torch >= 2.6), else :func:`_norm_before_2_6`."""
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
+    if get_total_norm is None:
+        return _norm_before_2_6(grads, norm_type)
+    return get_total_norm(grads, norm_type, error_if_nonfinite=False, foreach=foreach)
+
+
+def _norm_before_2_6(grads, norm_type: float) -> torch.Tensor:
+    """What torch 2.4-2.5's ``clip_grad_norm_`` computes (one tensor at a time; ``foreach`` not used): the norm
+    of the per-tensor norms, on the first gradient's device, in their promoted dtype."""
+    norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
+    return torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]), norm_type)
+
+
+def _scale(params, max_norm: float, total: torch.Tensor, foreach) -> None:
+    """``torch.nn.utils.clip_grads_with_norm_`` (torch >= 2.6), else :func:`_scale_before_2_6`."""
+    clip_grads_with_norm_ = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
+    if clip_grads_with_norm_ is None:
+        return _scale_before_2_6(params, max_norm, total)
+    return clip_grads_with_norm_(params, max_norm, total, foreach)
+
+
+def _scale_before_2_6(params, max_norm: float, total: torch.Tensor) -> None:
+    """torch's scaling, one gradient at a time: ``grad *= clamp(max_norm / (total + 1e-6), max=1)``."""
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.device))
+
+
+def _local_part(params, norm_type: float, foreach, device: torch.device) -> torch.Tensor:
+    """This rank's contribution, a float64 tensor of shape ``(2 + len(_DTYPES),)`` on ``device``:
+    ``[norm ** p (the norm itself for inf), 1 if the norm is nan, a 1 at the index of the norm's dtype]``
+    (all zeros when no parameter here has a ``.grad``). Every element is combined by the same reduction (SUM,
+    or MAX for inf), under which a flag stays > 0 exactly when it was set on some rank.
+
+    Raises:
+        TypeError: the norm's dtype is not one of float16, bfloat16, float32, float64.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    part = torch.zeros(2 + len(_DTYPES), dtype=torch.float64, device=device)
+    if not grads:
+        return part
+    norm = _norm_of(grads, norm_type, foreach)
+    if norm.dtype not in _DTYPES:
+        raise TypeError(f"clip_grad_norm_ supports gradients whose norm is one of {_DTYPES}, got {norm.dtype}")
+    flag = 2 + _DTYPES.index(norm.dtype)
+    norm = norm.to(device=device, dtype=torch.float64)
+    part[0] = norm if math.isinf(norm_type) else norm ** norm_type
+    part[1] = norm.isnan()  # MAX need not pass a nan on (neither gloo nor NCCL promises to)
+    part[flag] = 1.0
+    return part
+
+
+def total_norm(params, norm_type: float, foreach, group, device: torch.device) -> torch.Tensor:
+    """The total ``norm_type``-norm of the ``.grad`` of ``params`` on every rank of ``group`` (collective: one
+    ``all_reduce`` of 6 float64 values on ``device``, then one host read of them).
+
+    Returns:
+        A 0-dim tensor on ``device``, the same value on every rank: ``(sum over ranks of norm_r ** p) ** (1/p)``
+        (``max`` for inf), formed in float64 and rounded to the dtype torch's ``get_total_norm`` gives over all the
+        gradients (the promotion of their norms' dtypes; float32 when no rank has a gradient). nan if any
+        gradient holds a nan; inf if one holds an inf (as torch).
+    Raises:
+        CommError: the all-reduce failed (a peer is gone, or ``timeout`` passed).
+    """
+    part = _local_part(params, norm_type, foreach, device)
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    try:
+        dist.all_reduce(part, op=op, group=group)
+    except RuntimeError as exc:
+        raise CommError("the all-reduce of clip_grad_norm_ over the pipeline group", exc) from None
+    value, nan, *flags = part.tolist()
+    present = [d for d, f in zip(_DTYPES, flags) if f > 0]
+    dtype = present[0] if present else torch.float32  # torch's get_total_norm([]) is float32 too
+    for d in present[1:]:
+        dtype = torch.promote_types(dtype, d)
+    if nan > 0:
+        value = math.nan
+    elif not math.isinf(norm_type):
+        value = value ** (1.0 / norm_type)
+    return torch.tensor(value, dtype=dtype, device=device)
+
+
+def nonfinite_message(norm_type: float) -> str:
+    """torch's message for a non-finite total norm under ``error_if_nonfinite=True``, saying it is global."""
+    return (f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+            "clipped (the norm over every stage of the pipeline; every rank raises this). To disable this error "
+            "and scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+
+
+def clip_grad_norm_(pipe, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None) -> torch.Tensor:
+    """:meth:`Pipeline.clip_grad_norm_ <pipesched.runtime.Pipeline.clip_grad_norm_>`: check, reduce, scale."""
+    max_norm, norm_type = check_clip_arguments(max_norm, norm_type, error_if_nonfinite, foreach)
+    with torch.no_grad():  # closed or broken: the error step() gives
+        total = pipe.run_collective(lambda pp_group, _: total_norm(list(pipe.owned_parameters()), norm_type, foreach,
+                                                                   pp_group, pipe.device))
+        if error_if_nonfinite and not bool(total.isfinite()):
+            raise RuntimeError(nonfinite_message(norm_type))  # on every rank: the norm is the same everywhere
+        _scale(list(pipe.parameters()), max_norm, total, foreach)
+    return total

@@ -1,0 +1,95 @@
+"""Naming a rank whose process was lost (killed by SIGKILL or the OOM killer, crashed) in the middle of a step.
+
+A lost process leaves no failure record (:mod:`pipesched.runtime.failure`); the operating system closes its
+connections, so every rank blocked on it gets a closed-connection error at once. Such a rank finds no record in the
+store, names the lost rank here, and publishes that ``lost`` record before it tears its own groups down, so a rank
+blocked on *it* (a third rank, or the other replica in the data-parallel all-reduce) reads the record and names the
+same lost rank instead of its direct peer. Who is lost, in order:
+
+1. the store is unreachable: the process hosting it is gone, and under ``env://`` and
+   :func:`~pipesched.runtime.launch` that is world rank 0 (it lingers while any rank has a record to read,
+   :func:`~pipesched.runtime.failure.linger`, so it is gone only if it was lost). Under torchrun's agent store
+   (``TORCHELASTIC_USE_AGENT_STORE=True``) the store outlives every worker and this rule never applies;
+2. a point-to-point wait: the peer it waited on;
+3. a collective (the step-opening all-gather, the data-parallel all-reduce): the first member of this rank's
+   pipeline or data-parallel group whose connection is closed, found by posting a receive from each (gloo raises
+   at once on a closed connection); the store is read once more afterwards, in case a peer published meanwhile.
+
+Gloo only (CPU stages): NCCL reports a lost peer through its own watchdog, after ``timeout``.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from .failure import CommError, FailureChannel, FailureRecord
+from .torch_errors import peer_closed_connection
+
+_PROBE_TAG = 2**30 - 7  # a tag no pipeline message uses (tag_of stays far below it)
+
+
+def store_host() -> int | None:
+    """World rank whose process hosts the c10d store: 0 under ``env://`` and :func:`~pipesched.runtime.launch`;
+    ``None`` under torchrun's agent store, which lives in the agent, not in a rank."""
+    return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" else 0
+
+
+def closed_members(group, world_ranks, device) -> list[int]:
+    """The world ranks (of ``world_ranks``, ``group``'s members by group rank) whose connection to this rank is
+    closed. Posts a 1-element receive from each other member: gloo raises at once for a closed connection; the
+    receives from live members stay pending until the group is destroyed. Empty for a non-gloo ``group``."""
+    if group is None or device.type != "cpu":
+        return []
+    closed, pending = [], []
+    me = group.rank()
+    for r, world in enumerate(world_ranks):
+        if r == me:
+            continue
+        try:
+            pending.append(group.recv([torch.zeros(1, device=device)], r, _PROBE_TAG))
+        except RuntimeError as exc:
+            if peer_closed_connection(exc):
+                closed.append(world)
+    return closed
+
+
+def lost_record(exc: CommError, grid, failures: FailureChannel, groups, device) -> FailureRecord | None:
+    """The record naming the lost rank after ``exc`` (a wait whose connection closed) found no failure record
+    in the store; published (the first published wins, and that one is returned, so every rank names the same).
+
+    Args:
+        exc: the failed wait (``exc.peer``: the pipeline rank waited on, ``None`` for a collective).
+        grid: this rank's :class:`~pipesched.runtime.comm.Grid`.
+        failures: the failure channel (its ``unreachable`` flag says whether the store answered).
+        groups: ``(pipeline group, data-parallel group or None)`` of this rank, before teardown.
+        device: the stages' device (probing needs gloo: CPU).
+    Returns:
+        A ``lost`` :class:`~pipesched.runtime.failure.FailureRecord` (its ``rank``/``pp_rank``: the lost rank), or
+        ``None`` when no lost rank can be named (a collective whose members all still answer).
+    """
+    host = store_host()
+    if failures.unreachable and host is not None and host != grid.world_rank:
+        lost, how = host, "hosts the store, which no longer answers"
+    elif exc.peer is not None:
+        lost, how = grid.pipeline_ranks(grid.dp_rank)[exc.peer], "closed its connection"
+    else:
+        pp_group, dp_group = groups
+        closed = (closed_members(pp_group, grid.pipeline_ranks(grid.dp_rank), device)
+                  + closed_members(dp_group, grid.dp_ranks(grid.pp_rank), device))
+        published = failures.lookup()
+        if published is not None:
+            return published
+        if not closed:
+            return None
+        lost, how = closed[0], "closed its connection"
+    me = f"world rank {grid.world_rank} (pipeline rank {grid.pp_rank})"
+    record = FailureRecord(
+        rank=lost, pp_rank=lost % grid.pp_size, lost=True, id=f"lost:{lost}:{time.time_ns()}",
+        cause=f"world rank {lost} (pipeline rank {lost % grid.pp_size}) was lost: its process ended in the middle of "
+              f"the step without a failure record (killed, e.g. by SIGKILL or the out-of-memory killer, or exited); "
+              f"{me} found it while waiting for {exc.what}: it {how}",
+        traceback=f"{type(exc.original).__name__}: {exc.original}")
+    failures.publish(record)
+    return failures.lookup() or record

@@ -1,0 +1,74 @@
+"""Every rank's verdict before (and between) the collectives of a checkpoint, through the default group's store.
+
+A collective call such as a checkpoint save is checked on each rank first (arguments, paths, names); the ranks
+then *vote*: each publishes its verdict (a JSON value, or the error it would raise) under the number of votes it
+has cast on that topic so far, and reads every rank's. So one rank's bad argument is the same error on every
+rank, raised before any rank enters the collective, and a rank that never votes makes the others fail after
+``timeout`` seconds instead of waiting forever.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+
+import torch.distributed as dist
+
+_PREFIX = "pipesched/vote"
+#: exception types a vote carries from the failing rank to the others by name (anything else: ValueError)
+_TYPES = {cls.__name__: cls for cls in (ValueError, TypeError, FileNotFoundError, FileExistsError,
+                                        NotADirectoryError, KeyError, RuntimeError)}
+
+
+class Verdict:
+    """One rank's vote: ``ok`` (any JSON value) or ``error`` (an exception to raise everywhere)."""
+
+    __slots__ = ("ok", "error")
+
+    def __init__(self, ok=None, error: BaseException | None = None) -> None:
+        self.ok, self.error = ok, error
+
+
+def vote(topic: str, verdict: Verdict, timeout: float) -> list:
+    """Publish this rank's ``verdict`` on ``topic`` and return every world rank's ``ok`` value, by rank.
+
+    Args:
+        topic: what is voted on (``"save"``, ``"load"``, ...); each rank's n-th vote on a topic meets the others' n-th.
+        verdict: this rank's; ``verdict.ok`` must be JSON-serialisable.
+        timeout: seconds to wait for the other ranks' verdicts.
+    Raises:
+        The first failing rank's error (lowest world rank), on every rank: its own exception object on that rank,
+        the same type and message elsewhere (types outside ``ValueError``, ``TypeError``, ``FileNotFoundError``,
+        ``FileExistsError``, ``NotADirectoryError``, ``KeyError``, ``RuntimeError`` travel as ``ValueError``).
+        TimeoutError: some ranks did not vote within ``timeout`` seconds (names them).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        if verdict.error is not None:
+            raise verdict.error
+        return [verdict.ok]
+    store, rank, world = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+    count = store.add(f"{_PREFIX}/{topic}/count/{rank}", 1)
+    key = f"{_PREFIX}/{topic}/{count}"
+    store.set(f"{key}/{rank}", json.dumps(_entry(verdict)))
+    keys = [f"{key}/{r}" for r in range(world)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception as exc:  # noqa: BLE001 - the store reports a timeout as one of several types
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise TimeoutError(f"world ranks {missing} did not reach {topic} within {timeout:g} s; every rank must call "
+                           f"it, in the same order ({exc})") from None
+    entries = [json.loads(store.get(k)) for k in keys]
+    for r, entry in enumerate(entries):
+        if "error" in entry:
+            if r == rank:
+                raise verdict.error
+            kind, message = entry["error"]
+            raise _TYPES.get(kind, ValueError)(message)
+    return [entry["ok"] for entry in entries]
+
+
+def _entry(verdict: Verdict) -> dict:
+    if verdict.error is None:
+        return {"ok": verdict.ok}
+    error = verdict.error
+    message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+    return {"error": [type(error).__name__, message]}
