@@ -4,7 +4,7 @@ For interleaved 1F1B at growing sizes it times, in one process:
 
 - ours: what ``pipesched.compile_program`` runs, then ``pipesched.simulate``: ``pipesched.build``
   (compute-only program), ``pipesched.lower.add_send_recv(check=False)`` (sends and receives; it
-  simulates the compute-only program internally to place them), ``pipesched.validate``
+  times the compute-only program internally to place them), ``pipesched.validate``
   (structure, completeness, order, pairing and the deadlock-freedom execution) and
   ``pipesched.simulate(check=False)`` (the timeline of every instruction, bubble, in-flight peaks);
 - torch: ``ScheduleInterleaved1F1B``'s compute-only ``pipeline_order`` (``_calculate_single_rank_operations``

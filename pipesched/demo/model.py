@@ -14,6 +14,8 @@ class Embedding(nn.Module):
         super().__init__()
         self.token = nn.Embedding(vocab, width)
         self.position = nn.Embedding(context, width)
+        for table in (self.token, self.position):  # GPT-2's init: small enough for the tied head's logits
+            nn.init.normal_(table.weight, std=0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(ids.shape[1], device=ids.device)  # (T,)
@@ -42,14 +44,17 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))  # (B, T, C)
 
 
-def make_gpt(vocab: int, context: int, width: int, depth: int, heads: int, dropout: float) -> nn.Sequential:
-    """The whole model as one nn.Sequential: ids (B, T) int64 -> logits (B, T, vocab) float32."""
-    return nn.Sequential(
-        Embedding(vocab, context, width),
-        *[Block(width, heads, dropout) for _ in range(depth)],
-        nn.LayerNorm(width),
-        nn.Linear(width, vocab),
-    )
+def make_gpt(vocab: int, context: int, width: int, depth: int, heads: int, dropout: float,
+             tied: bool = True) -> nn.Sequential:
+    """The whole model as one nn.Sequential: ids (B, T) int64 -> logits (B, T, vocab) float32.
+
+    ``tied``: the LM head's weight is the token embedding's (GPT-2's weight tying): one ``nn.Parameter`` used by
+    the first and the last layer, which pipesched keeps on both ranks and sums the gradients of (``TIE_REDUCE``).
+    """
+    embedding, head = Embedding(vocab, context, width), nn.Linear(width, vocab)
+    if tied:
+        head.weight = embedding.token.weight  # (vocab, width)
+    return nn.Sequential(embedding, *[Block(width, heads, dropout) for _ in range(depth)], nn.LayerNorm(width), head)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

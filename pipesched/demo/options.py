@@ -40,6 +40,19 @@ def options(argv=None, prog: str | None = None) -> argparse.Namespace:
     parser.add_argument("--corpus-bytes", type=int, default=2_000_000, help="bytes of text to use (default 2e6)")
     parser.add_argument("--out", default="out/demo", help="folder for the timeline pictures and trace")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a stuck rank gives up")
+    parser.add_argument("--untied", action="store_true", help="give the LM head its own weight (default: tied to "
+                        "the token embedding, summed across the first and last rank)")
+    parser.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm over every "
+                        "stage (default 1.0; 0: no clipping)")
+    parser.add_argument("--autocast", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="bf16: forward under torch.autocast(bfloat16), activations cross ranks in bf16; "
+                             "fp32: none; auto (default): bf16 where the CPU has native bf16 (avx512_bf16 or "
+                             "amx_bf16), else fp32")
+    parser.add_argument("--checkpoint-dir", default=None, help="save a checkpoint (model, AdamW, RNG, step) "
+                        "under this folder every --checkpoint-every steps and at the end")
+    parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default 50)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in "
+                        "--checkpoint-dir (start from scratch if there is none)")
     args = parser.parse_args(argv)
     _check(parser, args)
     return args
@@ -47,7 +60,7 @@ def options(argv=None, prog: str | None = None) -> argparse.Namespace:
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("ranks", "microbatches", "virtual_stages", "dp", "steps", "batch", "context", "width", "depth",
-                 "heads"):
+                 "heads", "checkpoint_every"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.width % args.heads:
@@ -59,6 +72,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--data {args.data!r}: no such file or folder")
     if why := check_corpus(args.data, args.corpus_bytes):
         parser.error(why)
+    if not args.clip >= 0:
+        parser.error(f"--clip must be a global gradient norm >= 0 (0: no clipping), got {args.clip}")
+    if args.resume and args.checkpoint_dir is None:
+        parser.error("--resume needs --checkpoint-dir (the folder whose newest checkpoint to continue from)")
     try:
         args.balance = _balance(args.balance)
     except ValueError:

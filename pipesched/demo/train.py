@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime import Pipeline, launch
+from ..runtime import Pipeline, latest_checkpoint, launch, load_checkpoint, save_checkpoint
 from .corpus import load_text
-from .data import batches
+from .data import batch_at, batches
 from .model import generate, lm_loss, make_gpt
 from .options import options
 
@@ -35,28 +35,31 @@ def train(rank: int, args: argparse.Namespace) -> None:
     text = load_text(args.data, args.corpus_bytes)
     corpus = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()  # (N,)
     split = int(0.9 * len(corpus))
-    model = make_gpt(256, args.context, args.width, args.depth, args.heads, dropout=0.0)
+    model = make_gpt(256, args.context, args.width, args.depth, args.heads, dropout=0.0, tied=not args.untied)
     pipe = Pipeline(model, schedule=args.schedule, num_microbatches=args.microbatches, loss_fn=lm_loss,
                     virtual_stages=args.virtual_stages, dp_size=args.dp, recompute=args.recompute,
-                    balance=args.balance, timeout=args.timeout)
-    # every replica sees different data; all ranks of one pipeline see the same batches
-    generator = torch.Generator().manual_seed(args.seed + 1000 * pipe.grid.dp_rank)
-    train_data = batches(corpus[:split], args.batch, args.context, generator)
+                    balance=args.balance, timeout=args.timeout, autocast=autocast_dtype(args.autocast))
     val_stream = batches(corpus[split:], args.batch, args.context, torch.Generator().manual_seed(args.seed + 7))
     val_data = [next(val_stream) for _ in range(8)]  # the same batches before and after training
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
+    first = resume(args, pipe, optimizer, schedule)
     report = rank == 0
     start_val = evaluate(pipe, val_data)
     if report:
         print(f"{args.schedule}: {pipe.program.num_ranks} pipeline ranks x {args.dp} dp, {args.microbatches} microbatches, "
               f"{args.virtual_stages} virtual stage(s) per rank, {args.depth} blocks ({args.depth + 3} layers in "
-              f"{pipe.program.num_stages} stages), {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-              f"{len(text) / 1e6:.1f} MB of text; validation loss at start {start_val:.3f}", flush=True)
+              f"{pipe.program.num_stages} stages), {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters"
+              f"{' (embedding tied to the head)' if pipe.ties else ''}, autocast {str(pipe.autocast).replace('torch.', '') if pipe.autocast else 'off'}, clip "
+              f"{args.clip or 'off'}, {len(text) / 1e6:.1f} MB of text; validation loss at step {first - 1} "
+              f"{start_val:.3f}", flush=True)
     started, tokens = time.perf_counter(), 0
-    for step in range(1, args.steps + 1):
-        x, y = next(train_data)
+    for step in range(first, args.steps + 1):
+        # every replica sees different data; all ranks of one pipeline see the same batches; seeded by the step
+        x, y = batch_at(corpus[:split], args.batch, args.context, args.seed + 1000 * pipe.grid.dp_rank + 10**6 * step)
         loss = pipe.step(x, target=y)
+        if args.clip:
+            pipe.clip_grad_norm_(args.clip)  # the norm over every stage, not this rank's (collective)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
@@ -67,6 +70,13 @@ def train(rank: int, args: argparse.Namespace) -> None:
             rate = tokens / (time.perf_counter() - started)
             print(f"step {step:>4}/{args.steps}  loss {loss.item():.3f}  {rate:,.0f} tokens/s  "
                   f"measured bubble {bubble:.2f}", flush=True)
+        if args.checkpoint_dir and (step % args.checkpoint_every == 0 or step == args.steps):
+            path = save_checkpoint(Path(args.checkpoint_dir) / f"step-{step:06d}", pipe, optimizer, step=step,
+                                   extra={"lr_schedule": schedule.state_dict()})
+            if report:
+                print(f"saved {path}", flush=True)
+    if first > args.steps:
+        return
     measured = pipe.gather_timeline()  # the last training step, every pipeline rank (collective)
     end_val = evaluate(pipe, val_data)
     paths = write_timelines(pipe, measured, Path(args.out))
@@ -78,6 +88,38 @@ def train(rank: int, args: argparse.Namespace) -> None:
         print("sample:\n" + sample)
         for path in paths:
             print(f"wrote {path}")
+
+
+def autocast_dtype(choice: str):
+    """``--autocast``: ``torch.bfloat16`` or ``None``; ``auto``: bf16 where the CPU computes it natively."""
+    if choice == "auto":
+        return torch.bfloat16 if native_bf16() else None
+    return torch.bfloat16 if choice == "bf16" else None
+
+
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 instructions (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo; False if unknown):
+    without them bf16 autocast is emulated, slower than float32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resume(args: argparse.Namespace, pipe: Pipeline, optimizer, schedule) -> int:
+    """``--resume``: load the newest complete checkpoint of ``--checkpoint-dir`` (model, AdamW, RNG, LR schedule);
+    returns the first step to run (1 without one)."""
+    path = latest_checkpoint(args.checkpoint_dir) if args.resume else None
+    if path is None:
+        if args.resume and dist.get_rank() == 0:
+            print(f"no checkpoint in {args.checkpoint_dir}: starting from step 1", flush=True)
+        return 1
+    info = load_checkpoint(path, pipe, optimizer)
+    schedule.load_state_dict(info.extra["lr_schedule"])
+    if dist.get_rank() == 0:
+        print(f"resumed from {path} (step {info.step})", flush=True)
+    return info.step + 1
 
 
 def evaluate(pipe: Pipeline, data: list) -> float:

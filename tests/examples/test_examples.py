@@ -66,6 +66,29 @@ def test_the_demo_runs_from_an_installed_package(installed):
         assert (out / name).stat().st_size > 0, name
 
 
+def test_the_demo_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path):
+    # 10 steps straight == 5 steps, stop, a new run with --resume for 5 more: the same loss at step 10 and the same
+    # validation loss (printed to 3 decimals; the library's own test compares weights bitwise)
+    tiny = ["--ranks", "2", "--width", "32", "--depth", "2", "--heads", "2", "--context", "16", "--batch", "4",
+            "--corpus-bytes", "100000", "--checkpoint-every", "5", "--out", str(tmp_path / "out")]
+
+    def demo(*argv):
+        result = subprocess.run([sys.executable, "-m", "pipesched", "demo", *tiny, *argv], capture_output=True,
+                                text=True, timeout=300, check=False)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    straight = demo("--steps", "10", "--checkpoint-dir", str(tmp_path / "a"))
+    first = demo("--steps", "5", "--checkpoint-dir", str(tmp_path / "b"))
+    resumed = demo("--steps", "10", "--checkpoint-dir", str(tmp_path / "b"), "--resume")
+    assert f"saved {tmp_path / 'b' / 'step-000005'}" in first
+    assert f"resumed from {tmp_path / 'b' / 'step-000005'} (step 5)" in resumed
+    assert "(embedding tied to the head)" in straight and "clip 1.0" in straight
+    final = re.compile(r"step   10/10  loss (\S+)|validation loss \S+ -> (\S+)")
+    assert final.findall(resumed) == final.findall(straight) != []
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["step-000005", "step-000010"]
+
+
 def test_train_gpt_is_the_demo_as_a_script():
     result = subprocess.run([sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--help"],
                             capture_output=True, text=True, timeout=60, check=False)
@@ -92,6 +115,9 @@ TINY = Path(__file__).parent / "tiny_corpus"  # two files of 6 bytes
     (["--data", "/nonexistent/text"], "--data '/nonexistent/text': no such file or folder"),
     (["--data", str(TINY)], f"--data '{TINY}' has only 12 bytes of text; the demo needs at least 10000"),
     (["--corpus-bytes", "500"], "--corpus-bytes 500: the demo needs at least 10000 bytes of text"),
+    (["--clip", "-1"], "--clip must be a global gradient norm >= 0 (0: no clipping), got -1.0"),
+    (["--resume"], "--resume needs --checkpoint-dir (the folder whose newest checkpoint to continue from)"),
+    (["--checkpoint-every", "0"], "--checkpoint-every must be >= 1, got 0"),
 ])
 def test_demo_options_are_checked_before_any_rank_starts(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
