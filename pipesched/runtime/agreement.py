@@ -9,13 +9,13 @@ pipeline or the error it raised; then it reads every rank's entry and compares.
 """
 from __future__ import annotations
 
-import datetime
-import json
-
 from ..ir import Op
 from ..program_io import fingerprint
+from .exchange import publish, read_all
 
 _PREFIX = "pipesched/construct"
+_LATE = ("construct their Pipeline within {timeout} s; every rank must construct the same Pipelines in the same "
+         "order")
 
 
 def describe(program, balance, num_layers: int, world_size: int, early_receives: int = 0) -> dict:
@@ -47,8 +47,8 @@ def agree(store, world_rank: int, world_size: int, description: dict, timeout: f
             pipeline (names the first differing field, both ranks and both values).
         TimeoutError: some ranks published nothing within ``timeout`` seconds (names them).
     """
-    key = _publish(store, world_rank, {"description": description})
-    entries = _read_all(store, key, world_size, timeout)
+    key = publish(store, _PREFIX, world_rank, {"description": description})
+    entries = read_all(store, key, world_size, timeout, _LATE)
     for rank, entry in enumerate(entries):
         if "error" in entry:
             raise ValueError(f"world rank {rank} refused its Pipeline arguments: {entry['error']}")
@@ -65,24 +65,6 @@ def refuse(store, world_rank: int, error: BaseException) -> None:
     """Publish that this rank's Pipeline construction failed with ``error``, so the other ranks' :func:`agree`
     raises at once (a no-op-safe call: it never raises itself)."""
     try:
-        _publish(store, world_rank, {"error": f"{type(error).__name__}: {error}"})
+        publish(store, _PREFIX, world_rank, {"error": f"{type(error).__name__}: {error}"})
     except Exception:  # noqa: BLE001 - best effort: the local error is what the caller raises
         pass
-
-
-def _publish(store, world_rank: int, entry: dict) -> str:
-    count = store.add(f"{_PREFIX}/count/{world_rank}", 1)
-    key = f"{_PREFIX}/{count}"
-    store.set(f"{key}/{world_rank}", json.dumps(entry))
-    return key
-
-
-def _read_all(store, key: str, world_size: int, timeout: float) -> list[dict]:
-    keys = [f"{key}/{rank}" for rank in range(world_size)]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-    except Exception as exc:  # noqa: BLE001 - the store reports a timeout as one of several types
-        missing = [rank for rank, k in enumerate(keys) if not store.check([k])]
-        raise TimeoutError(f"world ranks {missing} did not construct their Pipeline within {timeout:g} s; every "
-                           f"rank must construct the same Pipelines in the same order ({exc})") from None
-    return [json.loads(store.get(k)) for k in keys]

@@ -8,10 +8,9 @@ rank, raised before any rank enters the collective, and a rank that never votes 
 """
 from __future__ import annotations
 
-import datetime
-import json
-
 import torch.distributed as dist
+
+from .exchange import publish, read_all
 
 _PREFIX = "pipesched/vote"
 #: exception types a vote carries from the failing rank to the others by name (anything else: ValueError)
@@ -46,17 +45,9 @@ def vote(topic: str, verdict: Verdict, timeout: float) -> list:
             raise verdict.error
         return [verdict.ok]
     store, rank, world = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
-    count = store.add(f"{_PREFIX}/{topic}/count/{rank}", 1)
-    key = f"{_PREFIX}/{topic}/{count}"
-    store.set(f"{key}/{rank}", json.dumps(_entry(verdict)))
-    keys = [f"{key}/{r}" for r in range(world)]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-    except Exception as exc:  # noqa: BLE001 - the store reports a timeout as one of several types
-        missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        raise TimeoutError(f"world ranks {missing} did not reach {topic} within {timeout:g} s; every rank must call "
-                           f"it, in the same order ({exc})") from None
-    entries = [json.loads(store.get(k)) for k in keys]
+    key = publish(store, f"{_PREFIX}/{topic}", rank, _entry(verdict))
+    late = f"reach {topic} within {{timeout}} s; every rank must call it, in the same order"
+    entries = read_all(store, key, world, timeout, late)
     for r, entry in enumerate(entries):
         if "error" in entry:
             if r == rank:

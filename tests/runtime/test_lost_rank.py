@@ -13,6 +13,7 @@ import pytest
 from pipesched.runtime import launch
 
 import rt_lost_rank
+from memory_store import MemoryStore
 
 pytestmark = pytest.mark.multiprocess
 
@@ -92,20 +93,6 @@ class _Group:
         return object()
 
 
-class _Store:
-    def __init__(self):
-        self.data = {}
-
-    def check(self, keys):
-        return all(k in self.data for k in keys)
-
-    def compare_set(self, key, expected, value):
-        self.data.setdefault(key, value)
-
-    def get(self, key):
-        return self.data[key].encode()
-
-
 def test_a_collective_names_the_member_whose_connection_closed_and_publishes_it(monkeypatch):
     """No peer to blame in a collective: the closed member of this rank's data-parallel group is named (world
     rank 1 = pipeline rank 1 of replica 0, seen from world rank 3 = pipeline rank 1 of replica 1, DP 2 x PP 2),
@@ -118,7 +105,7 @@ def test_a_collective_names_the_member_whose_connection_closed_and_publishes_it(
 
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     exc = CommError("the data-parallel all-reduce of stage 1", RuntimeError("Connection reset by peer"))
-    channel = FailureChannel(_Store(), ["pp", "dp"])
+    channel = FailureChannel(MemoryStore(), ["pp", "dp"])
     groups = (_Group(1, closed=()), _Group(1, closed=(0,)))  # pipeline group (world 2, 3); DP group (world 1, 3)
     record = lost_record(exc, make_grid(3, 4, 2), channel, groups, torch.device("cpu"))
     assert (record.rank, record.pp_rank, record.lost) == (1, 1, True)
@@ -127,11 +114,11 @@ def test_a_collective_names_the_member_whose_connection_closed_and_publishes_it(
     assert channel.lookup() == record  # published under both groups' keys
     assert all(key in channel.store.data for key in channel.keys)
     # every member still answers: nothing to name (the rank then reports its own failure)
-    fresh = FailureChannel(_Store(), ["pp"])
+    fresh = FailureChannel(MemoryStore(), ["pp"])
     assert lost_record(exc, make_grid(3, 4, 2), fresh, (_Group(1, ()), None), torch.device("cpu")) is None
     # under torchrun's agent store an unreachable store names no host: the closed member is named
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    dead = FailureChannel(_Store(), ["pp"])
+    dead = FailureChannel(MemoryStore(), ["pp"])
     dead.unreachable = True
     record = lost_record(exc, make_grid(2, 3, 1), dead, (_Group(2, closed=(1,)), None), torch.device("cpu"))
     assert (record.rank, record.pp_rank) == (1, 1)

@@ -10,6 +10,7 @@ from pipesched.runtime.comm import decode_meta, empty_for, encode_meta, make_gri
 from pipesched.runtime.microbatch import merge, split, split_sizes
 from pipesched.runtime.stage import min_max_partition, resolve_balance
 
+from memory_store import MemoryStore
 from rt_cases import mlp
 
 
@@ -147,22 +148,6 @@ class _DeadStore:
     add = compare_set = get = check
 
 
-class _MemoryStore:
-    """A reachable store holding no record yet."""
-
-    def __init__(self):
-        self.data = {}
-
-    def check(self, keys):
-        return all(k in self.data for k in keys)
-
-    def compare_set(self, key, expected, value):
-        self.data.setdefault(key, value)
-
-    def get(self, key):
-        return self.data[key].encode()
-
-
 def test_a_lost_connection_without_a_record_names_the_lost_rank(monkeypatch):
     """No record can be read and the peer closed the connection: the peer is named as lost, or the store's
     host when the store no longer answers (through the public lost_record, not the Pipeline's private state)."""
@@ -180,7 +165,7 @@ def test_a_lost_connection_without_a_record_names_the_lost_rank(monkeypatch):
     lost = ("was lost: its process ended in the middle of the step without a failure record (killed, e.g. by SIGKILL "
             "or the out-of-memory killer, or exited)")
     cpu = torch.device("cpu")
-    record = lost_record(exc, grid, FailureChannel(_MemoryStore(), ["g"]), (None, None), cpu)
+    record = lost_record(exc, grid, FailureChannel(MemoryStore(), ["g"]), (None, None), cpu)
     assert (record.rank, record.pp_rank, record.lost) == (2, 0, True)
     assert record.cause == f"world rank 2 (pipeline rank 0) {lost}; {found}: it closed its connection"
     dead = FailureChannel(_DeadStore(), ["g"])
@@ -250,29 +235,6 @@ def test_the_stages_device_comes_from_a_parameter_or_buffer_or_the_argument():
     assert stage_device({1: nn.Sequential(nn.ReLU())}, "cuda:1") == torch.device("cuda", 1)  # not created
 
 
-class _DictStore:
-    """The store calls ``agree`` makes, in memory (every key already there: no waiting)."""
-
-    def __init__(self):
-        self.data = {}
-
-    def add(self, key, n):
-        self.data[key] = self.data.get(key, 0) + n
-        return self.data[key]
-
-    def set(self, key, value):
-        self.data[key] = value
-
-    def wait(self, keys, timeout):
-        assert all(k in self.data for k in keys)
-
-    def check(self, keys):
-        return all(k in self.data for k in keys)
-
-    def get(self, key):
-        return self.data[key].encode()
-
-
 def test_a_mismatched_early_receives_is_named_with_both_values():
     import json
 
@@ -281,7 +243,7 @@ def test_a_mismatched_early_receives_is_named_with_both_values():
 
     program = compile_program("1f1b", 2, 4)
     early, order = step_programs(program, "gloo", None), step_programs(program, "gloo", False)
-    store = _DictStore()
+    store = MemoryStore()
     for rank, programs in ((1, order), (0, early)):  # rank 1 publishes first, rank 0 then reads both entries
         description = describe(programs.train, [4, 4], 8, 2, programs.early_receives)
         if rank == 1:
