@@ -8,6 +8,8 @@ instruction; the executor records when each started and ended (a measured
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -54,35 +56,50 @@ class _Step:
         self.live = self.peak = 0
 
 
+class RankWork(NamedTuple):
+    """What one rank computes (see :class:`Executor`)."""
+
+    stages: dict  #: {stage: nn.Module} this rank runs
+    loss_fn: Callable | None  #: ``loss_fn(output, target) -> scalar tensor`` on the last stage
+    device: torch.device
+    first_layers: Sequence[int] | None = None  #: per stage, its first layer's index in the model (for errors)
+    autocast: Callable = contextlib.nullcontext  #: () -> the context F, R and the loss run in (runtime.amp)
+
+
+class Links(NamedTuple):
+    """How one rank talks to the others (see :class:`Executor`)."""
+
+    transport: Transport  #: point-to-point messages within this pipeline
+    dp_group: object = None  #: the data-parallel group (``None`` when ``dp_size == 1``)
+    ties: object = None  #: the :class:`~pipesched.runtime.tie_reduce.TieReducer` of TIE_REDUCE, None without ties
+
+
 class Executor:
-    """Runs pipeline rank ``pp_rank``'s stream of one of ``programs`` per step on its ``stages`` ({stage: module}).
+    """Runs pipeline rank ``pp_rank``'s stream of one of ``programs`` per step on its stages.
 
     Args:
         programs: the validated programs of each kind of step (:func:`~pipesched.api.step_programs`):
-            a step runs ``programs.pick(train, learning)``, this rank's stream of it exactly as it is.
-        transport: point-to-point messages within this pipeline.
-        dp_group: the data-parallel group (``None`` when ``program.dp_size == 1``).
-        loss_fn: ``loss_fn(output, target) -> scalar tensor`` on the last stage.
-        recompute: per stage, whether its forward is recomputed (the program has R for it).
-        first_layers: per stage, the index in the model of its first layer (names layers in errors; default:
-            each stage counts its layers from 0).
-        ties: the :class:`~pipesched.runtime.tie_reduce.TieReducer` that ``TIE_REDUCE`` starts and the step's end
-            waits for (``None``: this rank holds no tie); the data-parallel ALL_REDUCE leaves its parameters out.
+            a step runs ``programs.pick(train, learning)``, this rank's stream of it exactly as it is; a stage
+            with an ``R`` in them is recomputed.
+        work: the rank's stages, loss, device, names of layers for errors and autocast (:class:`RankWork`;
+            ``first_layers`` None: each stage counts its layers from 0).
+        links: its transport, data-parallel group and tie reducer (:class:`Links`); ``TIE_REDUCE`` starts the
+            tie reducer and the step's end waits for it, and the data-parallel ALL_REDUCE leaves tied parameters out.
     """
 
-    def __init__(self, programs: StepPrograms, pp_rank, stages, transport: Transport, dp_group, loss_fn, recompute,
-                 device, first_layers=None, autocast=contextlib.nullcontext, ties=None):
+    def __init__(self, programs: StepPrograms, pp_rank: int, work: RankWork, links: Links):
         program = programs.train  # the four share placement and sizes
-        self.programs, self.program, self.pp_rank, self.stages = programs, program, pp_rank, stages
-        self.transport, self.dp_group, self.loss_fn = transport, dp_group, loss_fn
-        self.recompute, self.device = recompute, device
-        self.autocast = autocast  # () -> the context F, R and the loss run in (pipesched.runtime.amp)
-        self.first_layers = first_layers if first_layers is not None else [0] * program.num_stages
+        self.programs, self.program, self.pp_rank, self.stages = programs, program, pp_rank, work.stages
+        self.transport, self.dp_group, self.loss_fn = links.transport, links.dp_group, work.loss_fn
+        recomputed = program.stages_with(Op.R)
+        self.recompute = [s in recomputed for s in range(program.num_stages)]
+        self.device, self.autocast = work.device, work.autocast
+        self.first_layers = work.first_layers if work.first_layers is not None else [0] * program.num_stages
         self.last = program.num_stages - 1
-        self.local = set(stages)
-        self.params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in stages.items()}
+        self.local = set(work.stages)
+        self.params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in work.stages.items()}
         self.counter = SavedBytes(p for ps in self.params.values() for p in ps)
-        self.ties = ties  # the TieReducer of TIE_REDUCE (pipesched.runtime.tie_reduce), None without ties here
+        self.ties = ties = links.ties  # the TieReducer of TIE_REDUCE (runtime.tie_reduce), None without ties here
         self.reduced = reduced_params(self.params if ties is None else ties.untied(self.params), program.ranks[pp_rank])
         table = {Op.F: self._f, Op.B: self._b, Op.I: self._i, Op.W: self._w, Op.R: self._r,
                  Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b,
@@ -97,7 +114,7 @@ class Executor:
             self.loss_post[key] = loss_post_position(stream, program.stage_to_rank[-1], early)
         self.ran = None  # the program of the last step run
         self.current = None  # the instruction running now (for error reports)
-        self.clock = clock_for(device)
+        self.clock = clock_for(work.device)
         self.events: list = []  # [instr, start mark, end mark] per instruction run, see pipesched.runtime.clock
         self.sent: dict = {}  # {SEND instr: bytes its messages put on the wire} of the last step
         self.origin = None  # the mark of the step's start

@@ -19,7 +19,7 @@ from .amp import autocast_context, checked_autocast, loss_scaling
 from .clipping import clip_grad_norm_ as clip_all_stages
 from .agreement import agree, describe, refuse
 from .devices import checked_device, move_to
-from .executor import StepInputs, Executor
+from .executor import Executor, Links, RankWork, StepInputs
 from .handshake import Handshake, Rejected, StepKey
 from .settings import fingerprint
 from .failure import CommError, FailureChannel, FailureRecord, PipelineError
@@ -130,12 +130,10 @@ class Pipeline:
         names = [self._pp_group.group_name] + ([self._dp_group.group_name] if self._dp_group else [])
         names += [group.group_name for group in self._tie_groups.values()]
         self._failures = FailureChannel(dist.distributed_c10d._get_default_store(), names)
-        recomputed = self.program.stages_with(Op.R)
-        flags = [s in recomputed for s in range(self.program.num_stages)]
-        self._executor = Executor(self.programs, grid.pp_rank, self.stages,
-                                  Transport(self._pp_group, self.program.num_stages, self.device),
-                                  self._dp_group, self.loss_fn, flags, self.device, first_layers=self.first_layers,
-                                  autocast=autocast_context(self.device, self.autocast), ties=ties)
+        work = RankWork(self.stages, self.loss_fn, self.device, self.first_layers,
+                        autocast_context(self.device, self.autocast))
+        links = Links(Transport(self._pp_group, self.program.num_stages, self.device), self._dp_group, ties)
+        self._executor = Executor(self.programs, grid.pp_rank, work, links)
         self._handshake = Handshake(self._executor.transport, self.program, grid.pp_rank, self.device)
         self._metas: OrderedDict[StepKey, dict] = OrderedDict()  # -> {(kind, stage, mb): meta}
         self._learned = 0  # steps and forwards that learned their message metas

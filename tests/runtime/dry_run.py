@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipesched.api import StepPrograms
-from pipesched.ir import Op
-from pipesched.runtime.executor import Executor, StepInputs
+from pipesched.runtime.executor import Executor, Links, RankWork, StepInputs
 from pipesched.runtime.handshake import Handshake
 from pipesched.runtime.transport import Transport
 
@@ -190,14 +189,12 @@ class DryPipeline:
         program = programs.train
         self.programs, self.p, self.m = programs, program.num_ranks, program.num_microbatches
         self.layers = layers or [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(program.num_stages)]
-        recomputed = program.stages_with(Op.R)
-        flags = [s in recomputed for s in range(program.num_stages)]
         self.net = Network(self.p)
         cpu = torch.device("cpu")
         transports = [CountingTransport(self.net, r, program.num_stages, cpu) for r in range(self.p)]
         self.executors = [
-            Executor(programs, r, {s: self.layers[s] for s in program.stages_of(r)}, transports[r],
-                     _FakeDP() if program.dp_size > 1 else None, F.mse_loss, flags, cpu)
+            Executor(programs, r, RankWork({s: self.layers[s] for s in program.stages_of(r)}, F.mse_loss, cpu),
+                     Links(transports[r], _FakeDP() if program.dp_size > 1 else None))
             for r in range(self.p)]
         self.handshakes = [Handshake(transports[r], program, r, cpu) for r in range(self.p)]
         self.metas = {True: [None] * self.p, False: [None] * self.p}  # per kind of step, per rank, once learned

@@ -246,7 +246,7 @@ def closed_and_broken(rank) -> dict:
     try:
         pipe.step(x, target=y)
         out["failed"] = "no error"
-    except PipelineError as exc:
+    except PipelineError:
         out["failed"] = "PipelineError"
     for name, call in (("step", lambda: pipe.step(x, target=y)), ("clip", lambda: pipe.clip_grad_norm_(1.0))):
         try:
