@@ -64,16 +64,6 @@ def all_reduce_over(tensor: torch.Tensor, op: str, groups) -> torch.Tensor:
     return tensor
 
 
-def job_max_(pipe, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` reduced in place (MAX) over every rank of ``pipe``'s job: collective, on every rank.
-
-    Raises:
-        RuntimeError, PipelineError: ``pipe`` is closed or failed earlier (as its ``step``); a rank failed or timed
-            out meanwhile (every rank raises the ``PipelineError``; the pipeline is unusable afterwards).
-    """
-    return pipe.run_collective(lambda pp_group, dp_group: all_reduce_over(tensor, "max", (pp_group, dp_group)))
-
-
 def loss_scaling(scaler, pipe):
     """What ``pipe.step(..., scaler=scaler)`` multiplies each microbatch's loss by before its backward: ``None``
     (no scaler: nothing) or ``scaler.scale`` (the loss times the current scale); counts the step on ``scaler``.
@@ -141,13 +131,20 @@ class GradScaler(torch.amp.GradScaler):
         Raises:
             ValueError (on every rank): ranks counted different numbers of ``pipe.step(..., scaler=...)`` calls,
                 or none passed this scaler (the gradients were never scaled).
-            PipelineError: a rank failed or timed out in the agreement.
+            PipelineError: a rank failed or timed out in the agreement, or torch's own check failed on some rank
+                (e.g. float16 parameters: "Attempting to unscale FP16 gradients"): on every rank, naming that rank,
+                instead of the others waiting for it until the timeout.
         """
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        local = sum(float(t) for t in per_device.values())  # one flag per device holding gradients (CPU: one)
-        verdict = torch.tensor([local, self.scaled_steps, -self.scaled_steps], dtype=torch.float64,
-                               device=found_inf.device)
-        job_max_(self.pipe, verdict)
+        unscale = super()._unscale_grads_
+
+        def agree(pp_group, dp_group):  # torch's local check inside: its error ends every rank, not this one only
+            per_device = unscale(optimizer, inv_scale, found_inf, allow_fp16)
+            local = sum(float(t) for t in per_device.values())  # one flag per device holding gradients (CPU: one)
+            verdict = torch.tensor([local, self.scaled_steps, -self.scaled_steps], dtype=torch.float64,
+                                   device=found_inf.device)
+            return per_device, all_reduce_over(verdict, "max", (pp_group, dp_group))
+
+        per_device, verdict = self.pipe.run_collective(agree)
         found, most, fewest = float(verdict[0]), int(verdict[1]), -int(verdict[2])
         if most != fewest:
             raise ValueError(f"scaler: pipe.step(..., scaler=...) got this GradScaler in {fewest} steps on some ranks "

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipesched.runtime import GradScaler, Pipeline
+from pipesched.runtime import GradScaler, Pipeline, PipelineError
 
 from rt_cases import mlp
 
@@ -259,6 +259,23 @@ def scaler_misuse(rank):
     return out
 
 
+def unscale_fails_on_one_rank(rank):
+    """Stage 1 holds a float16 layer: torch's unscale_ refuses its float16 gradients on rank 1 only; rank 0 must
+    end with a PipelineError naming rank 1 at once, not wait in the agreement until the timeout."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH).half())
+    pipe = Pipeline(model, schedule="1f1b", num_microbatches=2, loss_fn=F.mse_loss, autocast=torch.float16,
+                    timeout=120.0)
+    scaler, opt = GradScaler(pipe), torch.optim.SGD(pipe.parameters(), lr=0.1)
+    x, y = data(1)[0]
+    pipe.step(x, y, scaler=scaler)
+    try:
+        scaler.step(opt)
+        return "no error"
+    except PipelineError as exc:
+        return str(exc)
+
+
 def suite(rank):
     results = {}
     for schedule, v, recompute in CASES:
@@ -272,6 +289,7 @@ def suite(rank):
     results["bad"] = bad_autocast(rank)
     results["mismatch"] = mismatched_autocast(rank)
     results["misuse"] = scaler_misuse(rank)
+    results["unscale fails"] = unscale_fails_on_one_rank(rank)
     return results
 
 

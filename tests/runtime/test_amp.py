@@ -118,6 +118,14 @@ def test_a_scaler_must_reach_pipe_step_on_every_rank(results):
         assert misuse["usable"] is True
 
 
+def test_torchs_own_unscale_error_on_one_rank_ends_every_rank_naming_it(results):
+    # rank 1's float16 gradients: torch raises in unscale_ there; both ranks raise a PipelineError naming world
+    # rank 1 and torch's message (rank 0 learns it from the record, not from a timeout)
+    for res in results:
+        message = res["unscale fails"]
+        assert "world rank 1" in message and "Attempting to unscale FP16 gradients" in message, message
+
+
 def test_a_bad_autocast_is_a_value_error_on_every_rank(results):
     for res in results:
         assert res["bad"] == "autocast must be None, torch.bfloat16 or torch.float16, got torch.float32"
