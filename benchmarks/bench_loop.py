@@ -1,0 +1,201 @@
+"""Training-loop cost benchmark: what the tied-gradient sum (``TIE_REDUCE``) and the global gradient clipping
+(``Pipeline.clip_grad_norm_``) add to a training step of the demo GPT on 4 pipeline ranks.
+
+Model: ``pipesched.demo.model.make_gpt(256, context, width, depth, 4, dropout=0.0)`` (the demo's defaults: width 128,
+context 128, 4 blocks, embedding tied to the LM head), 1F1B on 4 ranks (gloo, 127.0.0.1, one thread each), batch 16
+in 4 microbatches, balance by parameters (the demo's), autocast as the demo's ``--autocast auto``, AdamW. The same
+model untied (``tied=False``: the head gets its own weight, of the same shape, so the same compute) runs as the
+reference, cut into the same stages; the two pipelines alternate in blocks of ``--block`` steps (which one goes first
+alternates too), after ``--warmup`` steps each that are not counted.
+
+Each loop iteration: barrier, ``pipe.step()``, barrier, ``pipe.clip_grad_norm_(1.0)``, AdamW step, zero_grad. The
+barriers keep the ranks' skew out of both times: a step's time is the longest of the 4 ranks' ``step()`` wall times
+(seconds, ``time.perf_counter``), a clip's the longest of their ``clip_grad_norm_`` wall times. Reported, as medians
+over the measured steps, in ms:
+
+- step: the tied pipeline's step time (and the untied one's);
+- tie (timeline): on each rank holding the tie, its ``TIE_REDUCE`` event in the measured timeline (flatten the
+  gradient, start the all-reduce) plus the step end's wait for the sum and the copy back (``TieReducer.finish``, not
+  in the timeline: timed here by wrapping it), on the rank of stage 0, whose ``TIE_REDUCE`` comes last;
+- tie (A/B): the median over i of (i-th tied step - i-th untied step), two steps from the same pair of blocks (end
+  to end, noisier: the quartiles of those differences are printed too);
+- clip: ``clip_grad_norm_(1.0)`` wall time (tied pipeline);
+- bare all-reduce: a ``dist.all_reduce`` of 6 float64 over the 4 ranks after a barrier, once per iteration: the
+  latency of the one collective clipping makes, without its norm and scaling.
+
+    python benchmarks/bench_loop.py [--steps 40] [--block 5] [--warmup 3] [--autocast auto|bf16|fp32]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from pipesched.demo.model import lm_loss, make_gpt
+from pipesched.demo.train import autocast_dtype
+from pipesched.ir import Op
+from pipesched.runtime import Pipeline, launch
+
+RANKS, VOCAB, HEADS, MAX_NORM = 4, 256, 4, 1.0
+
+
+def make_pipe(args, tied: bool, balance):
+    """A 1F1B pipeline of the demo GPT (the same weights for the same seed), with its AdamW."""
+    torch.manual_seed(0)
+    model = make_gpt(VOCAB, args.context, args.width, args.depth, HEADS, dropout=0.0, tied=tied)
+    pipe = Pipeline(model, schedule="1f1b", num_microbatches=args.microbatches, loss_fn=lm_loss,
+                    balance=balance, autocast=autocast_dtype(args.autocast))
+    return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-4)
+
+
+def probe_tie_wait(pipe) -> list:
+    """Time the step end's wait for the tied-gradient sum (``TieReducer.finish``; not an instruction, so not in
+    the timeline): returns the list each call appends its seconds to (empty forever on a rank without a tie)."""
+    times: list = []
+    ties = pipe._executor.ties  # benchmark probe: the executor's TieReducer, None on a rank without a tie
+    if ties is not None:
+        finish = ties.finish
+
+        def timed_finish():
+            t0 = time.perf_counter()
+            finish()
+            times.append(time.perf_counter() - t0)
+
+        ties.finish = timed_finish
+    return times
+
+
+def timed(fn) -> float:
+    """Seconds ``fn()`` took on this rank, after a barrier."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def tie_start(pipe) -> float:
+    """Seconds of this rank's ``TIE_REDUCE`` instructions in the last step's measured timeline (0 without)."""
+    return sum(e.end - e.start for e in pipe.timeline().events if e.instr.op == Op.TIE_REDUCE)
+
+
+def one_step(pipe, opt, batch, record, waits) -> None:
+    """One loop iteration; appends (step s, clip s, TIE_REDUCE s, tie wait s, bare all-reduce s) of this rank to
+    ``record``. The bare all-reduce (6 float64 over the 4 ranks, what clipping reduces) is the collective's latency
+    alone, without the norm and the scaling."""
+    x, y = batch
+    before = len(waits)
+    step = timed(lambda: pipe.step(x, target=y))
+    clip = timed(lambda: pipe.clip_grad_norm_(MAX_NORM))
+    opt.step()
+    opt.zero_grad()
+    bare = timed(lambda: dist.all_reduce(torch.zeros(6, dtype=torch.float64)))
+    if record is not None:
+        record.append((step, clip, tie_start(pipe), sum(waits[before:]), bare))
+
+
+def batches(args):
+    g = torch.Generator().manual_seed(1)
+    while True:
+        ids = torch.randint(0, VOCAB, (args.batch, args.context + 1), generator=g)  # (B, T+1) int64
+        yield ids[:, :-1], ids[:, 1:]
+
+
+def ranks(rank: int, args) -> dict:
+    torch.set_num_threads(1)
+    tied, tied_opt = make_pipe(args, True, "params")
+    untied, untied_opt = make_pipe(args, False, list(tied.balance))  # the same stages
+    if not tied.ties or untied.ties or list(untied.balance) != list(tied.balance):
+        raise RuntimeError(f"expected a tie across ranks in the tied model only, the same stages in both: ties "
+                           f"{tied.ties} / {untied.ties}, balance {tied.balance} / {untied.balance}")
+    variants = {"tied": (tied, tied_opt, probe_tie_wait(tied)), "untied": (untied, untied_opt, [])}
+    data, records = batches(args), {name: [] for name in variants}
+    for name, (pipe, opt, waits) in variants.items():
+        for _ in range(args.warmup):
+            one_step(pipe, opt, next(data), None, waits)
+    blocks = -(-args.steps // args.block)
+    for b in range(blocks):
+        order = list(variants) if b % 2 == 0 else list(variants)[::-1]
+        for name in order:
+            pipe, opt, waits = variants[name]
+            for _ in range(min(args.block, args.steps - b * args.block)):
+                one_step(pipe, opt, next(data), records[name], waits)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, records)
+    info = {"balance": list(tied.balance), "ties": [str(t) for t in tied.ties], "autocast": str(tied.autocast)}
+    tied.close()
+    untied.close()
+    return {"ranks": gathered, **info} if rank == 0 else None
+
+
+def summarize(result: dict) -> dict:
+    """Medians in ms from every rank's records (see the module docstring)."""
+    per_rank = result["ranks"]  # [rank][variant] -> [(step, clip, tie start, tie wait, bare)] per step
+    ms = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
+    out, longest = {}, {}
+    for name in ("tied", "untied"):
+        steps = list(zip(*(r[name] for r in per_rank)))  # per step: the 4 ranks' tuples
+        longest[name] = [[max(t[i] for t in s) for s in steps] for i in range(5)]  # [field][step]
+        out[name] = {"step": ms(longest[name][0]), "clip": ms(longest[name][1]), "bare": ms(longest[name][4]),
+                     "n": len(steps)}
+    # the i-th tied and the i-th untied step ran in the same pair of blocks: the median of their differences
+    diffs = sorted(t - u for t, u in zip(longest["tied"][0], longest["untied"][0]))
+    out["ab"] = ms(diffs)
+    out["ab_iqr"] = (diffs[len(diffs) // 4] * 1e3, diffs[(3 * len(diffs)) // 4] * 1e3)
+    tie_ranks = [k for k, r in enumerate(per_rank) if any(t[2] > 0 for t in r["tied"])]
+    if not tie_ranks:
+        raise RuntimeError("no rank ran a TIE_REDUCE in the tied pipeline's measured timelines")
+    out["tie_parts"] = {k: (ms([t[2] for t in per_rank[k]["tied"]]), ms([t[3] for t in per_rank[k]["tied"]]))
+                        for k in tie_ranks}
+    first = min(tie_ranks)  # stage 0's rank: its TIE_REDUCE comes last in the step
+    out["tie"] = ms([t[2] + t[3] for t in per_rank[first]["tied"]])
+    out["tie_rank"] = first
+    return out
+
+
+def table(s: dict) -> str:
+    t, u = s["tied"], s["untied"]
+    pct = lambda v: f"{100 * v / t['step']:.1f}%"  # noqa: E731
+    ab = s["ab"]
+    rows = ["| step ms (tied) | step ms (untied) | tie ms (timeline) | tie % | tie ms (A/B) | tie % (A/B) "
+            "| clip ms | clip % | bare all-reduce ms | steps |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+            f"| {t['step']:.1f} | {u['step']:.1f} | {s['tie']:.2f} | {pct(s['tie'])} | {ab:+.2f} | {pct(ab)} "
+            f"| {t['clip']:.2f} | {pct(t['clip'])} | {t['bare']:.2f} | {t['n']} + {u['n']} |"]
+    parts = ", ".join(f"rank {k}: TIE_REDUCE {a:.3f} ms + end wait {b:.3f} ms" for k, (a, b) in s["tie_parts"].items())
+    lo, hi = s["ab_iqr"]
+    return "\n".join(rows) + (f"\n\ntie parts (medians): {parts}; tied - untied step, paired: median {ab:+.2f} ms, "
+                              f"quartiles {lo:+.2f} / {hi:+.2f} ms; untied clip {u['clip']:.2f} ms")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40, help="measured steps per variant (default 40)")
+    parser.add_argument("--block", type=int, default=5, help="steps per block; tied and untied alternate (default 5)")
+    parser.add_argument("--warmup", type=int, default=3, help="uncounted steps per variant first (default 3)")
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--autocast", choices=("auto", "bf16", "fp32"), default="auto")
+    args = parser.parse_args(argv)
+    for name in ("steps", "block", "width", "context", "depth", "batch", "microbatches"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    load = os.getloadavg()[0]
+    result = launch(ranks, RANKS, args, timeout=1800)[0]
+    print(f"demo GPT width {args.width}, context {args.context}, {args.depth} blocks, batch {args.batch}, "
+          f"{args.microbatches} microbatches, 1f1b on {RANKS} ranks, balance {result['balance']}, "
+          f"autocast {result['autocast']}, ties {result['ties']}; load average {load:.2f} before, "
+          f"{os.getloadavg()[0]:.2f} after, {os.cpu_count()} CPUs")
+    print(table(summarize(result)))
+
+
+if __name__ == "__main__":
+    main()
