@@ -10,7 +10,7 @@ from .gcpause import paused_gc
 from .ir import Program
 from .protocol import check_step
 from . import lower
-from .schedules import get_schedule
+from .registry import get_schedule  # built-in or registered
 from .validate import validate
 
 
@@ -74,7 +74,8 @@ def compile_program(
         dp_size: data-parallel replicas >= 1.
         split_backward: split the backward of stages into ``I`` and ``W`` so the input gradient is sent before the
             weight gradient is computed: ``False`` (none), ``True`` (every stage whose input gradient goes
-            to another rank) or one bool per stage.
+            to another rank) or one bool per stage. A schedule whose builder emits ``I``/``W`` itself (``zb-h1``,
+            ``zb-h2``) has no ``B`` to split: any value leaves the builder's split as it is.
         forward_only: the program of a forward-only run (``Pipeline.forward()``): the training program's F,
             SEND_F and RECV_F, proven as a forward-only program.
         early_receives: post each receive up to this many instructions earlier (0: where

@@ -20,6 +20,10 @@ REFERENCE_SIZES = {
     "interleaved-1f1b-p4-m8-v2": ("interleaved-1f1b", 4, 8, 2, 1, False),
     "interleaved-1f1b-p4-m6-v2": ("interleaved-1f1b", 4, 6, 2, 1, False),
     "1f1b-p2-m4-dp2-recompute": ("1f1b", 2, 4, 1, 2, True),
+    "zb-h1-p4-m8": ("zb-h1", 4, 8, 1, 1, False),
+    "zb-h2-p4-m8": ("zb-h2", 4, 8, 1, 1, False),
+    "zbv-p4-m8": ("zbv", 4, 8, 2, 1, False),
+    "dualpipev-p4-m8": ("dualpipev", 4, 8, 2, 1, False),
 }
 
 

@@ -9,6 +9,10 @@ from typing import NamedTuple
 
 #: private attribute of a validated Program holding the execution that proves it (engine.remember)
 PROOF_ATTR = "_proof"
+#: ``Program.meta`` key of the overlapped pairs: a tuple of ``(F, B)`` instruction pairs (the backward may be an
+#: ``I``), adjacent in their rank's compute-only stream, F first, that an executor may overlap (DualPipe-V; torch's
+#: ``OVERLAP_F_B``); pipesched's executor runs them one after the other. Not part of the text or JSON form.
+OVERLAP_PAIRS = "overlap_pairs"
 
 
 class Op(str, enum.Enum):

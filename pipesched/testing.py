@@ -21,6 +21,7 @@ from . import program_io
 from .api import compile_program
 from .cost import CostModel
 from .ir import Program
+from .registry import get_schedule
 from .schedules import SCHEDULES
 from .sim import simulate
 from .validate import validate
@@ -45,18 +46,20 @@ class ScheduleConfig:
 @st.composite
 def schedule_configs(draw, names=None, max_ranks: int = 16, max_microbatches: int = 64,
                      max_virtual_stages: int = 4, max_dp: int = 4, recompute: bool | None = None):
-    """Strategy of :class:`ScheduleConfig` over the registered schedules (or ``names``).
+    """Strategy of :class:`ScheduleConfig` over the built-in schedules (or ``names``, which may name registered ones).
 
-    ``virtual_stages`` is drawn in 1..max_virtual_stages for schedules whose default is > 1, else 1.
+    ``virtual_stages`` is drawn in 1..max_virtual_stages for schedules whose default is > 1, else it is the
+    default (also for a schedule with ``fixed_virtual_stages``, e.g. ``zbv``: 2).
     ``recompute``: ``None`` draws it, a bool fixes it.
     """
     name = draw(st.sampled_from(sorted(names or SCHEDULES)))
-    multi = SCHEDULES[name].default_virtual_stages > 1
+    info = get_schedule(name)  # a built-in or a registered user schedule
+    multi = info.default_virtual_stages > 1 and not info.fixed_virtual_stages
     return ScheduleConfig(
         schedule=name,
         num_ranks=draw(st.integers(1, max_ranks)),
         num_microbatches=draw(st.integers(1, max_microbatches)),
-        virtual_stages=draw(st.integers(1, max_virtual_stages)) if multi else 1,
+        virtual_stages=draw(st.integers(1, max_virtual_stages)) if multi else info.default_virtual_stages,
         dp_size=draw(st.integers(1, max_dp)),
         recompute=draw(st.booleans()) if recompute is None else recompute,
     )

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipesched import (SCHEDULES, DeadlockError, DependencyError, InvalidProgramError, PairingError, ScheduleError,
-                       compile_program, engine, loads, validate)
+                       build, compile_program, engine, loads, validate)
 from pipesched.ir import COMM_OPS, Instr, Op
 
 checks = importlib.import_module("pipesched.validate")  # the module (``pipesched.validate`` is the function)
@@ -207,11 +207,15 @@ def edited_programs(draw):
     name = draw(st.sampled_from(sorted(SCHEDULES)))
     only_moves = draw(st.booleans())  # deadlocks need an order-valid program: move messages only, half the time
     p, m = draw(st.integers(2 if only_moves else 1, 3)), draw(st.integers(1, 4))
-    v = draw(st.integers(1, 2)) if SCHEDULES[name].default_virtual_stages > 1 else 1
+    info = SCHEDULES[name]
+    v = draw(st.integers(1, 2)) if info.default_virtual_stages > 1 and not info.fixed_virtual_stages else \
+        info.default_virtual_stages
+    owner = build(name, p, m, v).stage_to_rank  # a V puts the last stage on rank 0: tie stage 0 to another rank's
+    last = max((s for s in range(p * v) if owner[s] != owner[0]), default=0)
     program = compile_program(name, p, m, v, dp_size=draw(st.integers(1, 2)), recompute=draw(st.booleans()),
                               split_backward=draw(st.booleans()), forward_only=draw(st.integers(0, 3)) == 0,
                               early_receives=0 if only_moves else draw(st.sampled_from([0, 2, 16])),
-                              ties=[(0, p * v - 1)] if p > 1 and draw(st.booleans()) else ())  # first and last
+                              ties=[(0, last)] if p > 1 and draw(st.booleans()) else ())  # first, last off rank 0
     streams = [list(stream) for stream in program.ranks]
     for _ in range(draw(st.integers(1, 3))):
         rank = draw(st.integers(0, p - 1))

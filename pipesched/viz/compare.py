@@ -77,7 +77,8 @@ def predict_for(measured: Timeline, cost: CostModel | None = None) -> Timeline:
     v = meta.get("virtual_stages")
     stages = ranks * (int(v) if v else 1)
     executed = executed_program(measured, looped(ranks, stages // ranks))
-    recompute, split = executed.stages_with(Op.R), executed.stages_with(Op.I)
+    recompute = executed.stages_with(Op.R)
+    split = executed.stages_with(Op.I) - executed.stages_with(Op.B)  # split by the pass; dualpipev mixes its own
     program = compile_program(meta["schedule"], ranks, int(meta["microbatches"]), None if v is None else int(v),
                               dp_size=int(meta.get("dp_size", 1)), recompute=_flags(recompute, stages),
                               split_backward=_flags(split, stages), forward_only=meta.get("step") == "forward",

@@ -154,7 +154,8 @@ def test_demo_under_torchrun_sizes_the_model_for_world_size_over_dp(monkeypatch)
      "stages need at least 8: use --depth 5 or more (or leave --depth out), or fewer --ranks or --virtual-stages"),
     (["--virtual-stages", "2"], "--schedule 1f1b with --virtual-stages 2: virtual_stages=2: 1f1b places one stage "
                                 "per rank"),
-    (["--schedule", "zigzag"], "--schedule: unknown schedule 'zigzag'; valid names: 1f1b, gpipe, interleaved-1f1b"),
+    (["--schedule", "zigzag"], "--schedule: unknown schedule 'zigzag'; valid names: 1f1b, dualpipev, gpipe, "
+                                 "interleaved-1f1b"),
     (["--balance", "3,2,2,2"], "--balance 3,2,2,2: needs 4 layer counts (one per stage) summing to the model's 7 "
                                "layers, got 4 summing to 9"),
 ])

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from pipesched import SCHEDULES, CostModel, Timeline
-from pipesched.ir import COMPUTE_OPS
+from pipesched.ir import COMPUTE_OPS, Op
 from pipesched.viz.gantt import plot_timeline
 
 from viz_support import sim
@@ -51,7 +51,8 @@ def test_every_schedule_renders_headless_with_one_box_per_compute_instruction(na
     stages_per_rank = program.num_stages // p
     assert [t.get_text() for t in ax.get_yticklabels()] == [f"rank {r}" for r in range(p)]
     drawn = boxes(fig)
-    assert len(drawn) == 2 * m * p * stages_per_rank  # one F and one B per (stage, microbatch)
+    split = sum(i.op is Op.W for s in program.ranks for i in s)  # dualpipev: B for some, I and W for others
+    assert len(drawn) == 2 * m * p * stages_per_rank + split  # per (stage, microbatch): F and B, or F, I and W
     for rank in range(p):
         expected = sorted(str(i) for i in program.ranks[rank] if i.op in COMPUTE_OPS)
         assert sorted(text for r, text, *_ in drawn if r == rank) == expected
