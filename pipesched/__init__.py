@@ -18,7 +18,8 @@ from .ir import Instr, Op, Program
 from .lower import add_all_reduce, add_recompute, add_send_recv, forward_only, post_receives_early, split_backward
 from .lower import add_tie_reduce
 from .program_io import load, loads, to_json, to_text
-from .schedules import SCHEDULES, get_schedule
+from .schedules import SCHEDULES
+from .registry import REGISTRY, Registry, get_schedule, register_schedule, unregister_schedule
 from .sim import simulate
 from .timeline import Event, Timeline
 from .validate import validate
@@ -29,7 +30,7 @@ __all__ = [
     "CostError", "CostModel", "DeadlockError", "DependencyError", "Event", "Instr", "InvalidProgramError", "Op",
     "PairingError", "Program", "ProgramFormatError", "SCHEDULES", "ScheduleArgumentError", "ScheduleError",
     "StepPrograms", "Timeline", "UnknownScheduleError", "add_all_reduce", "add_recompute", "add_send_recv",
-    "add_tie_reduce", "build",
+    "add_tie_reduce", "build", "REGISTRY", "Registry", "register_schedule", "unregister_schedule",
     "compile_program", "forward_only", "get_schedule", "load", "loads", "passes_for", "post_receives_early",
     "simulate", "split_backward", "step_programs", "to_json", "to_text", "validate",
 ]

@@ -5,13 +5,14 @@ import argparse
 import json
 import sys
 
-from . import program_io
+from . import interop_cli, program_io
 from .api import build, compile_program
 from .lower import add_recompute, add_tie_reduce, forward_only, split_backward
 from .cost import CostError, CostModel
 from .engine import has_comm
 from .errors import DeadlockError, ScheduleArgumentError, ScheduleError, render_grid
 from .ir import Op
+from .registry import REGISTRY
 from .schedules import SCHEDULES
 from .sim import simulate
 
@@ -34,6 +35,14 @@ def add_schedule_args(parser: argparse.ArgumentParser, optional_name: bool = Fal
     parser.add_argument("--ties", nargs="+", type=_tie_group, default=(), metavar="S,S",
                         help="groups of stages that share a parameter, e.g. --ties 0,7 (an embedding tied to the "
                              "head): adds a TIE_REDUCE per rank holding one")
+    add_schedule_module_arg(parser)
+
+
+def add_schedule_module_arg(parser: argparse.ArgumentParser, dest: str = "schedule_modules") -> None:
+    """``--schedule-module MODULE`` (repeatable): import a module that registers schedules before the command."""
+    parser.add_argument("--schedule-module", action="append", default=[], dest=dest, metavar="MODULE",
+                        help="import MODULE (a dotted name, or a .py file) that registers schedules with "
+                             "pipesched.register_schedule, before the command runs (repeatable)")
 
 
 def _tie_group(text: str) -> tuple[int, ...]:
@@ -186,13 +195,14 @@ def _version() -> str:
 
 
 def _cmd_list(args) -> int:
+    schedules = REGISTRY.all()  # the built-ins, then those registered and those of entry points
     if args.json:
         print(json.dumps([{"name": i.name, "summary": i.summary, "paper": i.paper, "bubble": i.bubble,
                            "peak_inflight": i.inflight, "microbatches": i.microbatches}
-                          for i in SCHEDULES.values()], indent=2))
+                          for i in schedules.values()], indent=2))
         return 0
-    width = max(len(name) for name in SCHEDULES)
-    for info in SCHEDULES.values():
+    width = max(len(name) for name in schedules)
+    for info in schedules.values():
         print(f"{info.name.ljust(width)}  {info.summary}  [{info.paper}]")
     return 0
 
@@ -213,6 +223,8 @@ def _cmd_show(args) -> int:
             program = forward_only(program)
     else:
         program = program_from_args(args)
+    if args.torch_csv:
+        return interop_cli.write_show(args, program)
     if args.json:
         print(program_io.to_json(program, indent=None))
     elif args.format == "text":
@@ -244,7 +256,7 @@ def _cmd_simulate(args) -> int:
 
 def _cmd_validate(args) -> int:
     try:
-        program = program_io.load(args.file)
+        program = interop_cli.load_for_validate(args)
         from .validate import validate
 
         validate(program)
@@ -289,15 +301,18 @@ def _report_invalid(args, exc: ScheduleError, cause: str) -> int:
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipesched", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"pipesched {_version()}")
+    add_schedule_module_arg(parser, dest="global_schedule_modules")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("list", help="the built-in schedules")
+    p = sub.add_parser("list", help="the schedules: built-in, registered (--schedule-module) and of entry points")
     p.add_argument("--json", action="store_true")
+    add_schedule_module_arg(p)
     p.set_defaults(func=_cmd_list)
     p = sub.add_parser("show", help="the per-rank instruction streams of a schedule")
     add_schedule_args(p)
     p.add_argument("--format", choices=("grid", "text"), default="grid", help="grid (default) or the text form")
     p.add_argument("--compute-only", action="store_true", help="before lowering: no SEND/RECV")
     p.add_argument("--json", action="store_true", help="print the JSON form")
+    interop_cli.add_show_args(p)
     p.set_defaults(func=_cmd_show)
     p = sub.add_parser("simulate", help="makespan, bubble fraction and peak in-flight activations")
     add_schedule_args(p)
@@ -305,7 +320,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_simulate)
     p = sub.add_parser("validate", help="prove a program file (text or JSON form) runnable")
-    p.add_argument("file", metavar="FILE")
+    interop_cli.add_validate_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_validate)
     _add_optional_commands(sub)
@@ -335,6 +350,7 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     try:
+        _import_schedule_modules(getattr(args, "global_schedule_modules", []) + getattr(args, "schedule_modules", []))
         return args.func(args)
     except ScheduleError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -344,6 +360,20 @@ def main(argv=None) -> int:
         return 2
     except BrokenPipeError:  # e.g. `pipesched show ... | head`
         return 0
+
+
+def _import_schedule_modules(modules) -> None:
+    """Import each ``--schedule-module``.
+
+    Raises:
+        ValueError: one cannot be imported or fails while importing (names it and quotes the error).
+    """
+    for module in modules:
+        try:
+            REGISTRY.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - any error of the user's module, reported as a bad option
+            cause = exc.__cause__ if isinstance(exc, ImportError) and exc.__cause__ else exc
+            raise ValueError(f"--schedule-module {module}: cannot import it: {type(cause).__name__}: {cause}") from None
 
 
 if __name__ == "__main__":

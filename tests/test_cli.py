@@ -17,7 +17,8 @@ def run(capsys, *argv):
 
 def test_list(capsys):
     code, out, _ = run(capsys, "list")
-    assert code == 0 and [line.split()[0] for line in out.splitlines()] == ["gpipe", "1f1b", "interleaved-1f1b"]
+    assert code == 0 and [line.split()[0] for line in out.splitlines()] == ["gpipe", "1f1b", "interleaved-1f1b",
+                                                                               "zb-h1", "zb-h2", "zbv", "dualpipev"]
 
 
 def test_show_json_is_the_program(capsys):
@@ -67,7 +68,7 @@ def test_validate_json_form_file(tmp_path, capsys):
 
 def test_bad_arguments_exit_2_with_the_reason(capsys):
     code, _, err = run(capsys, "show", "nope", "-p", "2", "-m", "2")
-    assert code == 2 and "valid names: 1f1b, gpipe, interleaved-1f1b" in err
+    assert code == 2 and "valid names: 1f1b, dualpipev, gpipe, interleaved-1f1b" in err
     code, _, err = run(capsys, "simulate", "1f1b", "-p", "0", "-m", "2")
     assert code == 2 and "num_ranks must be an integer >= 1, got 0" in err
 

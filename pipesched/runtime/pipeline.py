@@ -10,9 +10,10 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from ..api import StepPrograms, compile_program, step_programs
+from ..api import StepPrograms, step_programs
 from ..ir import Op, Program
 from ..checks import check_positive
+from ..user_programs import dp_size_for, program_for
 from .comm import backend_for, init_default_group, make_grid, make_groups, warn_if_unlaunched, world_and_rank
 from .accounting import cuda_memory_base, cuda_peak_since
 from .amp import autocast_context, checked_autocast, loss_scaling
@@ -41,7 +42,9 @@ class Pipeline:
 
     Rank layout: world size = pipeline ranks ``p`` x ``dp_size``; world rank ``g`` is pipeline rank
     ``g % p`` of replica ``g // p`` (see :mod:`pipesched.runtime.comm`). The model is cut into
-    ``p * virtual_stages`` stages in order; stage ``s`` runs on pipeline rank ``s % p``.
+    ``p * virtual_stages`` stages in order; stage ``s`` runs on pipeline rank ``program.stage_to_rank[s]``, as the
+    schedule places it: ``s`` (one stage per rank), ``s % p`` (interleaved), or a V (``zbv``: rank ``r`` holds
+    stages ``r`` and ``2p - 1 - r``, so the first and the last stage are both on rank 0).
 
     Args:
         model: ``nn.Sequential`` or list of modules, identical on every rank (this rank keeps its stages'
@@ -50,10 +53,13 @@ class Pipeline:
             (``device``) decides the rest: on CUDA, point-to-point messages use NCCL, the timeline
             uses CUDA events, and that device is made current (``torch.cuda.set_device``); else gloo and
             ``time.perf_counter``.
-        schedule: a registered schedule name (``pipesched.SCHEDULES``).
+        schedule: a schedule name (``pipesched.SCHEDULES`` or registered: ``pipesched.register_schedule``), or a
+            lowered ``pipesched.Program`` of world size / ``dp_size`` ranks, validated here; its ``dp_size`` and
+            ``num_microbatches`` are used (the arguments must be left at 1 or equal them) and its R/I/W stand
+            (``recompute``/``split_backward`` must be False): see :mod:`pipesched.user_programs`.
         num_microbatches: microbatches per step ``m`` >= 1.
         loss_fn: ``loss_fn(output, target) -> scalar tensor`` (``loss_fn(output)`` when ``target`` is None).
-        virtual_stages: stages per rank ``v``; ``None`` takes the schedule's default (interleaved: 2).
+        virtual_stages: stages per rank ``v``; ``None`` takes the schedule's default (interleaved: 2; zbv: 2, its only value).
         balance: ``None`` (even by layer count), ``"params"`` or a list of layers per stage.
         dp_size: data-parallel replicas of the pipeline.
         recompute: ``False``, ``True`` or one bool per stage: keep only the stage input for backward and
@@ -94,6 +100,8 @@ class Pipeline:
     Raises:
         TypeError, ValueError (incl. ``ScheduleArgumentError``), UnknownScheduleError: a bad argument,
             before any communication; the message names the argument, its value and what is valid.
+        ScheduleError (``DeadlockError``, ``PairingError``, ...): ``schedule`` is a Program that fails validation
+            (the validator's error), before any communication, on every rank.
         ValueError: another rank of the job built its Pipeline with other arguments (names the first that
             differs, both ranks and both values), or refused its own (quotes its error); checked on every rank
             through the default group's store before any pipeline group exists, so no rank waits for the others.
@@ -156,9 +164,10 @@ class Pipeline:
         layers = layers_of(model)
         self.state_spec = state_spec(layers)  # unsplit-model name -> shape, for state_dict and checkpoints
         world, rank = world_and_rank()
+        dp_size = dp_size_for(schedule, dp_size)  # a Program's own dp_size (pipesched.user_programs)
         grid = make_grid(rank, world, dp_size)
-        self.program: Program = compile_program(schedule, grid.pp_size, num_microbatches, virtual_stages,
-                                                dp_size, recompute, split_backward)
+        self.program: Program = program_for(schedule, grid.pp_size, num_microbatches, virtual_stages,
+                                            dp_size, recompute, split_backward)  # compiled, or checked and validated
         self.balance = resolve_balance(layers, self.program.num_stages, balance)
         self.ties = find_ties(layers, self.balance, self.program.stage_to_rank)  # parameters used by 2+ stages
         self.program = with_ties(self.program, self.ties)  # a TIE_REDUCE per rank of a tie that spans ranks

@@ -1,0 +1,110 @@
+"""A program of your own as a pipeline's schedule: ``Pipeline(model, schedule=program)`` with a lowered
+:class:`~pipesched.ir.Program` (``pipesched.load("my_schedule.txt")``, or built and lowered in Python).
+
+What the program decides and what the ``Pipeline`` arguments may still say:
+
+- **Validated once**, before any communication: :func:`~pipesched.validate.validate`'s error as it is (a
+  ``ScheduleError``: ``DeadlockError``, ``PairingError``, ...), raised on every rank (each rank checks the same
+  program). The step programs (early receives, forward-only, learning steps) are then derived from it and
+  proven as from a compiled one (:func:`pipesched.api.step_programs`).
+- **It must be a lowered training program**: SEND/RECV present when it has more than one rank (lower a
+  compute-only one with :func:`~pipesched.lower.add_send_recv`), not forward-only, without ties (the
+  ``Pipeline`` finds tied parameters in the model and adds their ``TIE_REDUCE`` itself).
+- **Ranks**: ``program.num_ranks`` must equal the pipeline's ranks, world size / ``dp_size``.
+- **num_microbatches and dp_size come from the program**: the argument must be left at its default (1) or
+  equal the program's, else a ``ValueError`` naming both.
+- **virtual_stages**: ``None`` or the program's stages per rank (``num_stages / num_ranks``); placement is the
+  program's ``stage_to_rank``.
+- **recompute and split_backward** must be ``False``: what is recomputed (``R``) and which backwards are split
+  (``I``/``W``) is the program's own; apply :func:`~pipesched.lower.add_recompute` /
+  :func:`~pipesched.lower.split_backward` before lowering it.
+"""
+from __future__ import annotations
+
+from .api import compile_program
+from .engine import has_comm
+from .ir import Op, Program
+from .validate import validate
+
+
+def dp_size_for(schedule, dp_size: int) -> int:
+    """The data-parallel size of a pipeline built with ``schedule``: a program's own ``dp_size`` (the argument
+    must be 1, its default, or equal), else ``dp_size``.
+
+    Raises:
+        ValueError: ``dp_size`` differs from the program's (names both).
+    """
+    if not isinstance(schedule, Program):
+        return dp_size
+    _agree("dp_size", dp_size, schedule.dp_size, "data-parallel replicas")
+    return schedule.dp_size
+
+
+def program_for(schedule, num_ranks: int, num_microbatches: int, virtual_stages, dp_size: int, recompute=False,
+                split_backward=False) -> Program:
+    """The validated training program of a pipeline: :func:`~pipesched.api.compile_program` of a schedule name,
+    or a user ``Program`` checked against the arguments (see the module docstring).
+
+    Args:
+        schedule: a schedule name (``str``) or a lowered :class:`~pipesched.ir.Program`.
+        num_ranks: pipeline ranks (world size / ``dp_size``).
+    Raises:
+        TypeError: ``schedule`` is neither a ``str`` nor a ``Program``.
+        ValueError: a program the pipeline cannot run as given (names the argument or the property, its value
+            and what is valid); ``ScheduleError`` (a ``ValueError`` or not): the validator's verdict.
+    """
+    if isinstance(schedule, str):
+        return compile_program(schedule, num_ranks, num_microbatches, virtual_stages, dp_size, recompute,
+                               split_backward)
+    if not isinstance(schedule, Program):
+        raise TypeError(f"schedule must be a schedule name (str, see pipesched.get_schedule) or a lowered "
+                        f"pipesched.Program, got {type(schedule).__name__}")
+    return check_user_program(schedule, num_ranks, num_microbatches, virtual_stages, dp_size, recompute,
+                              split_backward)
+
+
+def check_user_program(program: Program, num_ranks: int, num_microbatches: int, virtual_stages, dp_size: int,
+                       recompute=False, split_backward=False) -> Program:
+    """``program`` validated, if a pipeline of ``num_ranks`` ranks can run it with these arguments.
+
+    Raises:
+        ValueError: see :func:`program_for`.
+        ScheduleError: ``program`` fails validation (the validator's error, unchanged).
+    """
+    _check_shape(program, num_ranks, dp_size)
+    _agree("num_microbatches", num_microbatches, program.num_microbatches, "microbatches")
+    per_rank, uneven = divmod(program.num_stages, program.num_ranks)
+    if virtual_stages is not None and (uneven or virtual_stages != per_rank):
+        holds = [len(program.stages_of(r)) for r in range(program.num_ranks)]
+        raise ValueError(f"virtual_stages={virtual_stages!r}, but the program places its {program.num_stages} stages "
+                         f"on its ranks as its stage_to_rank says ({holds} per rank); leave virtual_stages=None")
+    for name, value, op, pass_ in (("recompute", recompute, Op.R, "add_recompute"),
+                                   ("split_backward", split_backward, Op.I, "split_backward")):
+        if value is not False:
+            raise ValueError(f"{name}={value!r} with a Program: the program's own {op.value} instructions decide it "
+                             f"(stages {sorted(program.stages_with(op))}); pass {name}=False, or apply "
+                             f"pipesched.{pass_} to the compute-only program before lowering it")
+    return validate(program)
+
+
+def _check_shape(program: Program, num_ranks: int, dp_size: int) -> None:
+    """A lowered training program without ties, for ``num_ranks`` pipeline ranks."""
+    if program.num_ranks != num_ranks:
+        raise ValueError(f"the program has {program.num_ranks} ranks (num_ranks) but the pipeline has {num_ranks} "
+                         f"(world size {num_ranks * dp_size} / dp_size {dp_size}); launch "
+                         f"{program.num_ranks} x dp_size processes, or use a program for {num_ranks} ranks")
+    if program.forward_only:
+        raise ValueError("the program is forward-only (forward_only=True); a Pipeline needs the training program "
+                         "and derives the forward-only one itself")
+    if program.num_ranks > 1 and not has_comm(program):
+        raise ValueError("the program is compute-only (no SEND/RECV); lower it first: "
+                         "pipesched.add_send_recv(program), or register its builder (pipesched.register_schedule)")
+    if program.ties or program.stages_with(Op.TIE_REDUCE):
+        raise ValueError(f"the program has ties {list(program.ties)} or TIE_REDUCE instructions; give it without "
+                         f"them: the Pipeline finds the parameters the model's stages share and adds TIE_REDUCE")
+
+
+def _agree(name: str, given: int, own: int, what: str) -> None:
+    if given != 1 and given != own:
+        raise ValueError(f"{name}={given!r}, but the program runs {own} {what} (program.{name}); leave {name} "
+                         f"at its default or pass {own}")
