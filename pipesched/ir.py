@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import NamedTuple
 
 
@@ -127,6 +128,13 @@ class Instr(_Fields):
         passes that make many instructions from fields they know to be valid (``op`` an :class:`Op` member).
         The programs they make are validated all the same."""
         return tuple.__new__(cls, (op, stage, microbatch, peer))
+
+    @classmethod
+    def trusted_all(cls, fields) -> list["Instr"]:
+        """``[Instr.trusted(*f) for f in fields]`` for an iterable of ``(op, stage, microbatch, peer)`` tuples, as one
+        C-level loop (a fifth of the cost of calling :meth:`trusted` per instruction): for the passes that make
+        hundreds of thousands at once."""
+        return list(map(tuple.__new__, repeat(cls), fields))
 
     def __str__(self) -> str:
         op, stage, microbatch, peer = self

@@ -158,8 +158,8 @@ def add_send_recv(program: Program, cost: CostModel = REFERENCE_COST, check: boo
         keys = [(ends[g], 0, rank) for g, _ in sent]  # a message goes when its producer ends
         # the SENDs, then the RECVs, each made in one run: a program whose instructions lie together in memory
         # is walked faster by the passes after this one (validate and simulate took ~15% longer otherwise)
-        sends = [Instr.trusted(path.send, path.send_stage, mb[g], path.dest) for g, path in sent]
-        recvs = [Instr.trusted(path.recv, path.recv_stage, mb[g], rank) for g, path in sent]
+        sends = Instr.trusted_all([(path.send, path.send_stage, mb[g], path.dest) for g, path in sent])
+        recvs = Instr.trusted_all([(path.recv, path.recv_stage, mb[g], rank) for g, path in sent])
         mine += zip(keys, sends)
         for key, recv, (_, path) in zip(keys, recvs, sent):
             keyed[path.dest].append((key, recv))

@@ -52,9 +52,9 @@ def _orders(rank: int, p: int, v: int, rounds: list[int]) -> tuple[list[Instr], 
     for size in rounds:
         mbs = range(first, first + size)
         for stage in stages:
-            fwd += [Instr.trusted(F, stage, mb) for mb in mbs]
+            fwd += Instr.trusted_all((F, stage, mb, None) for mb in mbs)
         for stage in reversed(stages):
-            bwd += [Instr.trusted(B, stage, mb) for mb in mbs]
+            bwd += Instr.trusted_all((B, stage, mb, None) for mb in mbs)
         first += size
     return fwd, bwd
 
