@@ -32,9 +32,9 @@ def add_schedule_args(parser: argparse.ArgumentParser, optional_name: bool = Fal
                              "(the input gradient leaves before the weight gradient is computed)")
     parser.add_argument("--forward-only", action="store_true",
                         help="the forward-only program (what Pipeline.forward() runs): F, SEND_F, RECV_F only")
-    parser.add_argument("--ties", nargs="+", type=_tie_group, default=(), metavar="S,S",
+    parser.add_argument("--ties", nargs="+", action="extend", type=_tie_group, default=[], metavar="S,S",
                         help="groups of stages that share a parameter, e.g. --ties 0,7 (an embedding tied to the "
-                             "head): adds a TIE_REDUCE per rank holding one")
+                             "head): adds a TIE_REDUCE per rank holding one; repeat it or list several")
     add_schedule_module_arg(parser)
 
 

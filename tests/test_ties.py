@@ -171,5 +171,8 @@ def test_the_command_line_shows_and_simulates_ties(capsys):
     assert "makespan         19 s" in capsys.readouterr().out  # rank 0 starts it at 17, the sum takes 2 s
     assert main(["simulate", "1f1b", "-p", "2", "--tie-bytes", "5"]) == 2
     assert "--tie-bytes 5 sets the size of the tied gradients, but this program has no ties" in capsys.readouterr().err
+    assert main(["show", "interleaved-1f1b", "-p", "2", "-m", "2", "--ties", "0,1", "--ties", "2,3", "--format",
+                 "text"]) == 0  # repeated: both kept, as one list
+    assert "ties: 0,1 2,3" in capsys.readouterr().out
     assert main(["show", "1f1b", "-p", "2", "--ties", "0,0"]) == 2
     assert "--ties [(0, 0)]: ties: (0, 0) must name 2 or more distinct stages" in capsys.readouterr().err
