@@ -97,7 +97,8 @@ class Executor:
         self.first_layers = work.first_layers if work.first_layers is not None else [0] * program.num_stages
         self.last = program.num_stages - 1
         self.local = set(work.stages)
-        self.params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in work.stages.items()}
+        # every parameter, frozen too: requires_grad is read at each step (one frozen now may be unfrozen later)
+        self.params = {s: list(m.parameters()) for s, m in work.stages.items()}
         self.counter = SavedBytes(p for ps in self.params.values() for p in ps)
         self.ties = ties = links.ties  # the TieReducer of TIE_REDUCE (runtime.tie_reduce), None without ties here
         self.reduced = reduced_params(self.params if ties is None else ties.untied(self.params), program.ranks[pp_rank])
@@ -332,7 +333,8 @@ class Executor:
         s, mb = instr.stage, instr.microbatch
         roots, grads = self._backward_roots(s, mb)
         inputs, _ = self.step.inputs.pop((s, mb))
-        got, self.step.wgrad[(s, mb)] = backward_input(roots, grads, inputs, self.params[s])
+        trainable = [p for p in self.params[s] if p.requires_grad]  # now, not at construction
+        got, self.step.wgrad[(s, mb)] = backward_input(roots, grads, inputs, trainable)
         if s > 0:
             self.step.input_grads[(s, mb)] = got
 

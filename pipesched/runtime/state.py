@@ -55,14 +55,18 @@ def tie_aliases(pipe) -> dict[str, str]:
 
 
 def saved_state(pipe) -> dict[str, torch.Tensor]:
-    """The tensors this rank saves to a checkpoint, by unsplit-model name, in model order: every parameter and
-    persistent buffer of its layers (detached, sharing storage, as ``nn.Module.state_dict``), except the later
-    uses of a tied parameter (:func:`tie_aliases`): a tie is stored once, under its first name, by its owner's rank.
+    """The tensors this rank saves (a checkpoint, :meth:`Pipeline.state_dict`), by unsplit-model name, in model order:
+    every parameter and persistent buffer of its layers (detached, sharing storage, as ``nn.Module.state_dict``), a
+    tensor used under several names (a tied parameter, :func:`tie_aliases`, or one shared by two of its layers)
+    once, under its stored name: the tie's first name, on every rank holding a copy, so that every rank's dict holds
+    every tensor it has (it round-trips through :func:`load_rank_state_dict`) and a checkpoint stores a tie once
+    (DCP writes a key that several ranks save once; the copies are identical).
 
     This is the only function that decides what a rank saves; :func:`read_plan` (what it loads) follows from it.
     """
-    aliases = tie_aliases(pipe)
-    return {name: t for name, t in _view_state(pipe).items() if name not in aliases}
+    plan = pipe_read_plan(pipe)
+    position = {name: i for i, name in enumerate(pipe.state_spec)}
+    return {stored: plan[stored][0] for stored in sorted(plan, key=lambda name: position.get(name, -1))}
 
 
 def read_plan(named: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, list[torch.Tensor]]:
@@ -106,14 +110,16 @@ def _view_state(pipe) -> dict[str, torch.Tensor]:
 
 
 def first_mismatch(found: dict[str, tuple[int, ...] | None], local: dict[str, torch.Tensor],
-                   spec: dict[str, tuple[int, ...]], source: str, strict: bool = True) -> tuple[list, str] | None:
+                   spec: dict[str, tuple[int, ...]], source: str, strict: bool = True,
+                   needs=None) -> tuple[list, str] | None:
     """The first reason ``found`` (name -> shape, ``None`` for a non-tensor; e.g. a checkpoint's entries) does not
     fit the model, or ``None``.
 
     Checked in this order, each in model order (``found``'s order for unexpected names): a name of this rank
     (``local``) missing from ``found`` (``strict`` only); a name in ``found`` the unsplit model (``spec``) does not
     have (``strict`` only); a name whose shape differs from the model's. ``source`` names what was read in the
-    message (``"the state dict"``, ``"checkpoint '/ckpt/step-000100'"``).
+    message (``"the state dict"``, ``"checkpoint '/ckpt/step-000100'"``). ``needs`` (optional, name -> why this
+    rank needs it, :func:`needed_by`) explains a missing name instead of calling ``found`` another model's.
 
     Returns:
         ``([kind, position], message)``: the pair orders the problems several ranks find (the smallest comes
@@ -122,6 +128,11 @@ def first_mismatch(found: dict[str, tuple[int, ...] | None], local: dict[str, to
     if strict:
         positions = {name: i for i, name in enumerate(spec)}
         for name, tensor in local.items():
+            if name not in found and needs is not None:
+                return [0, positions.get(name, -1)], (
+                    f"{source} has no entry for '{name}' (shape {tuple(tensor.shape)}), which {needs[name]}: a state "
+                    f"dict must hold every tensor of the rank that loads it (the unsplit model's state_dict(), or "
+                    f"this rank's own Pipeline.state_dict()); strict=False skips the missing ones")
             if name not in found:
                 return [0, positions.get(name, -1)], (
                     f"{source} has no entry for '{name}' (shape {tuple(tensor.shape)}), which this model has: it "
@@ -139,8 +150,26 @@ def first_mismatch(found: dict[str, tuple[int, ...] | None], local: dict[str, to
 
 
 def rank_state_dict(pipe) -> dict[str, torch.Tensor]:
-    """``Pipeline.state_dict()``: :func:`saved_state` (this rank's tensors, unsplit-model names, sharing storage)."""
+    """``Pipeline.state_dict()``: :func:`saved_state` (every tensor of this rank, unsplit-model names, sharing
+    storage; a tied copy under the tie's first name)."""
     return saved_state(pipe)
+
+
+def needed_by(pipe) -> dict[str, str]:
+    """Stored name -> why this rank needs it, for a load's error message: ``"pipeline rank 3 needs for its stage 3
+    (layer 5's '5.weight', a tied copy stored under its first name)"``."""
+    aliases = tie_aliases(pipe)
+    stage_of = {pipe.first_layers[s] + i: s for s in pipe.stages for i in range(len(pipe.stages[s]))}
+    out: dict[str, str] = {}
+    for name in _view_state(pipe):
+        stored = aliases.get(name, name)
+        if stored in out:
+            continue
+        layer = int(name.partition(".")[0])
+        copy = ", a tied copy stored under its first name" if stored != name else ""
+        out[stored] = (f"pipeline rank {pipe.pp_rank} needs for its stage {stage_of.get(layer)} (layer {layer}'s "
+                       f"'{name}'{copy})")
+    return out
 
 
 def load_rank_state_dict(pipe, state_dict, strict: bool = True) -> IncompatibleKeys:
@@ -165,7 +194,8 @@ def load_rank_state_dict(pipe, state_dict, strict: bool = True) -> IncompatibleK
             raise TypeError(f"state_dict['{name}'] must be a tensor, got {type(value).__name__}")
     plan = pipe_read_plan(pipe)
     found = {name: tuple(value.shape) for name, value in state_dict.items()}
-    problem = first_mismatch(found, {n: ts[0] for n, ts in plan.items()}, pipe.state_spec, "the state dict", strict)
+    problem = first_mismatch(found, {n: ts[0] for n, ts in plan.items()}, pipe.state_spec, "the state dict", strict,
+                             needed_by(pipe))
     if problem:
         raise ValueError(problem[1])
     with torch.no_grad():

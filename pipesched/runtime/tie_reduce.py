@@ -35,8 +35,10 @@ class TieReducer:
         return {s: [p for p in ps if id(p) not in self.tied] for s, ps in params.items()}
 
     def start(self) -> None:
-        """Start the sum of each tie's gradients over its group, in tie order. A copy without a gradient this
-        step (its stages did not use it) contributes zeros.
+        """Start the sum of each tie's gradients over its group, in tie order. Each copy takes part whatever its
+        ``.grad`` is: a tensor (its own dtype and shape), or ``None`` (its stages did not use it, or it was frozen),
+        sent as zeros. One presence flag per parameter (an extra element, 1 when this copy has a gradient, 0 when
+        not) travels in the same flat buffer, so :meth:`finish` tells "no copy had a gradient" from a zero sum.
 
         Raises:
             CommError: the collective could not be started (names the tie).
@@ -44,7 +46,10 @@ class TieReducer:
         self.pending = []
         for k in sorted(self.params):
             params = self.params[k]
-            flat = _flatten_dense_tensors([torch.zeros_like(p) if p.grad is None else p.grad for p in params])
+            parts = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+            parts += [torch.full((1,), float(p.grad is not None), dtype=part.dtype, device=part.device)
+                      for p, part in zip(params, parts)]
+            flat = _flatten_dense_tensors(parts)
             try:
                 work = self.groups[k].allreduce([flat])  # sum
             except RuntimeError as exc:
@@ -52,14 +57,27 @@ class TieReducer:
             self.pending.append((k, work, flat, params))
 
     def finish(self) -> None:
-        """Wait for the sums started this step and write each result (divided by ``dp_size``) into ``.grad``."""
+        """Wait for the sums started this step and write each result into ``.grad``, identically on every copy:
+        when any copy of a parameter (any rank, any replica) had a gradient, every copy's ``.grad`` becomes the sum
+        divided by ``dp_size`` (frozen or not: the copies must stay identical); when none had one, every ``.grad``
+        stays ``None``, as the unsplit model's would (so an optimizer skips it, weight decay included)."""
         pending, self.pending = self.pending, []
         for k, work, flat, params in pending:
             wait(work, f"the tied-gradient sum of tie {k}")
-            if self.dp_size > 1:
-                flat.div_(self.dp_size)
-            for p, total in zip(params, _unflatten_dense_tensors(flat, params)):
-                if p.grad is not None:
-                    p.grad.copy_(total)
-                elif p.requires_grad:
-                    p.grad = total.clone()
+            totals = _unflatten_dense_tensors(flat, [*params, *(p.new_empty(1) for p in params)])
+            for p, total, flag in zip(params, totals[:len(params)], totals[len(params):]):
+                write_sum(p, total, bool(flag.item() > 0), self.dp_size)
+
+
+def write_sum(param, total, present: bool, dp_size: int) -> None:
+    """Set ``param.grad`` from the tie's summed gradient ``total`` (same shape and dtype): ``None`` when no copy had
+    a gradient (``present`` False), else ``total / dp_size``, into the existing ``.grad`` when there is one."""
+    if not present:
+        param.grad = None
+        return
+    if dp_size > 1:
+        total = total.div_(dp_size)
+    if param.grad is not None:
+        param.grad.copy_(total)
+    else:
+        param.grad = total.clone()

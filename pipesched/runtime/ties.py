@@ -1,9 +1,9 @@
 """Tied parameters across pipeline ranks: find them, check their copies agree, give each tie its process group.
 
 A *tied* parameter is one ``nn.Parameter`` used by layers of two or more stages (a GPT's token embedding and its
-LM head: ``head.weight = embedding.weight``). The model is built identically on every rank, so each rank holding a
-use keeps its own copy; the copies start identical (:func:`check_copies`), their gradients are summed among exactly
-those ranks after the last backward of the step (the ``TIE_REDUCE`` of the program, :mod:`pipesched.ties`, run by
+LM head: ``head.weight = embedding.weight``), trainable or frozen (it may be unfrozen later). The model is built
+identically on every rank, so each rank holding a use keeps its own copy; the copies start identical
+(:func:`check_copies`), their gradients are summed among exactly those ranks after the last backward of the step (the ``TIE_REDUCE`` of the program, :mod:`pipesched.ties`, run by
 :class:`~pipesched.runtime.tie_reduce.TieReducer`), so the same optimizer step keeps them bitwise identical.
 A parameter shared by stages of one rank only (interleaved placement) needs nothing: autograd sums both uses.
 """
@@ -48,19 +48,19 @@ class TiedParameter(NamedTuple):
 
 
 def find_ties(layers: Sequence[nn.Module], balance: Sequence[int], stage_to_rank) -> tuple[TiedParameter, ...]:
-    """Every trainable parameter used by two stages or more, in the order of its first use.
+    """Every parameter used by two stages or more, in the order of its first use.
 
     Args:
         layers: the model's layers, in order. balance: layers per stage. stage_to_rank: pipeline rank per stage.
-    Frozen parameters (``requires_grad=False``) get no gradient and are left out, as are buffers.
+    Sharing is identity: a frozen parameter (``requires_grad=False``) is a tie too, since it may be unfrozen later
+    (its copies must then be summed, and they must be identical now); buffers are not ties (nothing sums them).
     """
     starts = layer_starts(balance)
     uses: dict[int, list[tuple[str, int]]] = {}  # id(parameter) -> [(name, stage)] in model order
     for stage in range(len(balance)):
         for index in range(starts[stage], starts[stage + 1]):
             for name, tensor in layers[index].named_parameters(remove_duplicate=False):
-                if tensor.requires_grad:
-                    uses.setdefault(id(tensor), []).append((f"{index}.{name}", stage))
+                uses.setdefault(id(tensor), []).append((f"{index}.{name}", stage))
     ties = []
     for found in uses.values():
         stages = tuple(sorted({stage for _, stage in found}))

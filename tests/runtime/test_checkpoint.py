@@ -157,15 +157,19 @@ def test_pipeline_load_state_dict_takes_an_unsplit_state_dict(runs):
         assert (keys.missing_keys, keys.unexpected_keys, equal) == ([], [], True)
     # a local call: rank 0 (layers 0-3) lacks '0.bias', rank 1 (layers 4-7) has all it needs
     assert runs["two"][0]["strict"] == ("ValueError", "the state dict has no entry for '0.bias' (shape (8,)), which "
-                                        "this model has: it was saved from another model (strict: every tensor of "
-                                        "the model must be there)")
+                                        "pipeline rank 0 needs for its stage 0 (layer 0's '0.bias'): a state dict "
+                                        "must hold every tensor of the rank that loads it (the unsplit model's "
+                                        "state_dict(), or this rank's own Pipeline.state_dict()); strict=False "
+                                        "skips the missing ones")
     assert runs["two"][1]["strict"] is None
 
 
 def test_a_tied_weight_is_stored_once_and_fills_every_copy(runs):
     # rt_tied.tied_model on 2 ranks (layers 0-3 | 4-6): 0.weight = 6.weight (embedding = head), 1 = 3 = 5.weight
     saved, loaded = [r["tied"]["saved"] for r in runs["two"]], [r["tied"]["loaded"] for r in runs["two"]]
-    assert [s["names"] for s in saved] == [["0.weight", "1.weight", "1.bias", "3.bias"], ["5.bias"]]
+    # each rank's state_dict() holds every tensor it has, a tied copy under the tie's first name (DCP writes it once)
+    assert [s["names"] for s in saved] == [["0.weight", "1.weight", "1.bias", "3.bias"], ["0.weight", "1.weight",
+                                                                                           "5.bias"]]
     entries = FileSystemReader(str(runs["root"] / "tied")).read_metadata().state_dict_metadata
     assert sorted(n for n in entries if n.startswith("model.")) == [
         "model.0.weight", "model.1.bias", "model.1.weight", "model.3.bias", "model.5.bias"]
