@@ -52,7 +52,7 @@ def options(argv=None, prog: str | None = None) -> argparse.Namespace:
                         "under this folder every --checkpoint-every steps and at the end")
     parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default 50)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in "
-                        "--checkpoint-dir (start from scratch if there is none)")
+                        "--checkpoint-dir, which must exist (start from scratch if it holds none)")
     args = parser.parse_args(argv)
     _check(parser, args)
     return args
@@ -76,11 +76,41 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--clip must be a global gradient norm >= 0 (0: no clipping), got {args.clip}")
     if args.resume and args.checkpoint_dir is None:
         parser.error("--resume needs --checkpoint-dir (the folder whose newest checkpoint to continue from)")
+    if args.checkpoint_dir is not None and (why := checkpoint_dir_problem(args.checkpoint_dir, args.resume)):
+        parser.error(why)
+    if why := folder_problem("--out", args.out):
+        parser.error(why)
     try:
         args.balance = _balance(args.balance)
     except ValueError:
         parser.error(f"--balance must be 'params', 'layers' or layer counts per stage like 2,2,2,1; got {args.balance!r}")
     _fit_model_to_stages(parser, args)
+
+
+def checkpoint_dir_problem(folder: str, resume: bool) -> str | None:
+    """Why ``--checkpoint-dir folder`` cannot be used (``None``: it can), checked before any rank starts instead of
+    at the first save: under ``--resume`` it does not exist (a typo would silently start from step 1); or
+    :func:`folder_problem`."""
+    if resume and not os.path.lexists(folder):
+        return (f"--checkpoint-dir {folder!r} does not exist, so --resume has nothing to continue from (check the "
+                f"name, or leave --resume out to start from step 1)")
+    return folder_problem("--checkpoint-dir", folder)
+
+
+def folder_problem(option: str, folder: str) -> str | None:
+    """Why ``option folder``, a folder the demo writes into (made if missing), cannot be used (``None``: it can):
+    it is a file, or the nearest existing path above it is a file or not writable (it cannot be made)."""
+    path = Path(folder)
+    if path.exists() and not path.is_dir():
+        return f"{option} {folder!r} is a file, not a folder"
+    existing = path.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{option} {folder!r} cannot be created: {str(existing)!r} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{option} {folder!r} cannot be written: {str(existing)!r} is not writable by this user"
+    return None
 
 
 def _balance(text: str):

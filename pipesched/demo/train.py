@@ -45,6 +45,11 @@ def train(rank: int, args: argparse.Namespace) -> None:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     first = resume(args, pipe, optimizer, schedule)
     report = rank == 0
+    if first > args.steps:  # every rank returns here: no collective below is left unmatched
+        if report:
+            print(f"nothing to do: the checkpoint is at step {first - 1} and --steps is {args.steps} (raise --steps "
+                  f"to train further)", flush=True)
+        return
     start_val = evaluate(pipe, val_data)
     if report:
         print(f"{args.schedule}: {pipe.program.num_ranks} pipeline ranks x {args.dp} dp, {args.microbatches} microbatches, "
@@ -75,8 +80,6 @@ def train(rank: int, args: argparse.Namespace) -> None:
                                    extra={"lr_schedule": schedule.state_dict()})
             if report:
                 print(f"saved {path}", flush=True)
-    if first > args.steps:
-        return
     measured = pipe.gather_timeline()  # the last training step, every pipeline rank (collective)
     end_val = evaluate(pipe, val_data)
     paths = write_timelines(pipe, measured, Path(args.out))

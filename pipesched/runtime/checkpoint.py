@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from . import rng_state
 from .optim_state import check_owned, flat_state, load_flat_state, wanted_keys
 from .state import first_mismatch, parameter_names, pipe_read_plan, read_plan, saved_state, shared_aliases
-from .vote import Verdict, vote
+from .vote import Verdict, check_optimizers, check_same, vote
 
 FORMAT = "pipesched-checkpoint/1"
 _SAVING, _REPLACED = ".saving", ".replaced"  # suffixes of a save's hidden temporary directories
@@ -58,7 +58,8 @@ class CheckpointInfo:
 
 def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=None) -> str:
     """Save ``pipe``'s model (and ``optimizer``'s state, every rank's RNG state, ``step``, ``extra``) to directory
-    ``path``; collective: call it on every rank of the job with the same ``path`` and ``step``.
+    ``path``; collective: call it on every rank of the job with the same ``path`` and ``step``, and an optimizer on
+    every rank or on none (a rank whose stages hold no parameters passes ``None`` either way).
 
     Every rank checks its arguments, then all ranks vote (a bad argument on one rank is the same error on every
     rank, before anything is written); each rank writes its own shard file in parallel into a hidden temporary
@@ -69,7 +70,8 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
     Args:
         path: the checkpoint directory to create (str or ``os.PathLike``), e.g. ``"ckpt/step-000100"``.
         pipe: the :class:`~pipesched.runtime.Pipeline`.
-        optimizer: ``None``, or a ``torch.optim.Optimizer`` over this rank's parameters (``pipe.parameters()``).
+        optimizer: ``None``, or a ``torch.optim.Optimizer`` over this rank's parameters (``pipe.parameters()``);
+            ``None`` on a rank whose stages hold no parameters while the others pass theirs.
         step: ``None`` or an int >= 0, returned by :func:`load_checkpoint` (and ordering :func:`latest_checkpoint`).
         extra: ``None``, a JSON-serialisable value (dict, list, str, int, float, bool, None), or a dict whose
             top-level values may also be tensors (saved with DCP); taken from world rank 0.
@@ -77,7 +79,8 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
         ``path`` as an absolute path.
     Raises:
         TypeError, ValueError: a bad argument (names it, its value and what is valid), ranks that give different
-            ``path`` or ``step`` (names both ranks and values), or an optimizer holding another rank's parameters.
+            ``path`` or ``step`` (names both ranks and values), an optimizer on some ranks and ``None`` on a rank
+            that holds parameters (names both ranks), or an optimizer holding another rank's parameters.
         FileExistsError: ``path`` exists and is not a pipesched checkpoint (it is left alone).
         TimeoutError: a rank did not reach the save within ``pipe.timeout`` seconds.
         RuntimeError: a rank failed while writing (DCP's ``CheckpointException``, naming each failed rank and its
@@ -87,12 +90,18 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
     rank = dist.get_rank()
     try:
         target = _check_save(path, pipe, optimizer, step, extra, rank)
-        verdict = Verdict(ok={"path": target, "step": step, "optimizer": optimizer is not None})
+        verdict = Verdict(ok={"path": target, "step": step, **_optimizer_given(pipe, optimizer)})
     except Exception as exc:  # noqa: BLE001 - every rank must learn it
         verdict = Verdict(error=exc)
-    oks = vote("checkpoint-save", verdict, pipe.timeout)
-    for field in ("path", "step", "optimizer"):
-        _same(oks, field)
+    try:
+        oks = vote("checkpoint-save", verdict, pipe.timeout)
+        for field in ("path", "step"):
+            check_same(oks, field, "save_checkpoint")
+        check_optimizers(oks, "save_checkpoint")
+    except Exception:
+        if rank == 0 and verdict.error is None:  # refused: remove the temporary directory rank 0 made
+            shutil.rmtree(_hidden(verdict.ok["path"], _SAVING), ignore_errors=True)
+        raise
     target = oks[0]["path"]
     temp = _hidden(target, _SAVING)
     with _failures_named(target, "writing"):
@@ -110,8 +119,9 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
 
 def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
     """Load a checkpoint of :func:`save_checkpoint` into ``pipe`` (and ``optimizer``); collective: call it on every
-    rank of the job. The checkpoint may come from another layout (ranks, virtual stages, balance, schedule,
-    ``dp_size``): each rank reads the entries of its own layers.
+    rank of the job with the same ``path``, and an optimizer on every rank or on none (a rank whose stages hold no
+    parameters passes ``None`` either way). The checkpoint may come from another layout (ranks, virtual stages,
+    balance, schedule, ``dp_size``): each rank reads the entries of its own layers.
 
     Everything is checked on every rank before anything is read into the model (names and shapes of every entry
     against the unsplit model, the optimizer's hyperparameters), then all ranks vote, so a bad checkpoint is the
@@ -119,9 +129,17 @@ def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
     parameters, buffers and optimizer only once every rank has read them. The random generators are restored last
     (when the checkpoint has the same ranks and ``dp_size``), so the next step draws what it would have drawn.
 
+    Args:
+        path: the checkpoint directory (str or ``os.PathLike``), e.g. ``latest_checkpoint("ckpt")``.
+        pipe: the :class:`~pipesched.runtime.Pipeline`.
+        optimizer: ``None``, or the ``torch.optim.Optimizer`` over this rank's parameters to restore (the checkpoint
+            must have been saved with one).
     Returns:
         :class:`CheckpointInfo` (``step``, ``extra``, ``rng_restored``).
     Raises:
+        TypeError, ValueError: first, before anything is read, on every rank: a bad ``path`` or ``optimizer``
+            type, ranks that give different ``path`` (absolute; names both ranks and paths), or an optimizer on
+            some ranks and ``None`` on a rank that holds parameters (names both ranks).
         FileNotFoundError: ``path`` does not exist (names it).
         ValueError: ``path`` is not a complete pipesched checkpoint (no ``.metadata``: a save that did not finish;
             a save's temporary directory; a DCP checkpoint of something else), or it does not fit the model: the
@@ -131,6 +149,7 @@ def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
         RuntimeError: a rank failed while reading the files (names the ranks and errors), on every rank; nothing
             has been copied into the model or optimizer.
     """
+    _agree_load_arguments(path, pipe, optimizer)
     try:
         target, entries, meta = _read_checkpoint(path)
         plan = pipe_read_plan(pipe)  # stored name -> this rank's tensors read from it
@@ -188,7 +207,8 @@ def latest_checkpoint(directory) -> str | None:
     """The newest complete checkpoint directly under ``directory`` (highest saved ``step``, then name; e.g.
     ``ckpt/step-000100`` over ``ckpt/step-000090``), or ``None`` if there is none (or no such directory).
     Hidden entries (a save's temporary directories) and anything that is not a complete pipesched checkpoint are
-    skipped. Local: reads the directory on this rank only."""
+    skipped. Local: reads the directory on this rank only, so two ranks may get different answers (e.g. a save
+    finishing in between, or a folder not shared); :func:`load_checkpoint` refuses different paths on every rank."""
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         return None
@@ -203,6 +223,30 @@ def latest_checkpoint(directory) -> str | None:
         step = meta.get("step")
         found.append((-1 if step is None else step, name, target))
     return max(found)[2] if found else None
+
+
+# ---- arguments every rank must agree on ----------------------------------------------------------------------
+
+
+def _optimizer_given(pipe, optimizer) -> dict:
+    """What :func:`~pipesched.runtime.vote.check_optimizers` compares: whether this rank gave an optimizer and
+    whether its stages hold any parameter."""
+    return {"optimizer": optimizer is not None, "parameters": any(True for _ in pipe.parameters())}
+
+
+def _agree_load_arguments(path, pipe, optimizer) -> None:
+    """Vote on ``load_checkpoint``'s arguments before anything is read: the same ``path`` (absolute) on every rank,
+    and an optimizer on every rank holding parameters or on none (:func:`~pipesched.runtime.vote.check_optimizers`).
+    """
+    try:
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be None or a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        verdict = Verdict(ok={"path": _as_path(path), **_optimizer_given(pipe, optimizer)})
+    except Exception as exc:  # noqa: BLE001 - every rank must learn it
+        verdict = Verdict(error=exc)
+    oks = vote("checkpoint-load-arguments", verdict, pipe.timeout)
+    check_same(oks, "path", "load_checkpoint")
+    check_optimizers(oks, "load_checkpoint")
 
 
 # ---- save ----------------------------------------------------------------------------------------------------
@@ -395,9 +439,3 @@ def _as_path(path) -> str:
         raise TypeError(f"path must be a non-empty str or os.PathLike, got {path!r}")
     return os.path.abspath(os.fspath(path))
 
-
-def _same(oks: list, field: str) -> None:
-    for rank, ok in enumerate(oks):
-        if ok[field] != oks[0][field]:
-            raise ValueError(f"save_checkpoint: world rank {rank} gave {field}={ok[field]!r} but world rank 0 "
-                             f"{field}={oks[0][field]!r}; every rank must pass the same {field}")

@@ -57,6 +57,29 @@ def vote(topic: str, verdict: Verdict, timeout: float) -> list:
     return [entry["ok"] for entry in entries]
 
 
+def check_same(oks: list, field: str, caller: str) -> None:
+    """Raise ``ValueError`` unless every world rank's ``ok[field]`` (``oks``: :func:`vote`'s answer, dicts by rank)
+    equals world rank 0's; the message names ``caller``, the first differing rank, both values and the field."""
+    for rank, ok in enumerate(oks):
+        if ok[field] != oks[0][field]:
+            raise ValueError(f"{caller}: world rank {rank} gave {field}={ok[field]!r} but world rank 0 "
+                             f"{field}={oks[0][field]!r}; every rank must pass the same {field}")
+
+
+def check_optimizers(oks: list, caller: str) -> None:
+    """Raise ``ValueError`` unless every rank that holds parameters gave an optimizer, or none did (``oks``: dicts
+    by rank with ``optimizer`` (bool: given) and ``parameters`` (bool: this rank's stages hold any)). A rank whose
+    stages hold no parameters may pass ``None`` while the others pass theirs (torch refuses an optimizer over an
+    empty parameter list); the message names ``caller``, both ranks and what each gave."""
+    given = [rank for rank, ok in enumerate(oks) if ok["optimizer"]]
+    missing = [rank for rank, ok in enumerate(oks) if not ok["optimizer"] and ok["parameters"]]
+    if given and missing:
+        raise ValueError(f"{caller}: world rank {given[0]} gave an optimizer but world rank {missing[0]} "
+                         f"optimizer=None although its stages hold parameters; every rank must pass its optimizer, "
+                         f"or every rank None (only a rank whose stages hold no parameters may pass None while the "
+                         f"others pass theirs)")
+
+
 def _entry(verdict: Verdict) -> dict:
     if verdict.error is None:
         return {"ok": verdict.ok}

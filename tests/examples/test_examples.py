@@ -87,6 +87,9 @@ def test_the_demo_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path):
     final = re.compile(r"step   10/10  loss (\S+)|validation loss \S+ -> (\S+)")
     assert final.findall(resumed) == final.findall(straight) != []
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["step-000005", "step-000010"]
+    done = demo("--steps", "8", "--checkpoint-dir", str(tmp_path / "b"), "--resume")  # at step 10 already
+    assert done == (f"resumed from {tmp_path / 'b' / 'step-000010'} (step 10)\nnothing to do: the checkpoint is at "
+                    f"step 10 and --steps is 8 (raise --steps to train further)\n")
 
 
 def test_train_gpt_is_the_demo_as_a_script():
@@ -124,6 +127,29 @@ def test_demo_options_are_checked_before_any_rank_starts(argv, message, capsys):
         options(argv, prog="pipesched demo")
     assert info.value.code == 2
     assert f"pipesched demo: error: {message}" in capsys.readouterr().err
+
+
+def test_demo_checks_its_folders_before_any_rank_starts(tmp_path, capsys):
+    (tmp_path / "file").write_text("not a folder")
+    (tmp_path / "empty").mkdir()
+    file, missing = str(tmp_path / "file"), str(tmp_path / "typo")
+    for argv, message in [
+        (["--checkpoint-dir", file], f"--checkpoint-dir {file!r} is a file, not a folder"),
+        (["--checkpoint-dir", file + "/ckpt"], f"--checkpoint-dir {file + '/ckpt'!r} cannot be created: {file!r} "
+                                               f"is a file, not a folder"),
+        (["--checkpoint-dir", missing, "--resume"], f"--checkpoint-dir {missing!r} does not exist, so --resume has "
+                                                   f"nothing to continue from (check the name, or leave --resume out "
+                                                   f"to start from step 1)"),
+        (["--out", file], f"--out {file!r} is a file, not a folder"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            options(argv, prog="pipesched demo")
+        assert info.value.code == 2
+        assert f"pipesched demo: error: {message}\n" in capsys.readouterr().err
+    # usable: a folder to be made (nothing is made while checking), an existing empty one to resume from (step 1)
+    assert options(["--checkpoint-dir", missing + "/a/b"]).checkpoint_dir == missing + "/a/b"
+    assert options(["--checkpoint-dir", str(tmp_path / "empty"), "--resume"]).resume is True
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file"]
 
 
 def _demo_options(argv):
