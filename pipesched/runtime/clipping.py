@@ -3,9 +3,12 @@
 ``torch.nn.utils.clip_grad_norm_(pipe.parameters(), ...)`` sees this rank's gradients only, so each rank would
 clip by its own norm: a different model than the unsplit one. :func:`clip_grad_norm_` computes this rank's part
 with torch's own :func:`torch.nn.utils.get_total_norm` (torch >= 2.6; the same computation before), combines
-the parts of all pipeline ranks with ONE ``all_reduce`` over the pipeline group (SUM of ``norm ** p``, MAX for
-``p = inf``), and scales with torch's :func:`torch.nn.utils.clip_grads_with_norm_`, so the coefficient is
-torch's: ``min(max_norm / (total + 1e-6), 1)``.
+the parts of all pipeline ranks through ONE ``all_gather`` over the pipeline group (then, on every rank alike and in
+rank order, the SUM of ``norm ** p``, or the MAX for ``p = inf``), and scales with torch's
+:func:`torch.nn.utils.clip_grads_with_norm_`, so the coefficient is torch's: ``min(max_norm / (total + 1e-6), 1)``.
+Each rank's ``max_norm`` and ``norm_type`` travel in the same gather, so ranks that passed different ones all raise
+a ``ValueError`` (:func:`check_same`) instead of clipping differently; one gather, not an all-reduce, because the
+reduction (SUM or MAX) would depend on the very ``norm_type`` the ranks may disagree on.
 
 Data-parallel replicas hold identical gradients after the step's all-reduce: only the pipeline group is reduced
 over, so nothing is counted twice. The norm counts each parameter of the unsplit model once,
@@ -27,15 +30,19 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_clip_arguments(max_norm, norm_type, error_if_nonfinite, foreach) -> tuple[float, float]:
-    """The checked ``(max_norm, norm_type)`` as floats; a local check of arguments every rank passes alike.
+    """The checked ``(max_norm, norm_type)`` as floats; a local check of each rank's own arguments (that every
+    rank passed the same ``max_norm`` and ``norm_type`` is checked in the reduction, :func:`check_same`).
 
     Raises:
-        ValueError: ``max_norm`` not a real number > 0 (``inf``: never clip); ``norm_type`` not a real number > 0,
-            nor ``inf`` / ``"inf"``; ``error_if_nonfinite`` not a bool; ``foreach`` not ``None`` or a bool.
-            The message names the argument, its value and what is valid.
+        ValueError: ``max_norm`` not a real number > 0 (``inf``: never clip) nor a 0-dim real tensor holding one
+            (as torch takes it); ``norm_type`` not a real number > 0, nor ``inf`` / ``"inf"``;
+            ``error_if_nonfinite`` not a bool; ``foreach`` not ``None`` or a bool. The message names the argument,
+            its value and what is valid.
     """
-    if not _is_real(max_norm) or not max_norm > 0:
-        raise ValueError(f"max_norm must be a number > 0 (inf: no clipping), got {max_norm!r}")
+    value = _scalar_of(max_norm)
+    if value is None or not value > 0:
+        raise ValueError(f"max_norm must be a number > 0 or a 0-dim tensor holding one (inf: no clipping), "
+                         f"got {max_norm!r}")
     norm = math.inf if isinstance(norm_type, str) and norm_type.lower() == "inf" else norm_type
     if not _is_real(norm) or not norm > 0:
         raise ValueError(f"norm_type must be a number > 0 or inf (float('inf') or 'inf'), got {norm_type!r}")
@@ -43,7 +50,15 @@ def check_clip_arguments(max_norm, norm_type, error_if_nonfinite, foreach) -> tu
         raise ValueError(f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r}")
     if foreach is not None and not isinstance(foreach, bool):
         raise ValueError(f"foreach must be None, True or False, got {foreach!r}")
-    return float(max_norm), float(norm)
+    return value, float(norm)
+
+
+def _scalar_of(value) -> float | None:
+    """``value`` as a float: a real number (not a bool), or a 0-dim tensor of a real dtype (not bool); else None."""
+    if isinstance(value, torch.Tensor):
+        real = value.dtype != torch.bool and not value.dtype.is_complex
+        return float(value) if value.dim() == 0 and real else None
+    return float(value) if _is_real(value) else None
 
 
 def _is_real(value) -> bool:
@@ -81,17 +96,17 @@ def _scale_before_2_6(params, max_norm: float, total: torch.Tensor) -> None:
             p.grad.mul_(coef.to(p.grad.device))
 
 
-def _local_part(params, norm_type: float, foreach, device: torch.device) -> torch.Tensor:
-    """This rank's contribution, a float64 tensor of shape ``(2 + len(_DTYPES),)`` on ``device``:
-    ``[norm ** p (the norm itself for inf), 1 if the norm is nan, a 1 at the index of the norm's dtype]``
-    (all zeros when no parameter here has a ``.grad``). Every element is combined by the same reduction (SUM,
-    or MAX for inf), under which a flag stays > 0 exactly when it was set on some rank.
+def _local_part(params, max_norm: float, norm_type: float, foreach, device: torch.device) -> torch.Tensor:
+    """This rank's row of the reduction, a float64 tensor of shape ``(4 + len(_DTYPES),)`` on ``device``:
+    ``[norm ** p (the norm itself for inf), 1 if the norm is nan, a 1 at the index of the norm's dtype, ...,
+    max_norm, norm_type]`` (the norm, nan and dtype entries all zeros when no parameter here has a ``.grad``).
 
     Raises:
         TypeError: the norm's dtype is not one of float16, bfloat16, float32, float64.
     """
     grads = [p.grad for p in params if p.grad is not None]
-    part = torch.zeros(2 + len(_DTYPES), dtype=torch.float64, device=device)
+    part = torch.zeros(4 + len(_DTYPES), dtype=torch.float64, device=device)
+    part[-2], part[-1] = max_norm, norm_type
     if not grads:
         return part
     norm = _norm_of(grads, norm_type, foreach)
@@ -100,35 +115,63 @@ def _local_part(params, norm_type: float, foreach, device: torch.device) -> torc
     flag = 2 + _DTYPES.index(norm.dtype)
     norm = norm.to(device=device, dtype=torch.float64)
     part[0] = norm if math.isinf(norm_type) else norm ** norm_type
-    part[1] = norm.isnan()  # MAX need not pass a nan on (neither gloo nor NCCL promises to)
+    part[1] = norm.isnan()
     part[flag] = 1.0
     return part
 
 
-def total_norm(params, norm_type: float, foreach, group, device: torch.device) -> torch.Tensor:
-    """The total ``norm_type``-norm of the ``.grad`` of ``params`` on every rank of ``group`` (collective: one
-    ``all_reduce`` of 6 float64 values on ``device``, then one host read of them).
+def gather_parts(params, max_norm: float, norm_type: float, foreach, group, device: torch.device) -> list:
+    """Every rank's :func:`_local_part` (collective over ``group``: ONE ``all_gather`` of ``8`` float64 values per
+    rank on ``device``, then one host read). One operation whatever the arguments, so ranks that passed different
+    ones still meet in it, and each rank sees every rank's arguments (:func:`check_same`).
+
+    Returns:
+        The rows by rank of ``group`` (pipeline rank), each a list of floats.
+    Raises:
+        CommError: the all-gather failed (a peer is gone, or ``timeout`` passed).
+    """
+    part = _local_part(params, max_norm, norm_type, foreach, device)
+    rows = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
+    try:
+        dist.all_gather(rows, part, group=group)
+    except RuntimeError as exc:
+        raise CommError("the all-gather of clip_grad_norm_ over the pipeline group", exc) from None
+    return torch.stack(rows).tolist()
+
+
+def check_same(rows: list) -> None:
+    """Raise when the pipeline ranks passed different ``max_norm`` or ``norm_type`` (every rank sees the same
+    ``rows``, so every rank raises the same error, before any gradient is scaled).
+
+    Raises:
+        ValueError: names the argument and each value with the pipeline ranks that passed it.
+    """
+    for name, column in (("max_norm", -2), ("norm_type", -1)):
+        seen: dict[float, list[int]] = {}
+        for rank, row in enumerate(rows):
+            seen.setdefault(row[column], []).append(rank)
+        if len(seen) > 1:
+            values = ", ".join(f"{value!r} on pipeline rank(s) {ranks}" for value, ranks in seen.items())
+            raise ValueError(f"clip_grad_norm_: the pipeline ranks passed different {name}: {values}; pass the "
+                             f"same {name} on every rank (no gradient was changed)")
+
+
+def total_norm(rows: list, norm_type: float, device: torch.device) -> torch.Tensor:
+    """The total ``norm_type``-norm from every rank's row (:func:`gather_parts`), combined in rank order.
 
     Returns:
         A 0-dim tensor on ``device``, the same value on every rank: ``(sum over ranks of norm_r ** p) ** (1/p)``
         (``max`` for inf), formed in float64 and rounded to the dtype torch's ``get_total_norm`` gives over all the
         gradients (the promotion of their norms' dtypes; float32 when no rank has a gradient). nan if any
         gradient holds a nan; inf if one holds an inf (as torch).
-    Raises:
-        CommError: the all-reduce failed (a peer is gone, or ``timeout`` passed).
     """
-    part = _local_part(params, norm_type, foreach, device)
-    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-    try:
-        dist.all_reduce(part, op=op, group=group)
-    except RuntimeError as exc:
-        raise CommError("the all-reduce of clip_grad_norm_ over the pipeline group", exc) from None
-    value, nan, *flags = part.tolist()
-    present = [d for d, f in zip(_DTYPES, flags) if f > 0]
+    powers = [row[0] for row in rows]
+    value = max(powers) if math.isinf(norm_type) else sum(powers)
+    present = [d for k, d in enumerate(_DTYPES) if any(row[2 + k] > 0 for row in rows)]
     dtype = present[0] if present else torch.float32  # torch's get_total_norm([]) is float32 too
     for d in present[1:]:
         dtype = torch.promote_types(dtype, d)
-    if nan > 0:
+    if any(row[1] > 0 for row in rows):
         value = math.nan
     elif not math.isinf(norm_type):
         value = value ** (1.0 / norm_type)
@@ -143,12 +186,14 @@ def nonfinite_message(norm_type: float) -> str:
 
 
 def clip_grad_norm_(pipe, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None) -> torch.Tensor:
-    """:meth:`Pipeline.clip_grad_norm_ <pipesched.runtime.Pipeline.clip_grad_norm_>`: check, reduce, scale."""
-    max_norm, norm_type = check_clip_arguments(max_norm, norm_type, error_if_nonfinite, foreach)
+    """:meth:`Pipeline.clip_grad_norm_ <pipesched.runtime.Pipeline.clip_grad_norm_>`: check, gather, agree, scale."""
+    value, norm_type = check_clip_arguments(max_norm, norm_type, error_if_nonfinite, foreach)
     with torch.no_grad():  # closed or broken: the error step() gives
-        total = pipe.run_collective(lambda pp_group, _: total_norm(list(pipe.owned_parameters()), norm_type, foreach,
-                                                                   pp_group, pipe.device))
+        rows = pipe.run_collective(lambda pp_group, _: gather_parts(list(pipe.owned_parameters()), value, norm_type,
+                                                                    foreach, pp_group, pipe.device))
+        check_same(rows)  # outside run_collective: a ValueError, the pipeline stays usable
+        total = total_norm(rows, norm_type, pipe.device)
         if error_if_nonfinite and not bool(total.isfinite()):
             raise RuntimeError(nonfinite_message(norm_type))  # on every rank: the norm is the same everywhere
-        _scale(list(pipe.parameters()), max_norm, total, foreach)
+        _scale(list(pipe.parameters()), max_norm if isinstance(max_norm, torch.Tensor) else value, total, foreach)
     return total

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from ..ir import Instr
 from ..timeline import Event, Timeline, peak_inflight
+from .failure import CommError
 
 
 @dataclass
@@ -62,11 +63,18 @@ def gather_timeline(record: StepRecord, program, pp_rank: int, group) -> Timelin
 
     Clocks are aligned with each rank's wall-clock time at its step start (exact on one host; across
     hosts as good as their clock synchronisation): time 0 is the earliest rank's start.
+
+    Raises:
+        CommError: the all-gather failed (a peer is gone, or the timeout passed); the Pipeline turns it into a
+            ``PipelineError`` naming the rank that failed first or was lost.
     """
     mine = (pp_rank, record.wall0, [(str(i), s, e) for i, s, e in record.seconds()], record.peak,
             _message_bytes(record))
     gathered = [None] * program.num_ranks
-    dist.all_gather_object(gathered, mine, group=group)
+    try:
+        dist.all_gather_object(gathered, mine, group=group)
+    except RuntimeError as exc:
+        raise CommError("the all-gather of gather_timeline over the pipeline group", exc) from None
     origin = min(g[1] for g in gathered)
     events, peaks, sent = [], [0.0] * program.num_ranks, {}
     for rank, wall0, items, peak, nbytes in gathered:

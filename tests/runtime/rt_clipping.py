@@ -193,7 +193,8 @@ BAD = ({"max_norm": 0.0}, {"max_norm": -1}, {"max_norm": "1.0"}, {"max_norm": ma
        {"max_norm": 1.0, "norm_type": 0}, {"max_norm": 1.0, "norm_type": -2.0},
        {"max_norm": 1.0, "norm_type": -math.inf}, {"max_norm": 1.0, "norm_type": "two"},
        {"max_norm": 1.0, "norm_type": None}, {"max_norm": 1.0, "error_if_nonfinite": "yes"},
-       {"max_norm": 1.0, "foreach": 1})
+       {"max_norm": 1.0, "foreach": 1}, {"max_norm": torch.tensor([1.0])}, {"max_norm": torch.tensor(True)},
+       {"max_norm": torch.tensor(-1.0)})
 
 
 def bad_arguments(rank) -> dict:
@@ -257,6 +258,39 @@ def closed_and_broken(rank) -> dict:
     return out
 
 
+# each rank's arguments, by pipeline rank: ranks that disagree must all raise, gradients unchanged
+MISMATCHED = {"norm_type": ({"max_norm": 1.0, "norm_type": 2.0}, {"max_norm": 1.0, "norm_type": "inf"}),
+              "max_norm": ({"max_norm": 1e-3}, {"max_norm": 1e3}),
+              "max_norm, a tensor": ({"max_norm": torch.tensor(1e-3)}, {"max_norm": 1e-2})}
+
+
+def mismatched_and_tensor(rank) -> dict:
+    """Ranks passing different ``max_norm`` / ``norm_type`` (MISMATCHED): what each raises and whether its gradients
+    stayed bitwise; then a 0-dim tensor ``max_norm`` (as torch takes it) against torch on the unsplit model:
+    {norm_type: what this rank saw} as :func:`clip_against_reference`."""
+    pipe, model, ref = stepped(rank, "1f1b", 1, num_layers=4, m=2)
+    out = {}
+    for name, per_rank in MISMATCHED.items():
+        before = _grads(model)
+        try:
+            pipe.clip_grad_norm_(**per_rank[pipe.pp_rank])
+            out[name] = ("no error", "", None)
+        except Exception as exc:  # noqa: BLE001 - the test checks the type
+            after = _grads(model)
+            out[name] = (type(exc).__name__, str(exc), all(torch.equal(before[n], after[n]) for n in before))
+    saved, ref_saved = _grads(model), _grads(ref)
+    for norm_type in (2.0, math.inf):
+        _restore(model, saved), _restore(ref, ref_saved)
+        max_norm = torch.tensor(_norm(ref.parameters(), norm_type) / 3.0)
+        total = pipe.clip_grad_norm_(max_norm, norm_type)
+        ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
+        count, nones, bitwise, worst = compare(pipe, model, ref)
+        out[("tensor", norm_type)] = {"total": total.item(), "ref": ref_total.item(), "count": count,
+                                      "worst": worst, "max_norm": max_norm.item()}
+    pipe.close()
+    return out
+
+
 def tied(rank) -> dict:
     """Embedding (rank 0) tied to the head (rank 1), plus one weight shared by three layers across both ranks
     (rt_tied.tied_model): each tied parameter counted once in the total norm."""
@@ -276,7 +310,8 @@ def tied(rank) -> dict:
 def two_rank_suite(rank) -> dict:
     return {"tied": tied(rank), "1f1b": clip_cases(rank, "1f1b", 1), "interleaved-1f1b": clip_cases(rank, "interleaved-1f1b", 2),
             "loop": training_loop(rank), "none": none_grads(rank), "dtypes": mixed_dtypes(rank),
-            "nonfinite": nonfinite(rank), "bad": bad_arguments(rank), "closed_and_broken": closed_and_broken(rank)}
+            "nonfinite": nonfinite(rank), "bad": bad_arguments(rank), "closed_and_broken": closed_and_broken(rank),
+            "mismatched": mismatched_and_tensor(rank)}
 
 
 def four_rank_suite(rank) -> dict:

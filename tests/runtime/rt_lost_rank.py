@@ -65,11 +65,20 @@ def model_with_bombs(num_layers: int, trigger: Trigger) -> nn.Sequential:
     return nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), Bomb(trigger), nn.Tanh()) for _ in range(num_layers)])
 
 
+# collectives a Pipeline runs outside step(): each must name the lost rank as step() does
+OUTSIDE_STEP = {
+    "gather": lambda pipe: pipe.gather_timeline(),
+    "collective": lambda pipe: pipe.run_collective(lambda pp, dp: dist.all_reduce(torch.ones(1), group=pp)),
+    "clip": lambda pipe: pipe.clip_grad_norm_(1.0),
+}
+
+
 def run_case(rank: int, out: str, victim: int, when: str, schedule: str = "1f1b", dp_size: int = 1,
              kill_step: int = 1, timeout: float = 60.0) -> None:
     """Three steps; world rank ``victim`` dies at step ``kill_step``: ``when`` is ``"F"`` (forward of its second
     microbatch), ``"B"`` (backward of its second microbatch) or ``"between"`` (after step ``kill_step - 1``
-    returned, before step ``kill_step`` starts: the others wait in the step-opening all-gather)."""
+    returned, before step ``kill_step`` starts: the others wait in the step-opening all-gather) or a key of
+    ``OUTSIDE_STEP`` (as ``"between"``, but the others first call that collective outside step())."""
     trigger = Trigger(victim, when, nth=1)
     p = dist.get_world_size() // dp_size
     pipe = Pipeline(model_with_bombs(p, trigger), schedule=schedule, num_microbatches=4, loss_fn=F.mse_loss,
@@ -80,8 +89,11 @@ def run_case(rank: int, out: str, victim: int, when: str, schedule: str = "1f1b"
         for step in range(3):
             g = torch.Generator().manual_seed(step)
             x, y = torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g)
-            if when == "between" and step == kill_step and rank == victim:
+            if when in ("between", *OUTSIDE_STEP) and step == kill_step and rank == victim:
                 _die()
+            if when in OUTSIDE_STEP and step == kill_step:
+                start = time.monotonic()
+                OUTSIDE_STEP[when](pipe)  # the survivors meet in a collective outside step()
             trigger.armed = step == kill_step
             start = time.monotonic()
             pipe.step(x, y)

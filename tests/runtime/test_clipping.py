@@ -131,11 +131,11 @@ def test_a_nonfinite_gradient_on_one_stage_raises_on_every_rank(two, bad, norm_t
 
 
 BAD_MESSAGES = {
-    "{'max_norm': 0.0}": "max_norm must be a number > 0 (inf: no clipping), got 0.0",
-    "{'max_norm': -1}": "max_norm must be a number > 0 (inf: no clipping), got -1",
-    "{'max_norm': '1.0'}": "max_norm must be a number > 0 (inf: no clipping), got '1.0'",
-    "{'max_norm': nan}": "max_norm must be a number > 0 (inf: no clipping), got nan",
-    "{'max_norm': True}": "max_norm must be a number > 0 (inf: no clipping), got True",
+    "{'max_norm': 0.0}": "max_norm must be a number > 0 or a 0-dim tensor holding one (inf: no clipping), got 0.0",
+    "{'max_norm': -1}": "max_norm must be a number > 0 or a 0-dim tensor holding one (inf: no clipping), got -1",
+    "{'max_norm': '1.0'}": "max_norm must be a number > 0 or a 0-dim tensor holding one (inf: no clipping), got '1.0'",
+    "{'max_norm': nan}": "max_norm must be a number > 0 or a 0-dim tensor holding one (inf: no clipping), got nan",
+    "{'max_norm': True}": "max_norm must be a number > 0 or a 0-dim tensor holding one (inf: no clipping), got True",
     "{'max_norm': 1.0, 'norm_type': 0}": "norm_type must be a number > 0 or inf (float('inf') or 'inf'), got 0",
     "{'max_norm': 1.0, 'norm_type': -2.0}": "norm_type must be a number > 0 or inf (float('inf') or 'inf'), got -2.0",
     "{'max_norm': 1.0, 'norm_type': -inf}": "norm_type must be a number > 0 or inf (float('inf') or 'inf'), got -inf",
@@ -144,6 +144,12 @@ BAD_MESSAGES = {
     "{'max_norm': 1.0, 'norm_type': None}": "norm_type must be a number > 0 or inf (float('inf') or 'inf'), got None",
     "{'max_norm': 1.0, 'error_if_nonfinite': 'yes'}": "error_if_nonfinite must be True or False, got 'yes'",
     "{'max_norm': 1.0, 'foreach': 1}": "foreach must be None, True or False, got 1",
+    "{'max_norm': tensor([1.])}":
+        "max_norm must be a number > 0 or a 0-dim tensor holding one (inf: no clipping), got tensor([1.])",
+    "{'max_norm': tensor(True)}":
+        "max_norm must be a number > 0 or a 0-dim tensor holding one (inf: no clipping), got tensor(True)",
+    "{'max_norm': tensor(-1.)}":
+        "max_norm must be a number > 0 or a 0-dim tensor holding one (inf: no clipping), got tensor(-1.)",
 }
 
 
@@ -153,6 +159,34 @@ def test_bad_arguments_are_a_value_error_on_every_rank(two):
         assert got == {k: ("ValueError", message) for k, message in BAD_MESSAGES.items()}
         total, ref = res["bad"]["valid"]  # then a valid call (norm_type='inf', as torch takes it) is torch's value
         assert total == ref
+
+
+MISMATCH_MESSAGES = {
+    "norm_type": "clip_grad_norm_: the pipeline ranks passed different norm_type: 2.0 on pipeline rank(s) [0], inf "
+                 "on pipeline rank(s) [1]; pass the same norm_type on every rank (no gradient was changed)",
+    "max_norm": "clip_grad_norm_: the pipeline ranks passed different max_norm: 0.001 on pipeline rank(s) [0], "
+                "1000.0 on pipeline rank(s) [1]; pass the same max_norm on every rank (no gradient was changed)",
+    "max_norm, a tensor": "clip_grad_norm_: the pipeline ranks passed different max_norm: 0.0010000000474974513 on "
+                          "pipeline rank(s) [0], 0.01 on pipeline rank(s) [1]; pass the same max_norm on every rank "
+                          "(no gradient was changed)",
+}
+
+
+def test_ranks_passing_different_max_norm_or_norm_type_all_raise_and_keep_their_gradients(two):
+    # rank 0 and rank 1 disagree: the same ValueError on both (not two different clippings), gradients bitwise
+    # unchanged; afterwards the ranks are still in step (the tensor cases below run on the same pipeline)
+    for res in two:
+        for name, message in MISMATCH_MESSAGES.items():
+            assert res["mismatched"][name] == ("ValueError", message, True), (name, res["mismatched"][name])
+
+
+def test_a_0_dim_tensor_max_norm_is_taken_as_torch_takes_it(two):
+    # max_norm = torch.tensor(unclipped norm / 3): total and gradients equal torch's on the unsplit model (RTOL)
+    for res in two:
+        for norm_type in (2.0, math.inf):
+            got = res["mismatched"][("tensor", norm_type)]
+            assert rel(got["total"], got["ref"]) <= RTOL and got["count"] > 0 and got["worst"] <= RTOL, got
+            assert got["total"] > got["max_norm"] * 2.9, got  # the gradients were clipped
 
 
 def test_a_closed_or_failed_pipeline_gives_the_error_step_gives(two):

@@ -78,6 +78,19 @@ def test_killed_between_steps_the_others_end_in_the_step_opening_all_gather(tmp_
         assert _waited_for(rep) == "the step signature]", rep
 
 
+@pytest.mark.parametrize("when, waited", [
+    ("gather", "the all-gather of gather_timeline over the pipeline group]"),
+    ("collective", "the collective of run_collective]"),
+    ("clip", "the all-gather of clip_grad_norm_ over the pipeline group]")])
+def test_killed_between_steps_the_others_end_in_a_collective_outside_step(tmp_path, when, waited):
+    # world rank 2 dies after step 0; ranks 0 and 1 call gather_timeline / run_collective(all_reduce) / clip:
+    # each raises a PipelineError naming world rank 2 (not a raw gloo error, not itself), as step() would
+    reports = _run(tmp_path, 3, 2, when, schedule="1f1b")
+    _assert_names(reports, 2, 2)
+    for rep in reports.values():
+        assert _waited_for(rep) == waited, rep
+
+
 class _Group:
     """A gloo group of which members ``closed`` (group ranks) closed their connections."""
 
@@ -135,3 +148,31 @@ def test_the_store_host_lingers_for_the_survivors_only_after_a_lost_record():
 
     FailureChannel(Counting(), ["g"]).keep_alive_for(FailureRecord(rank=1, id="lost:1:5", lost=True), 3, 30.0)
     assert linger(max_s=5.0) < 1.0  # returns at once, not after the grace
+
+
+def test_outside_step_only_a_peer_that_closed_its_connection_becomes_a_comm_error():
+    """run_collective's conversion: gloo's closed-connection error -> CommError (connection_lost, no peer: the
+    Pipeline probes its groups); the caller's own error and a timeout stay as they are (they name this rank)."""
+    from pipesched.runtime.collective import peer_loss_as_comm_error
+    from pipesched.runtime.failure import CommError
+
+    def raising(exc):
+        def run():
+            raise exc
+        return run
+
+    closed = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                          "[127.0.0.1]:10670")
+    with pytest.raises(CommError) as info:
+        peer_loss_as_comm_error(raising(closed), "the collective of run_collective")
+    assert (info.value.what, info.value.original, info.value.peer, info.value.connection_lost) == \
+        ("the collective of run_collective", closed, None, True)
+    for own in (RuntimeError("Timed out waiting 3000ms for recv operation to complete"), ValueError("bad shape")):
+        with pytest.raises(type(own)) as info:
+            peer_loss_as_comm_error(raising(own), "x")
+        assert info.value is own
+    passed = CommError("a send to pipeline rank 1", closed, 1)
+    with pytest.raises(CommError) as info:
+        peer_loss_as_comm_error(raising(passed), "x")
+    assert info.value is passed
+    assert peer_loss_as_comm_error(lambda: 7, "x") == 7

@@ -1,0 +1,30 @@
+"""A collective a Pipeline runs outside ``step()`` (:meth:`Pipeline.run_collective
+<pipesched.runtime.Pipeline.run_collective>`: the caller's work, ``gather_timeline``, ``clip_grad_norm_``, the
+GradScaler's agreement) fails as a step does: a peer that closed its connection is a :class:`CommError`, so the
+Pipeline reads the failure record of the rank that failed first, or names the lost rank
+(:mod:`~pipesched.runtime.lost_rank`), instead of blaming the calling rank."""
+from __future__ import annotations
+
+from .failure import CommError
+from .torch_errors import peer_closed_connection
+
+
+def peer_loss_as_comm_error(run, what: str):
+    """``run()``; a ``RuntimeError`` from torch saying a peer closed its connection is raised as a
+    :class:`CommError` waiting for ``what`` (no peer: the Pipeline probes its groups for the closed member).
+
+    Returns:
+        What ``run()`` returns.
+    Raises:
+        CommError: ``run()`` raised one, or a ``RuntimeError`` whose peer closed the connection
+            (:func:`~pipesched.runtime.torch_errors.peer_closed_connection`).
+        Exception: anything else ``run()`` raised, as it is (the calling rank's own failure).
+    """
+    try:
+        return run()
+    except CommError:
+        raise
+    except RuntimeError as exc:
+        if peer_closed_connection(exc):
+            raise CommError(what, exc) from None
+        raise
