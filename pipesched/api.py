@@ -15,7 +15,8 @@ from .validate import validate
 
 
 @paused_gc()
-def build(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int | None = None) -> Program:
+def build(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int | None = None,
+          costs=None, memory_limit=None) -> Program:
     """The compute-only program (F, B, ... per rank, no communication) of a registered schedule.
 
     Args:
@@ -23,13 +24,33 @@ def build(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: 
         num_ranks: pipeline ranks ``p`` >= 1.
         num_microbatches: microbatches per step ``m`` >= 1.
         virtual_stages: stages per rank ``v``; ``None`` takes the schedule's default.
+        costs, memory_limit: for a schedule built from costs (``ScheduleInfo.takes_costs``: ``zb-auto``) only, the
+            :class:`~pipesched.cost.CostModel` and the in-flight limit per rank it is built for (``None``: its
+            defaults).
     Raises:
         UnknownScheduleError: ``schedule`` is not registered (lists the valid names).
-        ScheduleArgumentError: a size the schedule cannot run (names the argument and what is valid).
+        ScheduleArgumentError: a size the schedule cannot run (names the argument and what is valid); ``costs`` or
+            ``memory_limit`` given for a schedule that does not take them.
     """
     info = get_schedule(schedule)
     v = info.default_virtual_stages if virtual_stages is None else virtual_stages
+    if getattr(info, "takes_costs", False):
+        return info.build(num_ranks, num_microbatches, v, costs=costs, memory_limit=memory_limit,
+                          score=simulated_makespan)
+    for name, value in (("costs", costs), ("memory_limit", memory_limit)):
+        if value is not None:
+            raise ScheduleArgumentError(f"{name}={value!r}: schedule {schedule!r} does not take {name}; only "
+                                        f"schedules built from costs do (zb-auto)", argument=name)
     return info.build(num_ranks, num_microbatches, v)
+
+
+def simulated_makespan(program: Program, costs) -> float:
+    """Seconds :func:`pipesched.simulate` gives the compute-only ``program`` lowered by
+    :func:`~pipesched.lower.add_send_recv` under ``costs`` (``None``: ``CostModel()``): how ``zb-auto`` ranks its
+    candidates."""
+    from .sim import simulate
+
+    return simulate(lower.add_send_recv(program, check=False), costs, check=False).makespan
 
 
 def _flags(name: str, value, num_stages: int):
@@ -57,6 +78,8 @@ def compile_program(
     forward_only: bool = False,
     early_receives: int = 0,
     ties=(),
+    costs=None,
+    memory_limit=None,
 ) -> Program:
     """Build, lower and validate: the program an executor runs.
 
@@ -82,6 +105,8 @@ def compile_program(
             :func:`~pipesched.lower.add_send_recv` put it); :func:`passes_for` says which backend may.
         ties: groups of stages that use one parameter, each on >= 2 ranks, e.g. ``[(0, 7)]`` (a GPT's embedding
             and head): their gradients are summed by a ``TIE_REDUCE`` per rank (:mod:`pipesched.ties`).
+        costs, memory_limit: the :class:`~pipesched.cost.CostModel` and the in-flight limit per rank (an int or one
+            per rank) that ``zb-auto`` is built for; refused for other schedules (see :func:`build`).
     Raises:
         UnknownScheduleError, ScheduleArgumentError: as :func:`build`; ``early_receives`` not an integer >= 0;
             ill-formed ``ties`` (``argument="ties"``).
@@ -89,7 +114,7 @@ def compile_program(
     """
     check_positive("dp_size", dp_size)
     check_positive("early_receives", early_receives, 0)
-    program = build(schedule, num_ranks, num_microbatches, virtual_stages)
+    program = build(schedule, num_ranks, num_microbatches, virtual_stages, costs=costs, memory_limit=memory_limit)
     if split_backward is not False:
         program = lower.split_backward(program, _flags("split_backward", split_backward, program.num_stages))
     if recompute is not False:

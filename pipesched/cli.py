@@ -35,6 +35,9 @@ def add_schedule_args(parser: argparse.ArgumentParser, optional_name: bool = Fal
     parser.add_argument("--ties", nargs="+", action="extend", type=_tie_group, default=[], metavar="S,S",
                         help="groups of stages that share a parameter, e.g. --ties 0,7 (an embedding tied to the "
                              "head): adds a TIE_REDUCE per rank holding one; repeat it or list several")
+    parser.add_argument("--memory-limit", type=_limit, default=None, metavar="N[,N...]",
+                        help="zb-auto only: peak in-flight microbatches per rank, one number or one per rank "
+                             "(default min(p, m), zb-h1's); zb-auto is built for the cost options (simulate, render)")
     add_schedule_module_arg(parser)
 
 
@@ -51,6 +54,16 @@ def _tie_group(text: str) -> tuple[int, ...]:
         return tuple(int(s) for s in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected stages joined by commas (e.g. 0,7), got {text!r}") from None
+
+
+def _limit(text: str):
+    """``--memory-limit``: an integer, or a comma list of integers (one per rank)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or a comma list of them, one per rank (e.g. 4 "
+                                         f"or 4,3,2,1), got {text!r}") from None
+    return values[0] if len(values) == 1 else values
 
 
 def _per_stage(text: str):
@@ -124,7 +137,7 @@ def _named_cost_error(exc: CostError) -> ValueError:
 
 _SIZE_FLAGS = {"num_ranks": ("--ranks", "ranks"), "num_microbatches": ("--microbatches", "microbatches"),
                "virtual_stages": ("--virtual-stages", "virtual_stages"), "dp_size": ("--dp", "dp"),
-               "ties": ("--ties", "ties")}
+               "ties": ("--ties", "ties"), "memory_limit": ("--memory-limit", "memory_limit")}
 
 
 def program_from_args(args: argparse.Namespace):
@@ -137,12 +150,25 @@ def program_from_args(args: argparse.Namespace):
         return compile_program(args.schedule, args.ranks, args.microbatches, args.virtual_stages,
                                dp_size=args.dp, recompute=bool(args.recompute),
                                split_backward=bool(args.split_backward), forward_only=bool(args.forward_only),
-                               ties=tuple(args.ties))
+                               ties=tuple(args.ties), **_auto_args(args))
     except ScheduleArgumentError as exc:
         if exc.argument not in _SIZE_FLAGS:
             raise
         flag, attr = _SIZE_FLAGS[exc.argument]
-        raise ScheduleArgumentError(f"{flag} {getattr(args, attr)}: {exc}", argument=exc.argument) from None
+        value = getattr(args, attr)
+        shown = ",".join(map(str, value)) if isinstance(value, list) and attr == "memory_limit" else value
+        raise ScheduleArgumentError(f"{flag} {shown}: {exc}", argument=exc.argument) from None
+    except CostError as exc:  # zb-auto is built from the costs: a per-stage cost of the wrong length
+        raise _named_cost_error(exc) from None
+
+
+def _auto_args(args: argparse.Namespace) -> dict:
+    """``costs`` (the cost options, where the command has them) and ``memory_limit`` for a schedule built from costs
+    (``zb-auto``); only ``memory_limit`` otherwise (refused by :func:`compile_program` when given)."""
+    limit = {"memory_limit": args.memory_limit} if getattr(args, "memory_limit", None) is not None else {}
+    if hasattr(args, "forward") and getattr(REGISTRY.get(args.schedule), "takes_costs", False):
+        return {"costs": cost_from_args(args), **limit}
+    return limit
 
 
 def simulate_from_args(args: argparse.Namespace):
@@ -212,7 +238,7 @@ def _cmd_show(args) -> int:
         if args.dp != 1:
             raise ValueError(f"--dp {args.dp} adds ALL_REDUCE when the program is lowered; "
                              "drop --compute-only to see it")
-        program = build(args.schedule, args.ranks, args.microbatches, args.virtual_stages)
+        program = build(args.schedule, args.ranks, args.microbatches, args.virtual_stages, **_auto_args(args))
         if args.split_backward:
             program = split_backward(program)
         if args.recompute:
@@ -360,6 +386,8 @@ def main(argv=None) -> int:
         return 2
     except BrokenPipeError:  # e.g. `pipesched show ... | head`
         return 0
+    except KeyboardInterrupt:  # Ctrl-C: launch already said "interrupted: stopping N ranks" and stopped them
+        return 130
 
 
 def _import_schedule_modules(modules) -> None:

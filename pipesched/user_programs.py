@@ -41,7 +41,7 @@ def dp_size_for(schedule, dp_size: int) -> int:
 
 
 def program_for(schedule, num_ranks: int, num_microbatches: int, virtual_stages, dp_size: int, recompute=False,
-                split_backward=False) -> Program:
+                split_backward=False, costs=None, memory_limit=None) -> Program:
     """The validated training program of a pipeline: :func:`~pipesched.api.compile_program` of a schedule name,
     or a user ``Program`` checked against the arguments (see the module docstring).
 
@@ -55,10 +55,14 @@ def program_for(schedule, num_ranks: int, num_microbatches: int, virtual_stages,
     """
     if isinstance(schedule, str):
         return compile_program(schedule, num_ranks, num_microbatches, virtual_stages, dp_size, recompute,
-                               split_backward)
+                               split_backward, costs=costs, memory_limit=memory_limit)
     if not isinstance(schedule, Program):
         raise TypeError(f"schedule must be a schedule name (str, see pipesched.get_schedule) or a lowered "
                         f"pipesched.Program, got {type(schedule).__name__}")
+    for name, value in (("costs", costs), ("memory_limit", memory_limit)):
+        if value is not None:
+            raise ValueError(f"{name}={value!r} builds a schedule from costs (schedule='zb-auto'); a given Program is "
+                             f"run as it is: drop {name}")
     return check_user_program(schedule, num_ranks, num_microbatches, virtual_stages, dp_size, recompute,
                               split_backward)
 

@@ -18,7 +18,7 @@ def run(capsys, *argv):
 def test_list(capsys):
     code, out, _ = run(capsys, "list")
     assert code == 0 and [line.split()[0] for line in out.splitlines()] == ["gpipe", "1f1b", "interleaved-1f1b",
-                                                                               "zb-h1", "zb-h2", "zbv", "dualpipev"]
+                                                                               "zb-h1", "zb-h2", "zbv", "dualpipev", "zb-auto"]
 
 
 def test_show_json_is_the_program(capsys):

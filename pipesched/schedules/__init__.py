@@ -13,6 +13,7 @@ from .one_f_one_b import build_1f1b
 from .dualpipe_v import build_dualpipev
 from .v_shape import build_zbv
 from .zero_bubble import build_zb_h1, build_zb_h2
+from .zb_auto import build_zb_auto
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class ScheduleInfo:
         inflight: closed-form peak in-flight activations on rank r.
         microbatches: which m it accepts.
         fixed_virtual_stages: the schedule runs only ``default_virtual_stages`` (e.g. a V: exactly 2).
+        takes_costs: ``build`` also takes ``costs=`` (a :class:`~pipesched.cost.CostModel`) and ``memory_limit=``
+            (``zb-auto``); :func:`pipesched.compile_program` passes them to such builders only.
     """
 
     name: str
@@ -40,6 +43,7 @@ class ScheduleInfo:
     inflight: str
     microbatches: str
     fixed_virtual_stages: bool = False
+    takes_costs: bool = False
 
 
 SCHEDULES = MappingProxyType({
@@ -71,6 +75,11 @@ SCHEDULES = MappingProxyType({
                      "DualPipe-V, DeepSeek-V3, arXiv:2412.19437", 2, "(p-1)/(6*m+p-1) for m >= 2*p",
                      "min(2p+1, 2m, m+r+1)", "any m >= 1 (PyTorch: m >= 2p; v must be 2)",
                      fixed_virtual_stages=True),
+        ScheduleInfo("zb-auto", build_zb_auto,
+                     "built for given costs and a memory limit: greedy F/I/W list schedule, never slower than zb-h1",
+                     "Zero Bubble PP automatic scheduling, arXiv:2401.10241 section 4", 1,
+                     "<= zb-h1's under the given costs", "<= memory_limit (default min(p, m), zb-h1's)",
+                     "any m >= 1", fixed_virtual_stages=True, takes_costs=True),
     )
 })
 

@@ -107,7 +107,7 @@ def test_grid_layout():
 
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"num_microbatches": 0}, ValueError, "num_microbatches must be an integer >= 1, got 0"),
-    ({"schedule": "zigzag"}, UnknownScheduleError, "unknown schedule 'zigzag'; valid names: 1f1b, dualpipev, gpipe, interleaved-1f1b, zb-h1, zb-h2, zbv"),
+    ({"schedule": "zigzag"}, UnknownScheduleError, "unknown schedule 'zigzag'; valid names: 1f1b, dualpipev, gpipe, interleaved-1f1b, zb-auto, zb-h1, zb-h2, zbv"),
     ({"dp_size": 2}, ValueError, "dp_size=2 does not divide the world size 1"),
     ({"balance": [4, 4]}, ValueError, r"balance has 2 entries but the pipeline has 1 stages"),
     ({"timeout": 0}, ValueError, "timeout must be a number of seconds > 0, got 0"),

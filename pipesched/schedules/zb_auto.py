@@ -1,0 +1,264 @@
+"""``zb-auto``: a zero-bubble schedule built for a given :class:`~pipesched.cost.CostModel` and memory limit.
+
+A greedy list scheduler in the spirit of the automatic scheduler of Qi et al., "Zero Bubble Pipeline
+Parallelism" (arXiv:2401.10241, section 4): one stage per rank on the contiguous placement, every backward split
+into ``I`` (input gradient, which the previous rank waits for) and ``W`` (weight gradient, which nobody waits for).
+It times each rank with the cost model (per-stage F, I, W seconds; each message ``latency + bytes / bandwidth``
+with the stage's ``activation_bytes``) and, each time some rank can act (earliest first), that rank runs:
+
+1. ``I`` of its oldest microbatch whose gradient is there (it unblocks the previous rank: the critical path) --
+   or, in the "alternate" order, the kind (``F`` or ``I``) it did not run last, as 1F1B's steady state does
+   (rank 0's ``I`` unblocks nobody, its ``F`` feeds the pipe),
+2. else ``F`` of its next microbatch whose input is there, while its in-flight count is under its limit and the
+   ``F`` is at most ``a (p-1-r) + b`` microbatches ahead of its ``I`` (the warmup depth, :data:`WARMUPS`),
+3. else a pending ``W`` (the oldest): ``W`` fills the time the rank would otherwise idle,
+
+and finishes with the ``W`` left. In-flight is counted as everywhere in pipesched (:func:`pipesched.timeline.
+peak_inflight`): microbatch-stages whose ``F`` ran and whose ``W`` has not. The memory limit is never exceeded.
+
+**Guarantee** (tested with hypothesis, p <= 8, m <= 32, random per-stage costs and latency): the program
+validates, its peak in-flight count on rank ``r`` is at most ``memory_limit[r]``, and its simulated makespan
+(:func:`pipesched.simulate` of the program lowered by :func:`pipesched.lower.add_send_recv`, under the same
+costs) is never larger than that of ``zb-h1`` whenever ``zb-h1`` fits the limit (always for the default). The
+greedy alone can be worse (a ``W`` started just before a gradient arrives delays the ``I``), so the builder
+scores several candidates -- the greedy for each warmup depth, order ("i-first", "alternate") and fill (``W`` into
+any idle slot; ``W`` only when nothing is expected to be ready before it ends), then ``zb-h1`` and ``zb-h2`` when
+they fit the limit -- and returns the fastest (first in that order on ties). ``program.meta["zb_auto"]`` says
+which won and each candidate's makespan.
+Candidates are ranked by ``score(program, costs) -> seconds``: :func:`pipesched.build` and
+:func:`pipesched.compile_program` pass the simulator's makespan of the lowered program (this module, like every
+builder, imports neither the simulator nor the passes); without one, :func:`timed_makespan` ranks them (the same
+costs, messages as pure delays, no ``RECV`` ordering).
+
+Costs are given, not measured: ``Pipeline(..., schedule="zb-auto", costs=CostModel(...))`` compiles from them;
+measuring F, I, W during a first step is not done here. The limit counts microbatch-stages, not bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+
+from .. import placement
+from ..checks import check_positive
+from ..errors import ScheduleArgumentError
+from ..ir import Instr, Op, Program
+from ._common import check_one_stage_sizes, program
+from .zero_bubble import build_zb_h1, build_zb_h2
+
+NAME = "zb-auto"
+
+
+def default_memory_limit(num_ranks: int, num_microbatches: int) -> tuple[int, ...]:
+    """``min(p, m)`` on every rank: ZB-H1's peak in-flight count (``F`` to ``W``), 1F1B's peak (its rank 0)."""
+    return (min(num_ranks, num_microbatches),) * num_ranks
+
+
+def check_memory_limit(memory_limit, num_ranks: int, num_microbatches: int) -> tuple[int, ...]:
+    """The per-rank limit: ``None`` -> :func:`default_memory_limit`; an int -> that on every rank; a sequence ->
+    one int per rank.
+
+    Raises:
+        ScheduleArgumentError (``argument="memory_limit"``): not an integer >= 1 (bools refused), or a sequence
+            whose length is not ``num_ranks``.
+    """
+    if memory_limit is None:
+        return default_memory_limit(num_ranks, num_microbatches)
+    if isinstance(memory_limit, (list, tuple)):
+        if len(memory_limit) != num_ranks:
+            raise ScheduleArgumentError(
+                f"memory_limit={list(memory_limit)!r}: a per-rank limit needs one integer >= 1 per rank "
+                f"({num_ranks}), got {len(memory_limit)}", argument="memory_limit")
+        return tuple(_one_limit(x) for x in memory_limit)
+    return (_one_limit(memory_limit),) * num_ranks
+
+
+def _one_limit(value) -> int:
+    try:
+        return check_positive("memory_limit", value)
+    except ScheduleArgumentError as exc:
+        raise ScheduleArgumentError(f"{exc} (in-flight microbatches per rank: an integer >= 1, or a list of one "
+                                    f"per rank)", argument="memory_limit") from None
+
+
+def build_zb_auto(num_ranks: int, num_microbatches: int, virtual_stages: int = 1, costs=None, memory_limit=None,
+                  score=None) -> Program:
+    """zb-auto (arXiv:2401.10241, section 4's automatic scheduling, greedy): the fastest, under ``costs``, of the
+    greedy's programs, ``zb-h1`` and ``zb-h2`` among those within ``memory_limit`` (see the module docstring).
+
+    Args:
+        costs: a :class:`~pipesched.cost.CostModel` (``None``: ``CostModel()``'s values, ``simulate``'s defaults:
+            F = 1 s, I = W = 1 s, free messages); per-stage fields have one value per rank.
+        memory_limit: peak in-flight microbatches (``F`` to ``W``) per rank: an int, or one per rank; ``None``:
+            ``min(p, m)`` on every rank (ZB-H1's count, which the result then never exceeds).
+        score: ``score(program, costs) -> seconds`` ranks the candidates (``None``: :func:`timed_makespan`).
+    Returns:
+        The compute-only program (F, I, W); ``meta["zb_auto"]``: ``chosen`` (the winner's name),
+        ``memory_limit`` (per rank) and ``makespans`` (seconds, per candidate within the limit).
+    Raises:
+        ScheduleArgumentError: a size is not a positive integer, ``virtual_stages != 1``, or a bad ``memory_limit``.
+        CostError: a per-stage cost whose length is not ``num_ranks``.
+    """
+    p, m = check_one_stage_sizes(NAME, num_ranks, num_microbatches, virtual_stages)
+    limit = check_memory_limit(memory_limit, p, m)
+    score = score or timed_makespan
+    scored = [(name, prog, score(prog, costs)) for name, prog in candidates(p, m, limit, costs)]
+    name, best, _ = min(scored, key=lambda item: item[2])
+    meta = {**best.meta, "zb_auto": {"chosen": name, "memory_limit": list(limit),
+                                     "makespans": {n: span for n, _, span in scored}}}
+    return dataclasses.replace(best, schedule=NAME, meta=meta)
+
+
+def candidates(p: int, m: int, limit, costs) -> list:
+    """``(name, compute-only program)`` of every candidate within ``limit``: the greedy for each warmup shape
+    (:data:`WARMUPS`), order and fill, then ``zb-h1`` and ``zb-h2``."""
+    times = _stage_times(costs, p)
+    found = [(f"greedy-{order}-{fill}-w{a}x+{b}", greedy_streams(p, m, limit, times, (order, fill), warmup(p, a, b)))
+             for a, b in WARMUPS for fill in ("fill", "fit") for order in ("alternate", "i-first")]
+    found += [(name, build(p, m).ranks) for name, build in (("zb-h1", build_zb_h1), ("zb-h2", build_zb_h2))]
+    return [(name, program(NAME, streams, placement.contiguous(p), m)) for name, streams in found
+            if all(inflight_peak(stream) <= cap for stream, cap in zip(streams, limit))]
+
+
+def inflight_peak(stream) -> int:
+    """The most microbatch-stages in flight (``F`` ran, ``W`` not) along one rank's F/I/W stream."""
+    held = peak = 0
+    for instr in stream:
+        held += (instr.op is Op.F) - (instr.op is Op.W)
+        peak = max(peak, held)
+    return peak
+
+
+def timed_makespan(prog: Program, costs) -> float:
+    """Seconds the compute-only F/I/W program of one stage per rank takes, each rank in its order, each
+    instruction as soon as its rank is free and its inputs are there (messages: ``latency + bytes / bandwidth``)."""
+    p, times = prog.num_ranks, _stage_times(costs, prog.num_ranks)
+    end = {}
+    pos, clock = [0] * p, [0.0] * p
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pos[r] < len(prog.ranks[r]):
+                instr = prog.ranks[r][pos[r]]
+                ready = _ready(instr, r, p, end, times)
+                if ready is None:
+                    break
+                clock[r] = max(clock[r], ready) + times[instr.op.value][r]
+                end[instr.op.value, r, instr.microbatch] = clock[r]
+                pos[r], progress = pos[r] + 1, True
+    return max(clock)
+
+
+def _ready(instr, r, p, end, times):
+    """When ``instr`` (on rank/stage ``r``) has its inputs, or ``None`` if a producer has not run yet."""
+    k, op = instr.microbatch, instr.op.value
+    need = []
+    if op == "F" and r > 0:
+        need.append((("F", r - 1, k), times["msg"][r - 1]))
+    if op == "I":
+        need.append((("F", r, k), 0.0))
+        if r < p - 1:
+            need.append((("I", r + 1, k), times["msg"][r]))
+    if op == "W":
+        need.append((("I", r, k), 0.0))
+    if any(key not in end for key, _ in need):
+        return None
+    return max((end[key] + delay for key, delay in need), default=0.0)
+
+
+def _stage_times(costs, p: int) -> dict:
+    """Per stage: F, I, W seconds, and the message seconds of its output (gradients back: the same size)."""
+    if costs is None:  # CostModel()'s values
+        return {"F": (1.0,) * p, "I": (1.0,) * p, "W": (1.0,) * p, "msg": (0.0,) * p}
+    send = tuple(costs.message_seconds(b) for b in costs.per_stage("activation_bytes", p))
+    return {"F": costs.per_stage("forward", p), "I": costs.per_stage("input_grad", p),
+            "W": costs.per_stage("weight_grad", p), "msg": send}
+
+
+#: the greedy's warmup shapes ``(a, b)``: rank r runs ``F`` at most ``a (p-1-r) + b`` microbatches ahead of its ``I``
+#: (1F1B/ZB-H1: (1, 0); ZB-H2: (2, 1); (0, p): only the memory limit), each also capped by the memory limit
+WARMUPS = ((1, 0), (1, 1), (2, 1), (2, 2), (0, None))
+
+
+def warmup(p: int, a: int, b) -> tuple:
+    """Per rank, how many microbatches its ``F`` may run ahead of its ``I`` (``b=None``: unbounded)."""
+    return tuple(math.inf if b is None else a * (p - 1 - r) + b for r in range(p))
+
+
+def greedy_streams(p: int, m: int, limit, times: dict, mode, ahead) -> list:
+    """The greedy list schedule's per-rank streams (see the module docstring). ``mode = (order, fill)``: order
+    "i-first": a ready ``I`` before a ready ``F``; "alternate": the other kind than the rank's last of the two
+    (1F1B's steady state: rank 0's ``I`` unblocks nobody, its ``F`` feeds the pipe); fill "fill": a pending ``W``
+    runs whenever nothing is ready; "fit": only if nothing is expected to become ready before the ``W`` would end.
+    An ``F`` runs only ``ahead[r]`` microbatches ahead of the rank's ``I`` at most (and within the limit)."""
+    f_end = [[math.inf] * m for _ in range(p)]
+    i_end = [[math.inf] * m for _ in range(p)]
+    clock, nf, ni = [0.0] * p, [0] * p, [0] * p
+    pending = [deque() for _ in range(p)]
+    streams = [[] for _ in range(p)]
+    last = ["F"] * p  # the last of F and I each rank ran
+    choices, stale = [None] * p, range(p)  # a rank's choice changes only when it or a neighbour acts
+    while True:
+        for r in stale:
+            choices[r] = _choose(r, p, m, limit, times, (*mode, ahead[r], last[r]), clock, nf, ni, pending, f_end,
+                                 i_end)
+        best = min((c for c in choices if c is not None), default=None)
+        if best is None:
+            break
+        start, r, op = best
+        stale = range(max(0, r - 1), min(p, r + 2))
+        k = {"F": nf, "I": ni}[op][r] if op != "W" else pending[r].popleft()
+        end = start + times[op][r]
+        clock[r] = end
+        if op == "F":
+            f_end[r][k], nf[r] = end, nf[r] + 1
+        elif op == "I":
+            i_end[r][k], ni[r] = end, ni[r] + 1
+            pending[r].append(k)
+        streams[r].append(Instr.trusted(Op[op], r, k))
+        last[r] = op if op != "W" else last[r]
+    if any(n < m for n in nf) or any(pending):  # cannot happen (every rank can always finish): a loud bug
+        raise RuntimeError(f"zb-auto greedy stalled with work left (p={p}, m={m}, limit={limit})")
+    return streams
+
+
+def _choose(r, p, m, limit, times, mode, clock, nf, ni, pending, f_end, i_end):
+    """``(start, rank, op)`` of rank ``r``'s next instruction, or ``None`` if it has nothing it can run yet."""
+    t, (order, mode, ahead, last) = clock[r], mode
+    held = nf[r] - _w_done(ni[r], pending[r])
+    ready_i = ready_f = math.inf
+    if ni[r] < nf[r]:
+        k = ni[r]
+        ready_i = f_end[r][k] if r == p - 1 else max(f_end[r][k], i_end[r + 1][k] + times["msg"][r])
+    room = held < limit[r] and nf[r] - ni[r] <= ahead
+    if nf[r] < m and room:
+        k = nf[r]
+        ready_f = 0.0 if r == 0 else f_end[r - 1][k] + times["msg"][r - 1]
+    first = ("F", "I") if order == "alternate" and last == "I" else ("I", "F")
+    for op in first:
+        if (ready_i if op == "I" else ready_f) <= t:
+            return (t, r, op)
+    soonest = min(ready_i, ready_f)
+    if pending[r] and (mode == "fill" or _expected(r, p, m, room, times, clock, nf, ni, f_end,
+                                                   i_end, soonest) >= t + times["W"][r]):
+        return (t, r, "W")
+    if soonest < math.inf:
+        return (soonest, r, "I" if ready_i <= ready_f else "F")
+    return (t, r, "W") if pending[r] else None
+
+
+def _expected(r, p, m, room, times, clock, nf, ni, f_end, i_end, known) -> float:
+    """An optimistic guess of when rank ``r``'s next ``I`` or ``F`` can start: ``known`` (a ready time already
+    fixed) or the time a neighbour that runs the producer next would deliver it."""
+    guess, k = known, nf[r]
+    if room and r > 0 and k < m and nf[r - 1] == k and f_end[r - 1][k] == math.inf:
+        guess = min(guess, clock[r - 1] + times["F"][r - 1] + times["msg"][r - 1])
+    k = ni[r]
+    if r < p - 1 and k < nf[r] and ni[r + 1] == k and f_end[r + 1][k] < math.inf:
+        guess = min(guess, max(clock[r + 1], f_end[r + 1][k]) + times["I"][r + 1] + times["msg"][r])
+    return guess
+
+
+def _w_done(i_count: int, pending) -> int:
+    return i_count - len(pending)
