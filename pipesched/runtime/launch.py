@@ -15,6 +15,7 @@ import time
 import traceback
 
 _TAIL_CHARS = 3000  # of a child's stderr quoted when it dies without reporting
+_STOP_S = 5.0  # after SIGTERM, the children together get this long to exit before SIGKILL
 
 
 class ChildTraceback(Exception):
@@ -54,11 +55,26 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
     - ``"spawn"`` / ``"forkserver"``: refused (``ValueError``, before any child starts) for an ``fn`` a
       spawned child cannot run (above), with the reason and what to do.
 
+    When a child's ``fn`` returns or raises, the child reports, then destroys its process groups (its gloo
+    connections close, so a peer blocked on it fails at once, as if it had exited). World rank 0's child hosts the
+    c10d store: it stays up after that until every other rank's ``fn`` has ended (reported, or its process died),
+    at most ``grace`` seconds, so a rank that returned early never takes the store from ranks still using it
+    (a checkpoint vote, a failure record). The other children stay up at most ``grace`` seconds while a failure
+    record they published first is unread. ``launch`` returns as soon as every rank has reported or died and
+    stops the children still up (SIGTERM, then SIGKILL after 5 s for all of them together). Worst case, from the
+    start: ``timeout`` + 5 s; from the first failure (an exception reported, or a child found dead about 0.2 s
+    after it died): ``grace`` + 5 s.
+
+    Ctrl-C (``KeyboardInterrupt`` in this process) prints ``interrupted: stopping N ranks`` to ``sys.stderr``,
+    stops every child as above and raises ``KeyboardInterrupt`` again (``pipesched`` commands then exit 130
+    without a traceback).
+
     Args:
-        timeout: seconds for the whole run; grace: seconds the others get to end after one child fails, and
-            the most a child whose rank failed first stays up (keeping the store reachable) until the others
-            have read its failure record. Children start with ``TORCH_CPP_LOG_LEVEL=ERROR`` unless it is set
-            (a forked child that inherits an imported torch keeps this process's level).
+        timeout: seconds for the whole run; grace: seconds the others get to end after one child fails; the
+            most world rank 0's child waits for the others' ``fn`` after its own ended; the most a child whose
+            rank failed first stays up until the others have read its failure record. Children start with
+            ``TORCH_CPP_LOG_LEVEL=ERROR`` unless it is set (a forked child that inherits an imported torch keeps
+            this process's level).
 
     Returns:
         The return values of ``fn``, by rank (they must be picklable).
@@ -68,6 +84,7 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
         seconds to end on their own and are then terminated.
         ValueError: a ``start_method`` that cannot run ``fn`` here (says why and what to do).
         TimeoutError: the children did not all finish within ``timeout`` seconds (all are terminated).
+        KeyboardInterrupt: Ctrl-C while the children ran (all are stopped first).
         RuntimeError: a child died without reporting (killed, ``os._exit``, or failed while starting, e.g.
             could not unpickle an argument); names its rank and exit code (``killed by signal 9`` after a
             SIGKILL) and quotes the end of its stderr. The others get ``grace`` seconds to end on their own first
@@ -78,8 +95,9 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
     ctx = mp.get_context(choose_start_method(fn, start_method, threads))
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(rank, world_size, port, threads, fn, args, results, grace), daemon=True)
-             for rank in range(world_size)]
+    released = ctx.Event()  # set when every rank's fn has ended: world rank 0's child (the store host) may exit
+    procs = [ctx.Process(target=_child, args=(rank, world_size, port, threads, fn, args, results, grace, released),
+                         daemon=True) for rank in range(world_size)]
     logs = _Stderr(world_size)
     quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ
     if quiet:  # children inherit it at start: no C++ warning stacks when a peer's process (or the store) is gone
@@ -92,15 +110,34 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
             del os.environ["TORCH_CPP_LOG_LEVEL"]
     try:
         return _collect(procs, results, timeout, grace, logs)
+    except KeyboardInterrupt:
+        _say(f"interrupted: stopping {world_size} ranks")
+        raise KeyboardInterrupt from None  # the CLI exits 130 on it without a traceback
     finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in procs:
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
+        released.set()
+        _stop(procs)
         logs.close()
+
+
+def _stop(procs, wait_s: float = _STOP_S) -> None:
+    """SIGTERM every child still running, wait at most ``wait_s`` seconds for all of them together, SIGKILL the rest."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + wait_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def _say(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001 - no stderr to write to
+        pass
 
 
 def choose_start_method(fn, start_method: str | None, threads: int = 1) -> str:
@@ -356,7 +393,7 @@ def _load(payload):
         return None
 
 
-def _child(rank, world_size, port, threads, fn, args, results, grace) -> None:
+def _child(rank, world_size, port, threads, fn, args, results, grace, released) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch
@@ -365,8 +402,10 @@ def _child(rank, world_size, port, threads, fn, args, results, grace) -> None:
     from .failure import linger
 
     torch.set_num_threads(threads)
+    store = None
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        store = dist.distributed_c10d._get_default_store()  # held: on rank 0 it keeps the store up after teardown
         value = fn(rank, *args)
         results.put(("ok", rank, pickle.dumps(value), ""))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
@@ -379,5 +418,18 @@ def _child(rank, world_size, port, threads, fn, args, results, grace) -> None:
     finally:
         results.close()
         results.join_thread()
-        linger(grace)  # a rank that failed first keeps the store up until the others have read its record
+        _close_groups(dist)  # peers blocked on this rank fail at once, as if it had exited
+        if rank == 0 and store is not None:
+            released.wait(grace)  # the store host stays until every other rank's fn has ended (or died)
+        else:
+            linger(grace)  # a rank that failed first stays until the others have read its record
         os._exit(0)  # skip interpreter teardown (gloo threads); closes this rank's connections at once
+
+
+def _close_groups(dist) -> None:
+    """Destroy every process group of this child (best effort): its gloo connections close, its store stays."""
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a group already broken by a failure
+        pass

@@ -149,3 +149,90 @@ def test_a_spawned_child_failing_before_fn_runs_is_quoted():
     assert re.match(r"launch: rank [01] exited with code 1 without reporting; the end of its stderr:\n"
                     r"Traceback \(most recent call last\):\n", text), text
     assert text.endswith("\nRuntimeError: this argument cannot be rebuilt in the child"), text
+
+
+def _store_host_returns_first(rank):
+    """World rank 0 (which hosts the store) returns at once; rank 1 uses the store 0.5 s later."""
+    import time
+
+    import torch.distributed as dist
+
+    if rank == 0:
+        return "early"
+    time.sleep(0.5)
+    store = dist.distributed_c10d._get_default_store()
+    store.set("late", "still here")
+    return store.get("late").decode()
+
+
+def test_the_store_host_stays_until_the_other_ranks_fn_has_ended():
+    # before: rank 1 got DistNetworkError "Broken pipe" (rank 0's process, the store, was gone)
+    assert launch(_store_host_returns_first, 2, timeout=120) == ["early", "still here"]
+
+
+def _origin_lingers_while_peer_blocks(rank, sentinel):
+    """Rank 1 fails as a Pipeline origin would (a record nobody reads: it lingers); rank 0 waits on it in a
+    collective. Rank 0 must see the closed connection at once, not when rank 1's linger ends."""
+    import torch
+    import torch.distributed as dist
+
+    from pipesched.runtime.failure import FailureChannel, FailureRecord
+
+    if rank == 1:
+        channel = FailureChannel(dist.distributed_c10d._get_default_store(), ["test"])
+        record = FailureRecord.local(1, None, ValueError("origin"))
+        channel.publish(record)
+        channel.keep_alive_for(record, 2, 600.0)  # only rank 1 reads it: it would linger the whole grace
+        raise ValueError("rank 1 failed")
+    try:
+        dist.all_reduce(torch.ones(1))
+    except Exception as exc:  # noqa: BLE001 - what rank 0 saw, for the test
+        with open(sentinel, "w") as handle:
+            handle.write(type(exc).__name__)
+        raise
+
+
+def test_a_lingering_failed_rank_does_not_hold_its_peers(tmp_path):
+    sentinel = tmp_path / "rank0"
+    with pytest.raises(ValueError, match="^rank 1 failed$"):
+        launch(_origin_lingers_while_peer_blocks, 2, str(sentinel), timeout=40, grace=600)
+    # before: launch gave up at the 40 s timeout with rank 0 still blocked (no sentinel) on the lingering rank 1
+    assert sentinel.read_text() == "RuntimeError"  # gloo: the connection to rank 1 was closed
+
+
+_INTERRUPTED = textwrap.dedent("""\
+    import os, signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job starts with SIGINT ignored
+    from pipesched.runtime import launch
+    def fn(rank):
+        os.write(1, f"ready {os.getpid()}\\n".encode())  # one write: the two ranks' lines do not interleave
+        time.sleep(600)
+    if __name__ == "__main__":
+        try:
+            launch(fn, 2, timeout=300)
+        except KeyboardInterrupt:
+            sys.exit(130)
+    """)
+
+
+def test_ctrl_c_prints_one_line_and_stops_every_rank(tmp_path):
+    import os
+    import signal
+
+    script = tmp_path / "interrupted.py"
+    script.write_text(_INTERRUPTED)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        lines = [proc.stdout.readline() for _ in range(2)]
+        assert all(line.startswith("ready ") for line in lines), lines
+        pids = [int(line.split()[1]) for line in lines]
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the parent and its children
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert (proc.returncode, err) == (130, "interrupted: stopping 2 ranks\n")
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
