@@ -8,8 +8,8 @@ configured timeout, so no rank waits forever even if a process hangs without fai
 
 The store lives in one process (world rank 0 under ``env://``). The rank that publishes the first record,
 and world rank 0, keep their processes, and so the store, up until every rank of the job has read the record
-or a bounded grace period ends (:func:`linger`: ``launch``'s children call it before exiting; a Pipeline registers it
-at interpreter exit). If a rank still finds no record while a connection closed (a process was killed), it names the
+or a bounded grace period ends (:func:`linger`: ``launch``'s children other than world rank 0 call it before exiting,
+rank 0's waits for the parent's word that every rank reported or died; a Pipeline registers it at interpreter exit). If a rank still finds no record while a connection closed (a process was killed), it names the
 lost rank and publishes that ``lost`` record for the others (:mod:`pipesched.runtime.lost_rank`).
 """
 from __future__ import annotations

@@ -18,10 +18,12 @@ from .comm import backend_for, init_default_group, make_grid, make_groups, warn_
 from .accounting import cuda_memory_base, cuda_peak_since
 from .amp import autocast_context, checked_autocast, loss_scaling
 from .clipping import clip_grad_norm_ as clip_all_stages
+from .collective import peer_loss_as_comm_error
 from .agreement import agree, describe, refuse
 from .devices import checked_device, move_to
 from .executor import Executor, Links, RankWork, StepInputs
 from .handshake import Handshake, Rejected, StepKey
+from .heap import keep_freed_memory
 from .settings import fingerprint
 from .failure import CommError, FailureChannel, FailureRecord, PipelineError
 from .lost_rank import lost_record
@@ -81,6 +83,9 @@ class Pipeline:
             once a step's message shapes are known, receives are posted up to 16 instructions early
             (:func:`pipesched.lower.post_receives_early`); on NCCL every message stays at its program
             position. ``False``: program order on gloo too. ``True``: early receives (gloo only).
+        costs, memory_limit: for ``schedule="zb-auto"`` only: the :class:`~pipesched.CostModel` (seconds, bytes) and
+            the in-flight limit per rank (int or list) it is built for (:func:`pipesched.compile_program`; identical
+            on every rank, else construction fails naming the differing program); measured costs are not supported.
         autocast: ``None`` (default; the caller's autocast state applies), ``torch.bfloat16`` or ``torch.float16``:
             each stage's forward, its recompute and ``loss_fn`` run under ``torch.autocast(device.type, autocast)``
             (as torch advises: the forward including the loss; backward outside); parameters, gradients and
@@ -93,10 +98,11 @@ class Pipeline:
             this rank's stream of the one that fits each step, as it is.
         program: ``programs.train``, what ``step()`` runs once the shapes are known.
         autocast: the checked ``autocast`` argument (``None``, ``torch.bfloat16`` or ``torch.float16``); read only.
-        ties: the parameters used by two stages or more (:class:`~pipesched.runtime.ties.TiedParameter`: names in
-            the unsplit model, stages, ranks, owning stage). Each rank holding a use keeps its copy; a tie across
-            ranks gets a ``TIE_REDUCE`` that sums the copies' gradients after the step's last backward of its
-            stages (:mod:`pipesched.ties`), so the copies stay identical under any optimizer.
+        ties: the parameters used by two stages or more, frozen ones too
+            (:class:`~pipesched.runtime.ties.TiedParameter`: names in the unsplit model, stages, ranks, owning
+            stage). Each rank holding a use keeps its copy; a tie across ranks gets a ``TIE_REDUCE`` that sums the
+            copies' gradients after the step's last backward of its stages (:mod:`pipesched.ties`), so the copies
+            stay identical under any optimizer.
     Raises:
         TypeError, ValueError (incl. ``ScheduleArgumentError``), UnknownScheduleError: a bad argument,
             before any communication; the message names the argument, its value and what is valid.
@@ -118,10 +124,11 @@ class Pipeline:
     def __init__(self, model, schedule: str = "1f1b", num_microbatches: int = 1, loss_fn=None,
                  virtual_stages: int | None = None, balance=None, dp_size: int = 1, recompute=False,
                  split_backward=False, device=None, timeout: float = 300.0,
-                 early_receives: bool | None = None, autocast: torch.dtype | None = None) -> None:
+                 early_receives: bool | None = None, autocast: torch.dtype | None = None, costs=None,
+                 memory_limit=None) -> None:
         try:
             layers = self._setup(model, schedule, num_microbatches, loss_fn, virtual_stages, balance, dp_size,
-                                 recompute, split_backward, device, timeout, early_receives)
+                                 recompute, split_backward, device, timeout, early_receives, costs, memory_limit)
             self.autocast = checked_autocast(autocast, self.device)  # ValueError naming autocast and valid values
         except Exception as exc:
             if dist.is_available() and dist.is_initialized():  # the other ranks must not wait for this one
@@ -141,6 +148,7 @@ class Pipeline:
         work = RankWork(self.stages, self.loss_fn, self.device, self.first_layers,
                         autocast_context(self.device, self.autocast))
         links = Links(Transport(self._pp_group, self.program.num_stages, self.device), self._dp_group, ties)
+        keep_freed_memory()  # no page faults for the weight-gradient blocks each backward frees (heap.py)
         self._executor = Executor(self.programs, grid.pp_rank, work, links)
         self._handshake = Handshake(self._executor.transport, self.program, grid.pp_rank, self.device)
         self._metas: OrderedDict[StepKey, dict] = OrderedDict()  # -> {(kind, stage, mb): meta}
@@ -150,7 +158,7 @@ class Pipeline:
         self._closed = False
 
     def _setup(self, model, schedule, num_microbatches, loss_fn, virtual_stages, balance, dp_size, recompute,
-               split_backward, device, timeout, early_receives) -> list:
+               split_backward, device, timeout, early_receives, costs=None, memory_limit=None) -> list:
         """Everything decided locally, before any communication: checks, program, stages, device. Returns the
         model's layers."""
         check_positive("num_microbatches", num_microbatches, 1)
@@ -167,7 +175,8 @@ class Pipeline:
         dp_size = dp_size_for(schedule, dp_size)  # a Program's own dp_size (pipesched.user_programs)
         grid = make_grid(rank, world, dp_size)
         self.program: Program = program_for(schedule, grid.pp_size, num_microbatches, virtual_stages,
-                                            dp_size, recompute, split_backward)  # compiled, or checked and validated
+                                            dp_size, recompute, split_backward, costs=costs, memory_limit=memory_limit)
+        self.costs = costs  # what zb-auto was built for (pipesched.schedules.zb_auto); None: not given
         self.balance = resolve_balance(layers, self.program.num_stages, balance)
         self.ties = find_ties(layers, self.balance, self.program.stage_to_rank)  # parameters used by 2+ stages
         self.program = with_ties(self.program, self.ties)  # a TIE_REDUCE per rank of a tie that spans ranks
@@ -219,13 +228,17 @@ class Pipeline:
         (``dp_group`` is None without data parallelism) -- as a step runs: refused on a closed or failed pipeline
         (as :meth:`step`), and a failure on any rank (an exception, a lost peer, a timeout) ends every rank with a
         ``PipelineError``. Call it on every rank. For extensions such as :meth:`clip_grad_norm_` and
-        :class:`~pipesched.runtime.GradScaler`. Returns what ``work`` returns."""
+        :class:`~pipesched.runtime.GradScaler`. Returns what ``work`` returns. The ``PipelineError`` names the rank
+        that failed first: a lost peer (its connection closed) is named, not this rank
+        (:mod:`~pipesched.runtime.collective`); ``work``'s own exception on this rank names this rank."""
         self._check_local(None, None)
-        return self._guarded(lambda: work(self._pp_group, self._dp_group))
+        return self._guarded(lambda: peer_loss_as_comm_error(lambda: work(self._pp_group, self._dp_group),
+                                                             "the collective of run_collective"))
 
     def state_dict(self) -> dict:
-        """This rank's parameters and buffers under the unsplit model's names (``"3.attn.weight"``), detached,
-        sharing storage; independent of ranks, balance and schedule (:func:`~pipesched.runtime.state.saved_state`)."""
+        """Every parameter and buffer of this rank under the unsplit model's names (``"3.attn.weight"``), detached,
+        sharing storage, a tied copy under the tie's first name; independent of ranks, balance and schedule
+        (:func:`~pipesched.runtime.state.saved_state`); ``load_state_dict(state_dict())`` round-trips."""
         return rank_state_dict(self)
 
     def load_state_dict(self, state_dict, strict: bool = True):
@@ -242,8 +255,10 @@ class Pipeline:
         unsplit model (float32 for float32 gradients). See :mod:`pipesched.runtime.clipping`.
 
         Raises:
-            ValueError: a bad ``max_norm`` (> 0), ``norm_type`` (> 0 or inf), ``error_if_nonfinite`` or
-                ``foreach``, before any communication, on every rank alike; the message names the argument.
+            ValueError: a bad ``max_norm`` (a number or 0-dim tensor > 0), ``norm_type`` (> 0 or inf),
+                ``error_if_nonfinite`` or ``foreach``, before any communication; the message names the argument.
+            ValueError: the pipeline ranks passed different ``max_norm`` or ``norm_type`` (names the argument and
+                each value with its ranks): on every rank, gradients unchanged, the pipeline stays usable.
             RuntimeError: ``error_if_nonfinite`` and ``total`` is nan or inf: on every rank, gradients unscaled.
             RuntimeError, PipelineError: a closed or failed pipeline, as :meth:`step`; a rank failed meanwhile.
         """
@@ -322,11 +337,12 @@ class Pipeline:
 
     def gather_timeline(self, kind: str = "step"):
         """The whole pipeline's measured timeline of the last training :meth:`step` (``kind="forward"``: of
-        the last :meth:`forward`); collective over the pipeline's ranks."""
+        the last :meth:`forward`); collective over the pipeline's ranks, through :meth:`run_collective` (a closed
+        or failed pipeline, or a rank lost or failed meanwhile: the error :meth:`step` gives, on every rank)."""
         record = self._record(kind)
         if record is None:
             raise RuntimeError(f"gather_timeline(kind={kind!r}) needs a finished {kind}()")
-        return gather_timeline(record, self.program, self.pp_rank, self._pp_group)
+        return self.run_collective(lambda pp_group, _: gather_timeline(record, self.program, self.pp_rank, pp_group))
 
     def close(self) -> None:
         """Destroy this pipeline's process groups (collective: call it on every rank); the Pipeline is

@@ -76,7 +76,8 @@ SCHEDULES = MappingProxyType({
                      "min(2p+1, 2m, m+r+1)", "any m >= 1 (PyTorch: m >= 2p; v must be 2)",
                      fixed_virtual_stages=True),
         ScheduleInfo("zb-auto", build_zb_auto,
-                     "built for given costs and a memory limit: greedy F/I/W list schedule, never slower than zb-h1",
+                     "built for given costs and a memory limit: greedy F/I/W list schedule, never slower than zb-h1 "
+                     "where zb-h1 fits the limit (always at the default)",
                      "Zero Bubble PP automatic scheduling, arXiv:2401.10241 section 4", 1,
                      "<= zb-h1's under the given costs", "<= memory_limit (default min(p, m), zb-h1's)",
                      "any m >= 1", fixed_virtual_stages=True, takes_costs=True),

@@ -25,7 +25,9 @@ def test_closed_form_rejects_anything_but_arithmetic(text):
 def test_chart_has_simulated_points_and_closed_form_for_every_schedule():
     fig = plot_bubble_vs_microbatches(4, microbatches=range(1, 13))
     simulated, closed = lines(fig, "sim:"), lines(fig, "closed:")
-    assert set(simulated) == set(SCHEDULES) == set(closed)
+    assert set(simulated) == set(SCHEDULES)
+    # a closed form wherever the schedule states one (zb-auto's is a bound: "<= zb-h1's under the given costs")
+    assert set(closed) == set(SCHEDULES) - {"zb-auto"}
     xs, ys = simulated["1f1b"].get_data()
     assert list(xs) == list(range(1, 13))
     assert ys[7] == pytest.approx(3 / 11)  # m = 8
