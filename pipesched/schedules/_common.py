@@ -12,12 +12,23 @@ def check_one_stage_sizes(name: str, num_ranks, num_microbatches, virtual_stages
     Raises:
         ScheduleArgumentError: a size is not a positive integer, or ``virtual_stages != 1``.
     """
+    return check_fixed_sizes(name, num_ranks, num_microbatches, virtual_stages, 1)
+
+
+def check_fixed_sizes(name: str, num_ranks, num_microbatches, virtual_stages, per_rank: int) -> tuple[int, int]:
+    """(p, m) for a schedule with a fixed number of stages per rank: 1 (contiguous) or 2 (a V).
+
+    Raises:
+        ScheduleArgumentError: a size is not a positive integer, or ``virtual_stages != per_rank`` (names it).
+    """
     p = check_positive("num_ranks", num_ranks)
     m = check_positive("num_microbatches", num_microbatches)
-    if virtual_stages != 1:
+    if virtual_stages != per_rank:
+        layout, other = ("one stage per rank", "v > 1") if per_rank == 1 else \
+            ("exactly two stages per rank in a V", "other counts")
         raise ScheduleArgumentError(
-            f"virtual_stages={virtual_stages!r}: {name} places one stage per rank, so virtual_stages must be 1 "
-            f"(use interleaved-1f1b for v > 1)", argument="virtual_stages"
+            f"virtual_stages={virtual_stages!r}: {name} places {layout}, so virtual_stages must be {per_rank} "
+            f"(use interleaved-1f1b for {other})", argument="virtual_stages"
         )
     return p, m
 

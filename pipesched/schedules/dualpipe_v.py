@@ -4,10 +4,8 @@ from __future__ import annotations
 from collections import deque
 
 from .. import placement
-from ..checks import check_positive
-from ..errors import ScheduleArgumentError
 from ..ir import OVERLAP_PAIRS, Instr, Op
-from ._common import program
+from ._common import check_fixed_sizes, program
 
 
 
@@ -49,13 +47,7 @@ def build_dualpipev(num_ranks: int, num_microbatches: int, virtual_stages: int =
     Raises:
         ScheduleArgumentError: a size is not a positive integer, or ``virtual_stages != 2``.
     """
-    p = check_positive("num_ranks", num_ranks)
-    m = check_positive("num_microbatches", num_microbatches)
-    if virtual_stages != 2:
-        raise ScheduleArgumentError(
-            f"virtual_stages={virtual_stages!r}: dualpipev places exactly two stages per rank in a V, so "
-            f"virtual_stages must be 2 (use interleaved-1f1b for other counts)", argument="virtual_stages"
-        )
+    p, m = check_fixed_sizes("dualpipev", num_ranks, num_microbatches, virtual_stages, 2)
     streams, pairs = [], []
     for r in range(p):
         order = _RankOrder(r, p, max(m, 2 * p))

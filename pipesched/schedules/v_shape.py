@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 from .. import placement
-from ..checks import check_positive
-from ..errors import ScheduleArgumentError
 from ..ir import Instr, Op
-from ._common import program
+from ._common import check_fixed_sizes, program
 
 
 def build_zbv(num_ranks: int, num_microbatches: int, virtual_stages: int = 2):
@@ -45,13 +43,7 @@ def build_zbv(num_ranks: int, num_microbatches: int, virtual_stages: int = 2):
     Raises:
         ScheduleArgumentError: a size is not a positive integer, or ``virtual_stages != 2``.
     """
-    p = check_positive("num_ranks", num_ranks)
-    m = check_positive("num_microbatches", num_microbatches)
-    if virtual_stages != 2:
-        raise ScheduleArgumentError(
-            f"virtual_stages={virtual_stages!r}: zbv places exactly two stages per rank in a V, so virtual_stages "
-            f"must be 2 (use interleaved-1f1b for other counts)", argument="virtual_stages"
-        )
+    p, m = check_fixed_sizes("zbv", num_ranks, num_microbatches, virtual_stages, 2)
     streams = [[i for i in _rank_order(r, p, max(m, 2 * p - 1)) if i.microbatch < m] for r in range(p)]
     return program("zbv", streams, placement.vshape(p), m, virtual_stages=2)
 

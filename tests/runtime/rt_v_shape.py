@@ -8,10 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from pipesched.runtime import Pipeline, PipelineError
-from pipesched.runtime.transport import Transport
 
 from rt_cases import grad_report, mlp, pair, reference_forward, reference_step
-from rt_workers import _data, dp_case, transparency
+from rt_workers import _data, dp_case, message_order, transparency
 
 
 def forward_case(rank, m=4):
@@ -23,32 +22,6 @@ def forward_case(rank, m=4):
     expect = reference_forward(ref, x, m)
     pipe.close()
     return None if out is None else bool(torch.equal(out, expect))
-
-
-def pair_messages(rank, early_receives):
-    """The (send | recv, peer) of every point-to-point call this rank makes over a learning step, a known step
-    and a forward: a V sends activations and gradients both ways between neighbours."""
-    pipe = Pipeline(mlp(), schedule="zbv", num_microbatches=4, loss_fn=F.mse_loss, early_receives=early_receives)
-    ops, send, post = [], Transport.send, Transport.post
-
-    def logged_send(transport, tensors, peer, tag):
-        ops.append(("send", peer, tag))
-        return send(transport, tensors, peer, tag)
-
-    def logged_post(transport, specs, peer, tag, what):
-        ops.append(("recv", peer, tag))
-        return post(transport, specs, peer, tag, what)
-
-    Transport.send, Transport.post = logged_send, logged_post
-    try:
-        x, y = _data(0)
-        pipe.step(x, target=y)
-        pipe.step(x, target=y)
-        pipe.forward(x)
-    finally:
-        Transport.send, Transport.post = send, post
-    pipe.close()
-    return ops
 
 
 def failing_up_stage(rank, fail_mb=1):
@@ -113,7 +86,7 @@ def two_rank_suite(rank):
     results["uneven"] = transparency(rank, "zbv", 2, m=4, n=10, steps=1)
     results["forward"] = forward_case(rank)
     for early in (True, False):
-        results[("order", early)] = pair_messages(rank, early)
+        results[("order", early)] = message_order(rank, "zbv", None, early)  # messages both ways per pair
     results["failure"] = failing_up_stage(rank)
     results["tied"] = tied_first_and_last(rank)
     for m in (1, 3, 4, 6):  # dualpipev: m < 2p runs too; B and I/W mixed on one stage
