@@ -116,7 +116,7 @@ def resumed_run(rank: int, root: str) -> dict:
     return out
 
 
-def _error(fn) -> tuple[str, str] | None:
+def error_of(fn) -> tuple[str, str] | None:
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 - the test compares type and message
@@ -124,7 +124,7 @@ def _error(fn) -> tuple[str, str] | None:
     return None
 
 
-def _unchanged(pipe, before) -> bool:
+def unchanged(pipe, before) -> bool:
     return all(torch.equal(t, before[n]) for n, t in pipe.state_dict().items())
 
 
@@ -145,7 +145,7 @@ def two_rank_run(rank: int, root: str) -> dict:
     for case, model in bad_models.items():
         pipe = make_pipe(model)
         before = snapshot(pipe)
-        out[case] = (_error(lambda: load_checkpoint(ckpt, pipe)), _unchanged(pipe, before))
+        out[case] = (error_of(lambda: load_checkpoint(ckpt, pipe)), unchanged(pipe, before))
         pipe.close()
     pipe = make_pipe(buffered_model(1))
     before = snapshot(pipe)
@@ -153,21 +153,21 @@ def two_rank_run(rank: int, root: str) -> dict:
     loads = {"nope": os.path.join(root, "nope"), "foreign": os.path.join(root, "foreign"),
              "incomplete": os.path.join(root, "incomplete")}
     for case, path in loads.items():
-        out[case] = (_error(lambda: load_checkpoint(path, pipe)), _unchanged(pipe, before))
-    out["sgd"] = (_error(lambda: load_checkpoint(ckpt, pipe, sgd)), _unchanged(pipe, before))
+        out[case] = (error_of(lambda: load_checkpoint(path, pipe)), unchanged(pipe, before))
+    out["sgd"] = (error_of(lambda: load_checkpoint(ckpt, pipe, sgd)), unchanged(pipe, before))
     saves = {"bad_step": dict(path=os.path.join(root, "s1"), step=-1),
              "bad_extra": dict(path=os.path.join(root, "s2"), extra={"a": {1, 2}}),
              "paths_differ": dict(path=os.path.join(root, f"s3-rank{rank}")),
              "not_a_checkpoint": dict(path=os.path.join(root, "foreign"))}
     for case, args in saves.items():
-        out[case] = _error(lambda: save_checkpoint(args.pop("path"), pipe, **args))
-    out["write_fails"] = _error(lambda: _save_failing_on_rank_1(rank, os.path.join(root, "s4"), pipe))
+        out[case] = error_of(lambda: save_checkpoint(args.pop("path"), pipe, **args))
+    out["write_fails"] = error_of(lambda: _save_failing_on_rank_1(rank, os.path.join(root, "s4"), pipe))
     out["saved_nothing"] = sorted(n for n in os.listdir(root) if n.startswith("s"))
     full = buffered_model(11).state_dict()
     keys = pipe.load_state_dict(full)
     out["load_state_dict"] = (keys, all(torch.equal(t, full[n]) for n, t in pipe.state_dict().items()))
     partial = {n: t for n, t in full.items() if n != "0.bias"}
-    out["strict"] = _error(lambda: pipe.load_state_dict(partial))
+    out["strict"] = error_of(lambda: pipe.load_state_dict(partial))
     pipe.close()
     out["tied"] = tied_case(root)
     return out

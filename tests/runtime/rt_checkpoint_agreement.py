@@ -11,6 +11,8 @@ from torch import nn
 
 from pipesched.runtime import GradScaler, Pipeline, load_checkpoint, save_checkpoint
 
+from rt_checkpoint import error_of, unchanged
+
 HYPER = {"lr": 0.01, "weight_decay": 0.1}
 
 
@@ -59,18 +61,6 @@ def state(pipe) -> dict:
     return {name: t.clone() for name, t in pipe.state_dict().items()}
 
 
-def _error(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test compares type and message
-        return type(exc).__name__, str(exc)
-    return None
-
-
-def _unchanged(pipe, before) -> bool:
-    return all(torch.equal(t, before[n]) for n, t in pipe.state_dict().items())
-
-
 def mismatches(rank: int, root: str) -> dict:
     """Checkpoints at steps 1 and 2, then loads and saves whose ranks disagree: the error on each rank, and the
     weights (and AdamW state) unchanged after."""
@@ -84,13 +74,13 @@ def mismatches(rank: int, root: str) -> dict:
     fresh_opt = optimizer(fresh)
     before = state(fresh)
     path = os.path.join(root, "step-1" if rank == 0 else "step-2")
-    out["load_path"] = _error(lambda: load_checkpoint(path, fresh, fresh_opt))
-    out["load_opt_one_rank"] = _error(lambda: load_checkpoint(os.path.join(root, "step-2"), fresh,
+    out["load_path"] = error_of(lambda: load_checkpoint(path, fresh, fresh_opt))
+    out["load_opt_one_rank"] = error_of(lambda: load_checkpoint(os.path.join(root, "step-2"), fresh,
                                                               fresh_opt if rank == 0 else None))
-    out["save_opt_one_rank"] = _error(lambda: save_checkpoint(os.path.join(root, "half"), fresh,
+    out["save_opt_one_rank"] = error_of(lambda: save_checkpoint(os.path.join(root, "half"), fresh,
                                                               fresh_opt if rank == 1 else None, step=3))
-    out["save_step"] = _error(lambda: save_checkpoint(os.path.join(root, "steps"), fresh, fresh_opt, step=3 + rank))
-    out["unchanged"] = _unchanged(fresh, before) and fresh_opt.state_dict()["state"] == {}
+    out["save_step"] = error_of(lambda: save_checkpoint(os.path.join(root, "steps"), fresh, fresh_opt, step=3 + rank))
+    out["unchanged"] = unchanged(fresh, before) and fresh_opt.state_dict()["state"] == {}
     torch.distributed.barrier()  # rank 0 has cleaned up after the refusals
     out["saved"] = sorted(os.listdir(root))
     same = os.path.join(root, "step-2")  # usable after; a relative path on one rank is the same absolute path
@@ -113,7 +103,7 @@ def no_parameters(rank: int, root: str) -> dict:
     opt = optimizer(half)
     out["opt_is_none"] = opt is None
     out["half"] = train(half, opt, range(2))
-    out["save"] = _error(lambda: save_checkpoint(os.path.join(root, "noparams"), half, opt, step=2))
+    out["save"] = error_of(lambda: save_checkpoint(os.path.join(root, "noparams"), half, opt, step=2))
     half.close()
     resumed = make_pipe(7, balance=(3, 1))
     opt = optimizer(resumed)
