@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .checks import check_positive
+from .cost import CostModel
 from .errors import ScheduleArgumentError
 from .gcpause import paused_gc
 from .ir import Program
@@ -34,6 +35,9 @@ def build(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: 
     """
     info = get_schedule(schedule)
     v = info.default_virtual_stages if virtual_stages is None else virtual_stages
+    if costs is not None and not isinstance(costs, CostModel):
+        raise ScheduleArgumentError(f"costs must be a pipesched.CostModel (seconds, bytes per stage), got "
+                                    f"{type(costs).__name__} {costs!r}", argument="costs")
     if getattr(info, "takes_costs", False):
         return info.build(num_ranks, num_microbatches, v, costs=costs, memory_limit=memory_limit,
                           score=simulated_makespan)

@@ -56,7 +56,10 @@ def write_show(args: argparse.Namespace, program) -> int:
     comms = not args.compute_only
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", TorchCsvWarning)
-        to_torch_csv(program, args.torch_csv, comms=comms)
+        try:
+            to_torch_csv(program, args.torch_csv, comms=comms)
+        except OSError as exc:  # a missing folder, a folder given as the file: the option's error, not a traceback
+            raise ValueError(f"--torch-csv {args.torch_csv}: cannot write it ({exc.strerror or exc})") from None
     for warning in caught:
         print(f"note: {warning.message}", file=sys.stderr)
     form = "compute_comms" if comms else "compute_only"

@@ -57,7 +57,9 @@ def build_checked(name: str, builder: Callable, num_ranks, num_microbatches, vir
     if not isinstance(program, Program):
         raise TypeError(f"schedule {name!r}: its builder {_qualname(builder)} returned {type(program).__name__}, "
                         f"not a pipesched.Program (it must return the compute-only program)")
-    for what, got, want in (("num_ranks", program.num_ranks, p), ("num_microbatches", program.num_microbatches, m)):
+    sizes = (("num_ranks", program.num_ranks, p), ("num_microbatches", program.num_microbatches, m),
+             ("virtual_stages", program.num_stages // max(program.num_ranks, 1), v))
+    for what, got, want in sizes:
         if got != want:
             raise ScheduleArgumentError(f"schedule {name!r}: asked for {what}={want}, its builder "
                                         f"{_qualname(builder)} returned a program with {got}", argument=what)
@@ -129,8 +131,9 @@ class Registry:
         if old is not None and _same(old, info):
             return old
         if old is not None and not replace:
-            raise ValueError(f"schedule {name!r} is already registered (builder {_qualname(old.build.args[1])}); "
-                             f"pass replace=True to replace it, or choose another name")
+            raise ValueError(f"schedule {name!r} is already registered (builder {_qualname(old.build.args[1])}) with "
+                             f"other fields (only an identical registration is a no-op); pass replace=True to "
+                             f"replace it, or choose another name")
         self._user[name] = info
         return info
 

@@ -169,3 +169,10 @@ def test_cli_validate_torch_csv_errors(tmp_path, capsys):
     code, _, err = run(capsys, "validate", "--torch-csv", write(tmp_path, "0Z0\r\n", "z.csv"))
     assert code == 1 and "ProgramFormatError" in err
     assert "line 1, column 1 (rank 0): cannot read torch action '0Z0'" in err
+
+
+def test_cli_show_torch_csv_to_a_path_it_cannot_write_names_the_option(tmp_path, capsys):
+    code, _, err = run(capsys, "show", "1f1b", "-p", "2", "-m", "2", "--torch-csv", tmp_path / "no" / "x.csv")
+    assert code == 2 and f"error: --torch-csv {tmp_path / 'no' / 'x.csv'}: cannot write it (No such file" in err
+    code, _, err = run(capsys, "show", "1f1b", "-p", "2", "-m", "2", "--torch-csv", tmp_path)
+    assert code == 2 and f"error: --torch-csv {tmp_path}: cannot write it (Is a directory)" in err

@@ -95,7 +95,8 @@ def test_a_second_registration_needs_replace_unless_identical(clean_registry):
     first = ps.register_schedule("twice", build_reversed_1f1b, "d")
     assert ps.register_schedule("twice", build_reversed_1f1b, "d") == first  # importing twice is fine
     with pytest.raises(ValueError, match=r"schedule 'twice' is already registered \(builder test_registry"
-                                         r".build_reversed_1f1b\); pass replace=True"):
+                                         r".build_reversed_1f1b\) with other fields \(only an identical "
+                                         r"registration is a no-op\); pass replace=True"):
         ps.register_schedule("twice", lambda p, m, v: ps.build("gpipe", p, m, v), "other")
     ps.register_schedule("twice", lambda p, m, v: ps.build("gpipe", p, m, v), "other", replace=True)
     assert ps.build("twice", 2, 2).ranks == ps.build("gpipe", 2, 2).ranks
@@ -112,6 +113,11 @@ def test_a_builder_returning_something_else_is_a_clear_error(clean_registry):
                                                     "with 3") as info:
         ps.compile_program("wrong-m", 2, 2)
     assert info.value.argument == "num_microbatches"
+    ps.register_schedule("one-stage-per-rank", lambda p, m, v: ps.build("1f1b", p, m), "ignores v")
+    with pytest.raises(ScheduleArgumentError, match="asked for virtual_stages=2, its builder .* returned a program "
+                                                    "with 1") as info:
+        ps.compile_program("one-stage-per-rank", 2, 2, virtual_stages=2)
+    assert info.value.argument == "virtual_stages"
     ps.register_schedule("lowered", lambda p, m, v: ps.compile_program("1f1b", p, m), "d")
     with pytest.raises(ScheduleArgumentError, match="returned a program with SEND/RECV; a builder returns the "
                                                     "compute-only program"):

@@ -137,3 +137,12 @@ def test_pipeline_program_choice_passes_costs_to_zb_auto_only():
     assert got.meta["zb_auto"]["chosen"] == "greedy-alternate-fill-w1x+1"
     with pytest.raises(ValueError, match="costs=CostModel.* a given Program is run as it is: drop costs"):
         program_for(ps.compile_program("zb-h1", 2, 4), 2, 4, None, 1, costs=costs)
+
+
+def test_costs_that_are_not_a_cost_model_name_the_argument():
+    from pipesched import ScheduleArgumentError, compile_program
+
+    with pytest.raises(ScheduleArgumentError, match=r"^costs must be a pipesched.CostModel \(seconds, bytes per "
+                                                    r"stage\), got str 'x'$") as info:
+        compile_program("zb-auto", 2, 2, costs="x")
+    assert info.value.argument == "costs"
