@@ -165,7 +165,9 @@ class Registry:
                 info = self._user.get(name)
             if info is not None:
                 return info
-        raise UnknownScheduleError(f"unknown schedule {name!r}; valid names: {', '.join(sorted(self.names()))}")
+        raise UnknownScheduleError(f"unknown schedule {name!r}; valid names: {', '.join(sorted(self.names()))} "
+                                   f"(a schedule of your own: import the module that registers it first; on the "
+                                   f"command line, --schedule-module MODULE)")
 
     def registered(self) -> tuple[str, ...]:
         """The names registered into this object (user schedules, including those loaded from entry points)."""

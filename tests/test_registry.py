@@ -228,7 +228,10 @@ def test_cli_bad_schedule_module_exits_2_naming_it(capsys):
     assert capsys.readouterr().err == ("error: --schedule-module no_such_module_xyz: cannot import it: "
                                        "ModuleNotFoundError: No module named 'no_such_module_xyz'\n")
     assert main(["show", "no-such-schedule", "-p", "2"]) == 2
-    assert "unknown schedule 'no-such-schedule'; valid names:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown schedule 'no-such-schedule'; valid names:" in err
+    assert err.endswith("(a schedule of your own: import the module that registers it first; on the command line, "
+                        "--schedule-module MODULE)\n")
 
 
 # ---- property test of the example builder ----------------------------------------------------------------------
