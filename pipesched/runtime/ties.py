@@ -22,6 +22,7 @@ from ..lower import add_tie_reduce
 from ..validate import validate
 from .comm import backend_for
 from .stage import layer_starts
+from .state import rank_view
 from .tie_reduce import TieReducer
 
 
@@ -96,25 +97,16 @@ def counted_parameters(stages: dict, first_layers, ties: Sequence[TiedParameter]
     """This rank's parameters that a global norm or a checkpoint counts once over the pipeline: every parameter of
     its ``stages`` ({stage: nn.Sequential of its layers}, the first being layer ``first_layers[stage]`` of the
     model), each once, except tied copies whose owning stage is on another rank."""
-    elsewhere = {id(p) for t in ties if stage_to_rank[t.owner] != pp_rank
-                 for p in _local_copies(stages, first_layers, t)}
+    view = rank_view(stages, first_layers)  # this rank's layers under the unsplit model's names
+    local = {name for name, _ in view.named_parameters(remove_duplicate=False)}
+    elsewhere = {id(view.get_parameter(name)) for t in ties if stage_to_rank[t.owner] != pp_rank
+                 for name in t.names if name in local}
     seen = set()
     for module in stages.values():
         for p in module.parameters():
             if id(p) not in seen and id(p) not in elsewhere:
                 seen.add(id(p))
                 yield p
-
-
-def _local_copies(stages: dict, first_layers, tie: TiedParameter) -> list:
-    """The parameter of ``tie`` as the layers of ``stages`` (this rank's) hold it, once per local use."""
-    found = []
-    for name in tie.names:
-        index, _, rest = name.partition(".")
-        stage = max(s for s in range(len(first_layers) - 1) if first_layers[s] <= int(index))
-        if stage in stages:
-            found.append(stages[stage][int(index) - first_layers[stage]].get_parameter(rest))
-    return found
 
 
 def digest(tensor: torch.Tensor) -> str:
