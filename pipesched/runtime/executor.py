@@ -12,11 +12,10 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..ir import Op
 from .accounting import SavedBytes, tensor_bytes
-from .failure import CommError
+from .grad_sum import finish_sum, start_sum
 from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, describe_change, grad_specs, meta_of, tag_of
 from .microbatch import as_tuple, stage_output
 from .recompute import BufferLedger, check_no_forward_hooks, keep_nothing, replay_rng, rng_state
@@ -166,11 +165,8 @@ class Executor:
         for pending in list(st.act_sends.values()) + [st.other_sends]:
             for work, _ in pending:
                 wait(work, "a send")
-        for work, flat, grads in st.reductions:
-            wait(work, "the data-parallel all-reduce")
-            flat.div_(self.program.dp_size)
-            for g, avg in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(avg)
+        for started in st.reductions:
+            finish_sum(started, self.program.dp_size)  # the average over replicas; None where no replica had one
         if self.ties is not None:
             self.ties.finish()  # the tied-gradient sums TIE_REDUCE started
         if not st.io.train:
@@ -407,11 +403,9 @@ class Executor:
             st.recv_event[("grad", s, mb)] = len(self.events)
 
     def _all_reduce(self, instr):
-        grads = [p.grad for p in self.reduced[instr.stage] if p.grad is not None]
-        if grads and self.dp_group is not None:
-            flat = _flatten_dense_tensors(grads)  # (sum of numels,)
-            try:
-                work = self.dp_group.allreduce([flat])
-            except RuntimeError as exc:
-                raise CommError(f"the data-parallel all-reduce of stage {instr.stage}", exc) from None
-            self.step.reductions.append((work, flat, grads))
+        # every trainable parameter, with or without a gradient on this replica (grad_sum: presence flags), so the
+        # replicas sum the same elements even when one replica's data left a parameter unused
+        params = [p for p in self.reduced[instr.stage] if p.requires_grad or p.grad is not None]
+        if params and self.dp_group is not None:
+            self.step.reductions.append(
+                start_sum(self.dp_group, params, f"the data-parallel all-reduce of stage {instr.stage}"))

@@ -8,11 +8,7 @@ data-parallel ALL_REDUCE leaves tied parameters out (:meth:`TieReducer.untied`):
 """
 from __future__ import annotations
 
-import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-from .failure import CommError
-from .transport import wait
+from .grad_sum import finish_sum, start_sum
 
 
 class TieReducer:
@@ -35,49 +31,21 @@ class TieReducer:
         return {s: [p for p in ps if id(p) not in self.tied] for s, ps in params.items()}
 
     def start(self) -> None:
-        """Start the sum of each tie's gradients over its group, in tie order. Each copy takes part whatever its
-        ``.grad`` is: a tensor (its own dtype and shape), or ``None`` (its stages did not use it, or it was frozen),
-        sent as zeros. One presence flag per parameter (an extra element, 1 when this copy has a gradient, 0 when
-        not) travels in the same flat buffer, so :meth:`finish` tells "no copy had a gradient" from a zero sum.
+        """Start the sum of each tie's gradients over its group, in tie order (:func:`~.grad_sum.start_sum`: each
+        copy takes part whatever its ``.grad`` is, ``None`` (its stages did not use it, or it was frozen) as zeros
+        with a presence flag).
 
         Raises:
             CommError: the collective could not be started (names the tie).
         """
-        self.pending = []
-        for k in sorted(self.params):
-            params = self.params[k]
-            parts = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
-            parts += [torch.full((1,), float(p.grad is not None), dtype=part.dtype, device=part.device)
-                      for p, part in zip(params, parts)]
-            flat = _flatten_dense_tensors(parts)
-            try:
-                work = self.groups[k].allreduce([flat])  # sum
-            except RuntimeError as exc:
-                raise CommError(f"the tied-gradient sum of tie {k}", exc) from None
-            self.pending.append((k, work, flat, params))
+        self.pending = [start_sum(self.groups[k], self.params[k], f"the tied-gradient sum of tie {k}")
+                        for k in sorted(self.params)]
 
     def finish(self) -> None:
-        """Wait for the sums started this step and write each result into ``.grad``, identically on every copy:
-        when any copy of a parameter (any rank, any replica) had a gradient, every copy's ``.grad`` becomes the sum
-        divided by ``dp_size`` (frozen or not: the copies must stay identical); when none had one, every ``.grad``
-        stays ``None``, as the unsplit model's would (so an optimizer skips it, weight decay included)."""
+        """Wait for the sums started this step and write each result into ``.grad``, identically on every copy
+        (:func:`~.grad_sum.finish_sum`): when any copy of a parameter (any rank, any replica) had a gradient, every
+        copy's ``.grad`` becomes the sum divided by ``dp_size`` (frozen or not: the copies must stay identical);
+        when none had one, every ``.grad`` stays ``None``."""
         pending, self.pending = self.pending, []
-        for k, work, flat, params in pending:
-            wait(work, f"the tied-gradient sum of tie {k}")
-            totals = _unflatten_dense_tensors(flat, [*params, *(p.new_empty(1) for p in params)])
-            for p, total, flag in zip(params, totals[:len(params)], totals[len(params):]):
-                write_sum(p, total, bool(flag.item() > 0), self.dp_size)
-
-
-def write_sum(param, total, present: bool, dp_size: int) -> None:
-    """Set ``param.grad`` from the tie's summed gradient ``total`` (same shape and dtype): ``None`` when no copy had
-    a gradient (``present`` False), else ``total / dp_size``, into the existing ``.grad`` when there is one."""
-    if not present:
-        param.grad = None
-        return
-    if dp_size > 1:
-        total = total.div_(dp_size)
-    if param.grad is not None:
-        param.grad.copy_(total)
-    else:
-        param.grad = total.clone()
+        for started in pending:
+            finish_sum(started, self.dp_size)

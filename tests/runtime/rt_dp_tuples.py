@@ -93,8 +93,44 @@ def const_first_tuple(rank, schedule, v, steps=2, **options):
 OPTIONS = ((), ("split_backward",), ("recompute",))
 
 
+class SignBranch(nn.Module):
+    """x (B, D) -> (B, D): adds ``used(x)`` only when the microbatch's first column is positive on average, so which
+    replica's data reaches ``used`` decides whether it gets a gradient there; ``never`` gets none anywhere."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.used, self.never = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.used(x)) if x[:, 0].mean() > 0 else x
+
+
+def unused_on_some_replicas(rank):
+    """p=1 x dp=3, a layer whose branch only replica 1's data takes: its gradient on every replica must be the
+    unsplit model's on the whole batch (replica 1's part / 3, the other replicas contributing nothing), and a
+    parameter no replica used keeps ``.grad`` None. Without presence flags the replicas' flat buffers differ in
+    length (replica 1 has two more gradients)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(SignBranch(), nn.Linear(8, 8), nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    pipe = Pipeline(model, schedule="1f1b", num_microbatches=2, loss_fn=F.mse_loss, dp_size=WORLD)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(4 * WORLD, 8, generator=g), torch.randn(4 * WORLD, 8, generator=g)
+    x[:, 0] = torch.tensor([-1.0, 1.0, -1.0]).repeat_interleave(4) * (x[:, 0].abs() + 0.1)  # replica 1: positive
+    shard = slice(4 * pipe.grid.dp_rank, 4 * (pipe.grid.dp_rank + 1))
+    pipe.step(x[shard], target=y[shard])
+    reference_step(ref, x, y, 2 * WORLD)
+    grads = {name: (None if p.grad is None else p.grad.clone()) for name, p in model.named_parameters()}
+    want = {name: p.grad for name, p in ref.named_parameters()}
+    return {"none": sorted(n for n, gr in grads.items() if gr is None),
+            "ref_none": sorted(n for n, gr in want.items() if gr is None),
+            "worst": max(float((grads[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-30))
+                         for n in grads if grads[n] is not None and want[n] is not None),
+            "used_nonzero": bool(grads["0.used.weight"] is not None and grads["0.used.weight"].abs().sum() > 0)}
+
+
 def suite(rank):
-    results = {}
+    results = {"unused": unused_on_some_replicas(rank)}
     for schedule, v in SCHEDULES:
         results[("dp", schedule)] = dp_over_replicas(rank, schedule, v)
         for options in OPTIONS:

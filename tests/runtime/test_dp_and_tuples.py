@@ -38,3 +38,13 @@ def test_a_non_grad_float_tensor_first_in_a_stage_output_leaves_gradients_bitwis
         assert case["stages"] == stages[schedule][rank], case
         assert case["params"] > 0 and case["steps"] == [
             {"loss_equal": True, "grads": case["params"], "bitwise": True, "worst": 0.0}] * 2, (rank, case)
+
+
+def test_a_parameter_only_one_replica_uses_is_averaged_and_one_none_uses_stays_none(results):
+    # replica 1's data takes SignBranch's branch, replicas 0 and 2 do not; "0.never" is used by none: every replica
+    # must hold the unsplit model's whole-batch gradient (replica 1's part / 3 for 0.used), and None for 0.never
+    for rank, res in enumerate(results):
+        case = res["unused"]
+        assert case["ref_none"] == ["0.never.bias", "0.never.weight"], case
+        assert case["none"] == case["ref_none"], (rank, case)
+        assert case["used_nonzero"] is True and case["worst"] <= 1e-6, (rank, case)
