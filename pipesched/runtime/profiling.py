@@ -1,0 +1,275 @@
+"""Measure a model's layers (seconds and bytes per microbatch) and a link between two ranks: the
+:class:`~pipesched.profile.LayerProfile` that ``Pipeline(balance="time")`` and the planner read."""
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from ..profile import LayerProfile
+from .accounting import SavedBytes, tensor_bytes
+from .microbatch import as_tuple, stage_output
+from .recompute import scratch_buffers
+from .split import backward_input, backward_weight
+from .stage import layers_of
+
+
+def profile_layers(model, sample_input, target=None, loss_fn=None, repeat: int = 5, warmup: int = 1,
+                   sizes=None) -> LayerProfile:
+    """Run the layers of ``model`` one by one in this process on one microbatch and measure each.
+
+    Per layer, as the pipeline runs a stage of it: the forward; the input-gradient half of the backward (``I``)
+    and the weight-gradient half (``W``), split as the runtime splits them (:mod:`pipesched.runtime.split`;
+    a layer whose input needs no gradient, like the first, has ``I`` = 0 and its whole backward in ``W``); the
+    median of ``repeat`` timed runs after ``warmup`` untimed ones (seconds; on CUDA with events and
+    synchronisation; on a CPU with one intra-op thread, ``torch.get_num_threads() == 1`` as a rank of the
+    runtime runs, the thread's CPU time: what the work costs a core of its own, not the time it waited for a
+    core that other processes held, so a profile taken on a busy shared machine is still the layers'; else wall
+    time). The output gradient is all ones; the last layer's backward starts from
+    ``loss_fn(output, target)`` (``loss_fn(output)`` without a target), whose forward counts in that layer.
+
+    The same is timed again on the first rows of the sample for each smaller size of ``sizes``, and per layer
+    and time a line ``time = fixed + slope x samples`` is fitted (least squares): its intercept, clipped to
+    ``[0, the sample's time]``, is the layer's fixed seconds (``forward_fixed``, ``input_grad_fixed``,
+    ``weight_grad_fixed``), which :meth:`~pipesched.profile.LayerProfile.scaled` keeps when it scales to
+    smaller microbatches (a 1-sample microbatch still pays every op's dispatch).
+
+    Leaves no trace: parameters' ``.grad`` are as before (``None`` stays ``None``), buffers (BatchNorm's running
+    statistics, ``num_batches_tracked``) are untouched (the layers run on scratch copies), and the torch RNG
+    states (CPU and the CUDA devices of the parameters) are restored, so what runs after is bitwise what would
+    have run without profiling.
+
+    Args:
+        model: an ``nn.Sequential`` (or list of modules), on the device to measure.
+        sample_input: one microbatch: a tensor ``(microbatch_size, ...)`` or a tuple of them, on that device.
+        target, loss_fn: as for :class:`~pipesched.runtime.Pipeline`; without ``loss_fn`` the last layer's
+            backward starts from its outputs with all-ones gradients. A ``target`` tensor with as many rows as
+            the sample is cut like it for the smaller sizes (any other target is passed whole).
+        repeat: timed runs per measurement (>= 1); warmup: untimed runs before them (>= 0).
+        sizes: microbatch sizes (ints in ``[1, microbatch_size]``) to time besides the sample's own, for the fixed
+            parts; ``None``: a quarter of the sample (rounded down, at least 1), none for a 1-row sample;
+            ``()``: none (the fixed parts are 0: time in proportion to the samples). With ``sizes=None``, a
+            model that cannot run on fewer rows (BatchNorm on 1 row) gets a warning and fixed parts 0.
+    Returns:
+        A :class:`~pipesched.profile.LayerProfile` with ``microbatch_size`` the sample's dim 0, its times those
+        of the whole sample, the fixed parts, bytes (``activation_bytes``: tensors saved for backward, counted as
+        the runtime counts them, parameters excluded; ``output_bytes``: numel x itemsize of the output tensors;
+        ``param_bytes``; ``input_bytes``), the layers' class names and the device; no link (``latency`` 0,
+        ``bandwidth`` inf: see :func:`profile_link`).
+    Raises:
+        TypeError: ``model`` is not an ``nn.Sequential``/list of modules, ``sample_input`` not a tensor or tuple
+            of tensors, ``loss_fn`` not callable. ValueError: ``repeat`` < 1 or ``warmup`` < 0; ``sizes`` not
+            ints in ``[1, microbatch_size]``; a layer's output (not the last's) is not a tensor or tuple of
+            tensors.
+    """
+    layers = layers_of(model)
+    for name, value, low in (("repeat", repeat, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    inputs, is_tuple = as_tuple(sample_input, "sample_input")
+    n = int(inputs[0].shape[0])
+    smaller = _smaller_sizes(sizes, n)
+    params = [p for layer in layers for p in layer.parameters()]
+    device = params[0].device if params else inputs[0].device
+    cuda = sorted({t.device for t in params + list(inputs) if t.device.type == "cuda"}, key=str)
+    grads = [p.grad for p in params]  # restored at the end; the measured backwards accumulate into fresh ones
+    try:
+        for p in params:
+            p.grad = None
+        with torch.random.fork_rng(devices=cuda), scratch_buffers(torch.nn.ModuleList(layers)), torch.enable_grad():
+            rows = _run_layers(layers, inputs, is_tuple, loss_fn, target, repeat, warmup, device)
+            timings = {n: [row[:3] for row in rows]}
+            for size in smaller:
+                cut = tuple(t[:size] for t in inputs)
+                cut_target = target[:size] if isinstance(target, torch.Tensor) and target.dim() \
+                    and target.shape[0] == n else target
+                try:
+                    timings[size] = [row[:3] for row in _run_layers(layers, cut, is_tuple, loss_fn, cut_target,
+                                                                    repeat, warmup, device)]
+                except (RuntimeError, ValueError) as exc:
+                    if sizes is not None:
+                        raise
+                    warnings.warn(f"profile_layers: the model does not run on {size} of the sample's {n} rows "
+                                  f"({exc}); fixed parts left at 0 (pass sizes= to choose others)", stacklevel=2)
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+    columns = list(zip(*rows))
+    fixed = _fixed_parts(timings, n)
+    return LayerProfile(forward=columns[0], input_grad=columns[1], weight_grad=columns[2],
+                        activation_bytes=columns[3], output_bytes=columns[4], param_bytes=columns[5],
+                        microbatch_size=n, input_bytes=float(tensor_bytes(inputs[0])),
+                        layer_names=tuple(type(layer).__name__ for layer in layers), device=str(device),
+                        forward_fixed=fixed[0], input_grad_fixed=fixed[1], weight_grad_fixed=fixed[2])
+
+
+def _smaller_sizes(sizes, n: int) -> tuple[int, ...]:
+    """The sizes other than ``n`` to time (see ``profile_layers``'s ``sizes``)."""
+    if sizes is None:
+        return (n // 4,) if n // 4 >= 1 and n // 4 != n else ((1,) if n > 1 else ())
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__") or not all(
+            isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= n for k in sizes):
+        raise ValueError(f"sizes must be ints in [1, {n}] (the sample's rows), got {sizes!r}")
+    return tuple(sorted(set(sizes) - {n}))
+
+
+def _run_layers(layers, inputs, is_tuple, loss_fn, target, repeat, warmup, device) -> list[tuple]:
+    """Per layer, ``_measure``'s row, each layer fed the previous one's output."""
+    rows = []
+    for i, layer in enumerate(layers):
+        last = i == len(layers) - 1
+        row, out = _measure(layer, inputs, is_tuple, (loss_fn, target) if last else None, repeat, warmup, device)
+        rows.append(row)
+        if not last:
+            inputs, is_tuple = stage_output(out, i)
+            inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
+    return rows
+
+
+def _fixed_parts(timings: dict, n: int) -> tuple[tuple[float, ...], ...]:
+    """Per time (F, I, W) and layer, the intercept of the least-squares line through ``(size, seconds)`` over
+    ``timings`` (``{size: [(F, I, W) per layer]}``), clipped to ``[0, the time at n]``; 0 with one size."""
+    sizes = sorted(timings)
+    result = []
+    for kind in range(3):
+        column = []
+        for layer, row in enumerate(timings[n]):
+            points = [(k, timings[k][layer][kind]) for k in sizes]
+            column.append(min(max(_intercept(points), 0.0), row[kind]) if len(points) > 1 else 0.0)
+        result.append(tuple(column))
+    return tuple(result)
+
+
+def _intercept(points) -> float:
+    count = len(points)
+    mean_x = sum(x for x, _ in points) / count
+    mean_y = sum(y for _, y in points) / count
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+    return mean_y - slope * mean_x
+
+
+def _measure(layer, inputs, is_tuple, loss, repeat, warmup, device):
+    """``((forward, I, W seconds, saved, output, parameter bytes), output)`` of one layer."""
+    params = [p for p in layer.parameters() if p.requires_grad]
+    counter = SavedBytes(layer.parameters())
+    arg = inputs if is_tuple else inputs[0]
+
+    def forward():
+        out = layer(arg)
+        root = out
+        if loss is not None and loss[0] is not None:
+            root = loss[0](out, loss[1]) if loss[1] is not None else loss[0](out)
+        return out, root
+
+    with counter.track():
+        out, root = forward()
+    saved = counter.take()
+    f_times, i_times, w_times = [], [], []
+    for run in range(warmup + repeat):
+        f, (out, root) = _timed(forward, device)
+        roots = [t for t in as_tuple(root)[0] if t.requires_grad] if isinstance(root, (torch.Tensor, tuple, list)) \
+            else []
+        seeds = None if loss is not None and loss[0] is not None else [torch.ones_like(t) for t in roots]
+        b_i, (_, work) = _timed(lambda: backward_input(roots, seeds, inputs, params), device)
+        b_w, _ = _timed(lambda: backward_weight(work), device)
+        for p in params:
+            p.grad = None
+        if run >= warmup:
+            f_times.append(f), i_times.append(b_i), w_times.append(b_w)
+    outputs = as_tuple(out)[0] if isinstance(out, (torch.Tensor, tuple, list)) else ()
+    output_bytes = tensor_bytes(t for t in outputs if isinstance(t, torch.Tensor))
+    return (statistics.median(f_times), statistics.median(i_times), statistics.median(w_times) if params else 0.0,
+            float(saved), float(output_bytes), float(tensor_bytes(layer.parameters()))), out
+
+
+def _timed(fn, device):
+    """``(seconds, fn())``: CUDA events on a CUDA device; on a CPU with one intra-op thread, this thread's CPU
+    time (the work, not the waits for a core that other processes hold; the CPU autograd engine runs the
+    backward on the calling thread); else wall time."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        result = fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1e3, result
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    begin = clock()
+    result = fn()
+    return clock() - begin, result
+
+
+def profile_link(group=None, nbytes=(1 << 10, 1 << 16, 1 << 20, 1 << 22), repeat: int = 5,
+                 device=None) -> tuple[float, float]:
+    """Latency (seconds) and bandwidth (bytes/s) of point-to-point messages between the first two ranks of
+    ``group``: a collective, every rank of the group calls it and gets the same two numbers.
+
+    The first two ranks of the group send each other messages of ``nbytes`` (a ping-pong, ``repeat`` times per
+    size after one warm-up); a message's time is half the median round trip; ``time = latency + bytes /
+    bandwidth`` is fitted by least squares over the sizes. ``latency`` is the fit's intercept, or, if that is
+    not positive, the smallest size's time; ``bandwidth`` is ``inf`` when the time does not grow with the size.
+    Put them into a profile with ``dataclasses.replace(profile, latency=latency, bandwidth=bandwidth)``.
+
+    Args:
+        group: a process group of >= 2 ranks (``None``: the default group).
+        nbytes: message sizes in bytes, >= 2 distinct positive ints.
+        repeat: round trips per size, >= 1.
+        device: where the messages live (default: the current CUDA device on NCCL, else the CPU).
+    Raises:
+        RuntimeError: torch.distributed is not initialised. ValueError: the group has fewer than 2 ranks,
+            bad ``nbytes`` or ``repeat`` (raised on every rank, before any message).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("profile_link needs torch.distributed initialised (pipesched.runtime.launch or torchrun)")
+    sizes = sorted(set(nbytes)) if isinstance(nbytes, (list, tuple)) else []
+    if len(sizes) < 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
+        raise ValueError(f"nbytes must hold >= 2 distinct positive ints (bytes), got {nbytes!r}")
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    if len(ranks) < 2:
+        raise ValueError(f"profile_link needs a group of at least 2 ranks, got {len(ranks)}")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+            else torch.device("cpu")
+    me, (a, b) = dist.get_rank(), ranks[:2]
+    result = torch.zeros(2, dtype=torch.float64, device=device)
+    if me in (a, b):
+        times = [_round_trip(size, me == a, b if me == a else a, repeat, group, device) / 2 for size in sizes]
+        result = torch.tensor(_fit(sizes, times), dtype=torch.float64, device=device)
+    dist.broadcast(result, src=a, group=group)
+    latency, inverse = result.tolist()
+    return latency, (1.0 / inverse if inverse > 0 else float("inf"))
+
+
+def _round_trip(size, first, peer, repeat, group, device):
+    buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+    times = []
+    for run in range(repeat + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        begin = time.perf_counter()
+        for sending in ((True, False) if first else (False, True)):
+            (dist.send if sending else dist.recv)(buffer, peer, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if run:
+            times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def _fit(sizes, times):
+    """``(latency, seconds per byte)`` by least squares; latency falls back to the smallest time when the
+    intercept is not positive, seconds per byte to 0 when the slope is not."""
+    n = len(sizes)
+    mean_x, mean_y = sum(sizes) / n, sum(times) / n
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, times)) / sum((x - mean_x) ** 2 for x in sizes)
+    slope = max(slope, 0.0)
+    intercept = mean_y - slope * mean_x
+    return (intercept if intercept > 0 else min(times)), slope
