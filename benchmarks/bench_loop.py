@@ -5,8 +5,9 @@ Model: ``pipesched.demo.model.make_gpt(256, context, width, depth, 4, dropout=0.
 context 128, 4 blocks, embedding tied to the LM head), 1F1B on 4 ranks (gloo, 127.0.0.1, one thread each), batch 16
 in 4 microbatches, balance by parameters (the demo's), autocast as the demo's ``--autocast auto``, AdamW. The same
 model untied (``tied=False``: the head gets its own weight, of the same shape, so the same compute) runs as the
-reference, cut into the same stages; the two pipelines alternate in blocks of ``--block`` steps (which one goes first
-alternates too), after ``--warmup`` steps each that are not counted.
+reference, cut into the same stages, and the tied model a second time with ``pipe.anticipate_clip = False`` (every
+``clip_grad_norm_`` through the all-gather, as before anticipation: "collective"); the three pipelines take turns in
+blocks of ``--block`` steps (the order rotates), after ``--warmup`` steps each that are not counted.
 
 Each loop iteration: barrier, ``pipe.step()``, barrier, ``pipe.clip_grad_norm_(1.0)``, AdamW step, zero_grad. The
 barriers keep the ranks' skew out of both times: a step's time is the longest of the 4 ranks' ``step()`` wall times
@@ -17,11 +18,18 @@ over the measured steps, in ms:
 - tie (timeline): on each rank holding the tie, its ``TIE_REDUCE`` event in the measured timeline (flatten the
   gradient, start the all-reduce) plus the step end's wait for the sum and the copy back (``TieReducer.finish``, not
   in the timeline: timed here by wrapping it), on the rank of stage 0, whose ``TIE_REDUCE`` comes last;
-- tie (A/B): the median over i of (i-th tied step - i-th untied step), two steps from the same pair of blocks (end
-  to end, noisier: the quartiles of those differences are printed too);
-- clip: ``clip_grad_norm_(1.0)`` wall time (tied pipeline);
+- tie (A/B): the median over i of (i-th tied step - i-th untied step), two steps from the same rotation of blocks
+  (end to end, noisier: the quartiles of those differences are printed too);
+- clip: ``clip_grad_norm_(1.0)`` wall time (tied pipeline; after the first step it combines the norm parts the step
+  sent at its end, ``runtime/norm_parts.py``, without a collective); and the same for the "collective" pipeline;
+- parts: what sending the norm parts at the step's end adds to the step: per step, the longest rank's ``step()``
+  minus the longest of the ranks' ``step()`` less their own ``NormParts.exchange`` time (compute the part, send
+  it, wait for the others' parts); the end of the step without the exchange, estimated in the same step;
+- clip cost: clip + parts (what anticipated clipping costs the loop); collective A/B: the median over i of
+  ((step + clip) of the tied pipeline - (step + clip) of the collective one), from the same rotation of blocks
+  (end to end, noisy);
 - bare all-reduce: a ``dist.all_reduce`` of 6 float64 over the 4 ranks after a barrier, once per iteration: the
-  latency of the one collective clipping makes, without its norm and scaling.
+  latency of a collective such as the one clipping made before anticipation, without its norm and scaling.
 
     python benchmarks/bench_loop.py [--steps 40] [--block 5] [--warmup 3] [--autocast auto|bf16|fp32]
 """
@@ -69,6 +77,22 @@ def probe_tie_wait(pipe) -> list:
     return times
 
 
+def probe_parts(pipe) -> list:
+    """Time each step's exchange of the norm parts (``NormParts.exchange``, at the step's end, not an instruction):
+    returns the list each call appends its seconds to."""
+    times: list = []
+    parts = pipe._norm_parts  # benchmark probe: the pipeline's NormParts (runtime/norm_parts.py)
+    exchange = parts.exchange
+
+    def timed_exchange():
+        t0 = time.perf_counter()
+        exchange()
+        times.append(time.perf_counter() - t0)
+
+    parts.exchange = timed_exchange
+    return times
+
+
 def timed(fn) -> float:
     """Seconds ``fn()`` took on this rank, after a barrier."""
     dist.barrier()
@@ -82,19 +106,20 @@ def tie_start(pipe) -> float:
     return sum(e.end - e.start for e in pipe.timeline().events if e.instr.op == Op.TIE_REDUCE)
 
 
-def one_step(pipe, opt, batch, record, waits) -> None:
-    """One loop iteration; appends (step s, clip s, TIE_REDUCE s, tie wait s, bare all-reduce s) of this rank to
-    ``record``. The bare all-reduce (6 float64 over the 4 ranks, what clipping reduces) is the collective's latency
-    alone, without the norm and the scaling."""
+def one_step(pipe, opt, batch, record, waits, exchanges) -> None:
+    """One loop iteration; appends (step s, clip s, TIE_REDUCE s, tie wait s, bare all-reduce s, norm-part exchange
+    s, 1 if the clip used the step's parts) of this rank to ``record``. The bare all-reduce (6 float64 over the 4
+    ranks) is a collective's latency alone, without the norm and the scaling."""
     x, y = batch
-    before = len(waits)
+    before, exchanged, used = len(waits), len(exchanges), pipe._norm_parts.used
     step = timed(lambda: pipe.step(x, target=y))
     clip = timed(lambda: pipe.clip_grad_norm_(MAX_NORM))
     opt.step()
     opt.zero_grad()
     bare = timed(lambda: dist.all_reduce(torch.zeros(6, dtype=torch.float64)))
     if record is not None:
-        record.append((step, clip, tie_start(pipe), sum(waits[before:]), bare))
+        record.append((step, clip, tie_start(pipe), sum(waits[before:]), bare, sum(exchanges[exchanged:]),
+                       pipe._norm_parts.used - used))
 
 
 def batches(args):
@@ -108,39 +133,49 @@ def ranks(rank: int, args) -> dict:
     torch.set_num_threads(1)
     tied, tied_opt = make_pipe(args, True, "params")
     untied, untied_opt = make_pipe(args, False, list(tied.balance))  # the same stages
+    collective, collective_opt = make_pipe(args, True, list(tied.balance))
+    collective.anticipate_clip = False  # every clip_grad_norm_ through the all-gather
     if not tied.ties or untied.ties or list(untied.balance) != list(tied.balance):
         raise RuntimeError(f"expected a tie across ranks in the tied model only, the same stages in both: ties "
                            f"{tied.ties} / {untied.ties}, balance {tied.balance} / {untied.balance}")
-    variants = {"tied": (tied, tied_opt, probe_tie_wait(tied)), "untied": (untied, untied_opt, [])}
+    variants = {"tied": (tied, tied_opt, probe_tie_wait(tied), probe_parts(tied)),
+                "untied": (untied, untied_opt, [], probe_parts(untied)),
+                "collective": (collective, collective_opt, [], probe_parts(collective))}
     data, records = batches(args), {name: [] for name in variants}
-    for name, (pipe, opt, waits) in variants.items():
+    for name, (pipe, opt, waits, exchanges) in variants.items():
         for _ in range(args.warmup):
-            one_step(pipe, opt, next(data), None, waits)
+            one_step(pipe, opt, next(data), None, waits, exchanges)
     blocks = -(-args.steps // args.block)
     for b in range(blocks):
-        order = list(variants) if b % 2 == 0 else list(variants)[::-1]
+        order = list(variants)[b % 3:] + list(variants)[:b % 3]
         for name in order:
-            pipe, opt, waits = variants[name]
+            pipe, opt, waits, exchanges = variants[name]
             for _ in range(min(args.block, args.steps - b * args.block)):
-                one_step(pipe, opt, next(data), records[name], waits)
+                one_step(pipe, opt, next(data), records[name], waits, exchanges)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, records)
     info = {"balance": list(tied.balance), "ties": [str(t) for t in tied.ties], "autocast": str(tied.autocast)}
     tied.close()
     untied.close()
+    collective.close()
     return {"ranks": gathered, **info} if rank == 0 else None
 
 
 def summarize(result: dict) -> dict:
     """Medians in ms from every rank's records (see the module docstring)."""
-    per_rank = result["ranks"]  # [rank][variant] -> [(step, clip, tie start, tie wait, bare)] per step
+    per_rank = result["ranks"]  # [rank][variant] -> [(step, clip, tie start, tie wait, bare, exchange, used)]
     ms = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
     out, longest = {}, {}
-    for name in ("tied", "untied"):
+    for name in ("tied", "untied", "collective"):
         steps = list(zip(*(r[name] for r in per_rank)))  # per step: the 4 ranks' tuples
-        longest[name] = [[max(t[i] for t in s) for s in steps] for i in range(5)]  # [field][step]
+        longest[name] = [[max(t[i] for t in s) for s in steps] for i in range(7)]  # [field][step]
+        # the step's end without the norm-part exchange: each rank's step less its exchange, the longest of them
+        parts = [max(t[0] for t in s) - max(t[0] - t[5] for t in s) for s in steps]
         out[name] = {"step": ms(longest[name][0]), "clip": ms(longest[name][1]), "bare": ms(longest[name][4]),
-                     "n": len(steps)}
+                     "parts": ms(parts), "cost": ms([c + p for c, p in zip(longest[name][1], parts)]),
+                     "used": min(longest[name][6]), "n": len(steps)}
+    loop = {name: [s + c for s, c in zip(longest[name][0], longest[name][1])] for name in ("tied", "collective")}
+    out["clip_ab"] = ms(sorted(a - b for a, b in zip(loop["tied"], loop["collective"])))
     # the i-th tied and the i-th untied step ran in the same pair of blocks: the median of their differences
     diffs = sorted(t - u for t, u in zip(longest["tied"][0], longest["untied"][0]))
     out["ab"] = ms(diffs)
@@ -157,14 +192,23 @@ def summarize(result: dict) -> dict:
 
 
 def table(s: dict) -> str:
-    t, u = s["tied"], s["untied"]
+    t, u, c = s["tied"], s["untied"], s["collective"]
     pct = lambda v: f"{100 * v / t['step']:.1f}%"  # noqa: E731
     ab = s["ab"]
     rows = ["| step ms (tied) | step ms (untied) | tie ms (timeline) | tie % | tie ms (A/B) | tie % (A/B) "
-            "| clip ms | clip % | bare all-reduce ms | steps |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| bare all-reduce ms | steps |",
+            "|---|---|---|---|---|---|---|---|",
             f"| {t['step']:.1f} | {u['step']:.1f} | {s['tie']:.2f} | {pct(s['tie'])} | {ab:+.2f} | {pct(ab)} "
-            f"| {t['clip']:.2f} | {pct(t['clip'])} | {t['bare']:.2f} | {t['n']} + {u['n']} |"]
+            f"| {t['bare']:.2f} | {t['n']} + {u['n']} + {c['n']} |",
+            "",
+            "| clipping | step ms | clip ms | parts ms | clip + parts ms | % of the step | (step + clip) A/B ms |",
+            "|---|---|---|---|---|---|---|",
+            f"| anticipated | {t['step']:.1f} | {t['clip']:.2f} | {t['parts']:.2f} | {t['cost']:.2f} "
+            f"| {pct(t['cost'])} | {s['clip_ab']:+.2f} |",
+            f"| collective | {c['step']:.1f} | {c['clip']:.2f} | - | {c['clip']:.2f} | {pct(c['clip'])} | 0 |"]
+    if t["used"] != 1 or c["used"] != 0:
+        rows.append(f"\nWARNING: not every measured clip of the tied pipeline used the anticipated parts "
+                    f"({t['used']}), or the collective one did ({c['used']})")
     parts = ", ".join(f"rank {k}: TIE_REDUCE {a:.3f} ms + end wait {b:.3f} ms" for k, (a, b) in s["tie_parts"].items())
     lo, hi = s["ab_iqr"]
     return "\n".join(rows) + (f"\n\ntie parts (medians): {parts}; tied - untied step, paired: median {ab:+.2f} ms, "

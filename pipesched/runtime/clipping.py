@@ -3,12 +3,16 @@
 ``torch.nn.utils.clip_grad_norm_(pipe.parameters(), ...)`` sees this rank's gradients only, so each rank would
 clip by its own norm: a different model than the unsplit one. :func:`clip_grad_norm_` computes this rank's part
 with torch's own :func:`torch.nn.utils.get_total_norm` (torch >= 2.6; the same computation before), combines
-the parts of all pipeline ranks through ONE ``all_gather`` over the pipeline group (then, on every rank alike and in
-rank order, the SUM of ``norm ** p``, or the MAX for ``p = inf``), and scales with torch's
+the parts of all pipeline ranks (on every rank alike and in rank order, the SUM of ``norm ** p``, or the MAX for
+``p = inf``), and scales with torch's
 :func:`torch.nn.utils.clip_grads_with_norm_`, so the coefficient is torch's: ``min(max_norm / (total + 1e-6), 1)``.
-Each rank's ``max_norm`` and ``norm_type`` travel in the same gather, so ranks that passed different ones all raise
-a ``ValueError`` (:func:`check_same`) instead of clipping differently; one gather, not an all-reduce, because the
-reduction (SUM or MAX) would depend on the very ``norm_type`` the ranks may disagree on.
+The parts come one of two ways. Right after a step that anticipated this call (:mod:`~pipesched.runtime.norm_parts`:
+each rank's part travelled point to point at the step's end), from that step, without any communication. Otherwise
+(the first call, another ``norm_type`` or ``max_norm``, gradients changed since the step) through ONE ``all_gather``
+over the pipeline group (:func:`gather_parts`): each rank's ``max_norm`` and ``norm_type`` travel in it, so ranks
+that passed different ones all raise a ``ValueError`` (:func:`check_same`) instead of clipping differently; one
+gather, not an all-reduce, because the reduction (SUM or MAX) would depend on the very ``norm_type`` the ranks may
+disagree on. Both ways combine the same rows with the same code, so they give bitwise the same total and gradients.
 
 Data-parallel replicas hold identical gradients after the step's all-reduce: only the pipeline group is reduced
 over, so nothing is counted twice. The norm counts each parameter of the unsplit model once,
@@ -24,8 +28,9 @@ import torch
 import torch.distributed as dist
 
 from .failure import CommError
+from .handshake import CLIP_MARK, ROW_LEN, check_rows_meet
 
-# floating dtypes a norm can have, in the order of the flags the reduction carries (see :func:`_local_part`)
+# floating dtypes a norm can have, in the order of the flags the reduction carries (see :func:`local_part`)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -96,10 +101,11 @@ def _scale_before_2_6(params, max_norm: float, total: torch.Tensor) -> None:
             p.grad.mul_(coef.to(p.grad.device))
 
 
-def _local_part(params, max_norm: float, norm_type: float, foreach, device: torch.device) -> torch.Tensor:
+def local_part(params, max_norm: float, norm_type: float, foreach, device: torch.device) -> torch.Tensor:
     """This rank's row of the reduction, a float64 tensor of shape ``(4 + len(_DTYPES),)`` on ``device``:
-    ``[norm ** p (the norm itself for inf), 1 if the norm is nan, a 1 at the index of the norm's dtype, ...,
-    max_norm, norm_type]`` (the norm, nan and dtype entries all zeros when no parameter here has a ``.grad``).
+    ``[norm (this rank's norm_type-norm, in float64), 1 if the norm is nan, a 1 at the index of the norm's dtype, ...,
+    max_norm, norm_type]`` (the norm, nan and dtype entries all zeros when no parameter here has a ``.grad``). The norm
+    itself, not its power, so that a row scales exactly with its gradients (GradScaler.unscale_, norm_parts).
 
     Raises:
         TypeError: the norm's dtype is not one of float16, bfloat16, float32, float64.
@@ -114,29 +120,44 @@ def _local_part(params, max_norm: float, norm_type: float, foreach, device: torc
         raise TypeError(f"clip_grad_norm_ supports gradients whose norm is one of {_DTYPES}, got {norm.dtype}")
     flag = 2 + _DTYPES.index(norm.dtype)
     norm = norm.to(device=device, dtype=torch.float64)
-    part[0] = norm if math.isinf(norm_type) else norm ** norm_type
+    part[0] = norm
     part[1] = norm.isnan()
     part[flag] = 1.0
     return part
 
 
-def gather_parts(params, max_norm: float, norm_type: float, foreach, group, device: torch.device) -> list:
-    """Every rank's :func:`_local_part` (collective over ``group``: ONE ``all_gather`` of ``8`` float64 values per
-    rank on ``device``, then one host read). One operation whatever the arguments, so ranks that passed different
-    ones still meet in it, and each rank sees every rank's arguments (:func:`check_same`).
+def gather_parts(params, max_norm: float, norm_type: float, foreach, group, device: torch.device,
+                 calls: int = 0, fell_back: bool = False) -> list:
+    """Every rank's :func:`local_part` (collective over ``group``: ONE ``all_gather`` per rank on ``device`` of a row
+    shaped as the step's opening row, ``ROW_LEN`` int64 words: ``CLIP_MARK``, ``calls``, the part's 8 float64 values
+    as their bits; then one host read). One operation whatever the arguments, so ranks that passed different ones
+    still meet in it, and each rank sees every rank's arguments (:func:`check_same`); a rank that meets another's
+    step opening instead (it took the anticipated path) or another count of calls raises
+    (:func:`~pipesched.runtime.handshake.check_rows_meet`).
 
     Returns:
         The rows by rank of ``group`` (pipeline rank), each a list of floats.
     Raises:
-        CommError: the all-gather failed (a peer is gone, or ``timeout`` passed).
+        CommError: the all-gather failed (a peer is gone, or ``timeout`` passed); ``fell_back``: this rank could
+            not use the parts its last step anticipated, and the error says that the others may not have joined.
+        RuntimeError: the ranks are out of step (see above), on every rank that took part.
     """
-    part = _local_part(params, max_norm, norm_type, foreach, device)
-    rows = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
+    part = local_part(params, max_norm, norm_type, foreach, device)
+    words = torch.zeros(ROW_LEN, dtype=torch.int64, device=device)
+    words[0], words[1] = CLIP_MARK, calls
+    words[2:2 + part.numel()] = part.view(torch.int64)
+    rows = [torch.empty_like(words) for _ in range(dist.get_world_size(group))]
     try:
-        dist.all_gather(rows, part, group=group)
+        dist.all_gather(rows, words, group=group)
     except RuntimeError as exc:
-        raise CommError("the all-gather of clip_grad_norm_ over the pipeline group", exc) from None
-    return torch.stack(rows).tolist()
+        what = "the all-gather of clip_grad_norm_ over the pipeline group"
+        if fell_back:
+            what += (" (this rank could not use the norm parts its last step anticipated: its max_norm, norm_type "
+                     "or gradients differed from that step's, so it took the collective; ranks that could went on "
+                     "without it. Call clip_grad_norm_ alike on every rank, or set pipe.anticipate_clip = False)")
+        raise CommError(what, exc) from None
+    check_rows_meet([row[:2].tolist() for row in rows], CLIP_MARK)
+    return torch.stack([row[2:2 + part.numel()] for row in rows]).view(torch.float64).tolist()
 
 
 def check_same(rows: list) -> None:
@@ -165,8 +186,8 @@ def total_norm(rows: list, norm_type: float, device: torch.device) -> torch.Tens
         gradients (the promotion of their norms' dtypes; float32 when no rank has a gradient). nan if any
         gradient holds a nan; inf if one holds an inf (as torch).
     """
-    powers = [row[0] for row in rows]
-    value = max(powers) if math.isinf(norm_type) else sum(powers)
+    norms = [row[0] for row in rows]
+    value = max(norms) if math.isinf(norm_type) else sum(norm ** norm_type for norm in norms)
     present = [d for k, d in enumerate(_DTYPES) if any(row[2 + k] > 0 for row in rows)]
     dtype = present[0] if present else torch.float32  # torch's get_total_norm([]) is float32 too
     for d in present[1:]:
@@ -186,12 +207,19 @@ def nonfinite_message(norm_type: float) -> str:
 
 
 def clip_grad_norm_(pipe, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None) -> torch.Tensor:
-    """:meth:`Pipeline.clip_grad_norm_ <pipesched.runtime.Pipeline.clip_grad_norm_>`: check, gather, agree, scale."""
+    """:meth:`Pipeline.clip_grad_norm_ <pipesched.runtime.Pipeline.clip_grad_norm_>`: check, the anticipated
+    parts or a gather, agree, scale."""
     value, norm_type = check_clip_arguments(max_norm, norm_type, error_if_nonfinite, foreach)
-    with torch.no_grad():  # closed or broken: the error step() gives
-        rows = pipe.run_collective(lambda pp_group, _: gather_parts(list(pipe.owned_parameters()), value, norm_type,
-                                                                    foreach, pp_group, pipe.device))
-        check_same(rows)  # outside run_collective: a ValueError, the pipeline stays usable
+    pipe._check_local(None, None)  # closed or broken: the error step() gives, on either path
+    parts = pipe._norm_parts  # anticipated clipping (runtime/norm_parts.py)
+    with torch.no_grad():
+        rows = parts.take(value, norm_type, foreach)  # counts the call
+        if rows is None:
+            rows = pipe.run_collective(lambda pp_group, _: gather_parts(list(pipe.owned_parameters()), value,
+                                                                        norm_type, foreach, pp_group, pipe.device,
+                                                                        parts.calls, parts.fell_back))
+            check_same(rows)  # outside run_collective: a ValueError, the pipeline stays usable
+        parts.wanted = (value, norm_type)  # the next steps anticipate these
         total = total_norm(rows, norm_type, pipe.device)
         if error_if_nonfinite and not bool(total.isfinite()):
             raise RuntimeError(nonfinite_message(norm_type))  # on every rank: the norm is the same everywhere
