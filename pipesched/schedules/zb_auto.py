@@ -30,8 +30,10 @@ Candidates are ranked by ``score(program, costs) -> seconds``: :func:`pipesched.
 builder, imports neither the simulator nor the passes); without one, :func:`timed_makespan` ranks them (the same
 costs, messages as pure delays, no ``RECV`` ordering).
 
-Costs are given, not measured: ``Pipeline(..., schedule="zb-auto", costs=CostModel(...))`` compiles from them;
-measuring F, I, W during a first step is not done here. The limit counts microbatch-stages, not bytes.
+This builder takes its costs as given. ``Pipeline(..., schedule="zb-auto", costs=CostModel(...))`` compiles from
+them; without ``costs`` the runtime measures F, I, W and the message latency during a first step run with a safe
+program and compiles from what the ranks agreed on (``pipesched.runtime.measured_costs``). The limit counts
+microbatch-stages, not bytes.
 """
 from __future__ import annotations
 
