@@ -7,6 +7,13 @@ ours and torch's for gpipe / 1f1b / interleaved-1f1b, their ratio, and single-pr
 next to torch's plain Schedule1F1B.
 
     python benchmarks/bench_runtime.py [--rounds 6] [--block 10] [--warmup 5] [--profile]
+
+``--zero-bubble``: instead, the zero-bubble table (``benchmarks/bench_zero_bubble.py``, which takes the other
+options): ours' 1f1b / zb-h1 / zb-h2 / zbv / dualpipev / zb-auto next to torch's Schedule1F1B /
+ScheduleInterleavedZeroBubble / ScheduleZBVZeroBubble / ScheduleDualPipeV, at m=8 and m=4, on this model and a
+wider one; page faults per step, measured and simulated bubble.
+
+    python benchmarks/bench_runtime.py --zero-bubble [--rounds 4] [--block 5] [--warmup 5] [--m 8,4] ...
 """
 from __future__ import annotations
 
@@ -144,7 +151,14 @@ def single_process(steps: int, warmup: int) -> tuple[float, float]:
 
 
 def main() -> None:
+    import sys
+
+    if "--zero-bubble" in sys.argv[1:]:  # the zero-bubble table, with that module's options
+        import bench_zero_bubble
+
+        return bench_zero_bubble.main([a for a in sys.argv[1:] if a != "--zero-bubble"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--zero-bubble", action="store_true", help="the zero-bubble table (bench_zero_bubble.py)")
     parser.add_argument("--rounds", type=int, default=6, help="alternations of ours and torch's")
     parser.add_argument("--block", type=int, default=10, help="steps per block")
     parser.add_argument("--warmup", type=int, default=5)

@@ -37,7 +37,23 @@ class WeightGrad:
         self.whole = whole  # (roots, grads): no input needs a gradient, W is the whole backward
 
 
-def backward_input(roots, grads, inputs, params):
+class SplitPlans:
+    """The graph analysis of a stage's last split backward, reused while the graph keeps its shape.
+
+    Every microbatch builds a new autograd graph, but a stage's graph has the same shape each time (same
+    nodes in the same breadth-first order, same edges, the inputs and parameters at the same places). Which
+    nodes ``I`` hooks and how ``W`` groups the parameters depend only on that shape, so :func:`backward_input`
+    keeps the last analysis here with the shape it was made for, and redoes it only when the shape differs.
+    One per stage (the executor keeps one for each of its stages); holds integers, no tensors or nodes."""
+
+    __slots__ = ("key", "plan", "hits")
+
+    def __init__(self) -> None:
+        self.key = self.plan = None
+        self.hits = 0  # analyses reused (for tests and benchmarks)
+
+
+def backward_input(roots, grads, inputs, params, plans: SplitPlans | None = None):
     """Input-gradient half of the backward of ``roots`` (a stage's outputs, or its loss) with output gradients
     ``grads`` (``None``: ``roots`` are scalars, gradient 1).
 
@@ -46,6 +62,8 @@ def backward_input(roots, grads, inputs, params):
         grads: one gradient per root (same shape and dtype), or ``None``.
         inputs: the stage's input tensors (leaves); those that require grad get a gradient.
         params: the stage's parameters that require grad.
+        plans: where this stage's graph analysis is kept between calls (:class:`SplitPlans`); ``None``: none is
+            kept (each call analyses its graph). Results are the same either way.
     Returns:
         ``(input_grads, weight_grad)``: one gradient per input that requires grad (``None`` where no root
         depends on it, as ``.grad`` after a fused backward), and the :class:`WeightGrad` to pass to
@@ -54,23 +72,31 @@ def backward_input(roots, grads, inputs, params):
     need = [t for t in inputs if t.requires_grad]
     if not need or not roots:
         return (None,) * len(need), WeightGrad([], (roots, grads) if roots else None)
-    parents = _parents([_node(r) for r in roots])
-    closure = _upward({_node(t) for t in need}, parents, stop=())
-    groups = _groups(params, parents, closure)
+    nodes, index, kids = _walk([_node(r) for r in roots])
+    leaf = _leaves(nodes, kids)
+    key = (kids,  # the shape: edges, then where the inputs and the parameters are (None: not in the graph)
+           tuple(index.get(t.grad_fn) if t.grad_fn is not None else leaf.get(id(t)) for t in need),
+           tuple(leaf.get(id(p)) for p in params))
+    if plans is not None and plans.key == key:
+        plans.hits += 1
+        closure, boundary, groups = plans.plan
+    else:
+        closure, boundary, groups = _plan(*key)
+        if plans is not None:
+            plans.key, plans.plan = key, (closure, boundary, groups)
     records: dict = {}
-    boundary = [node for nodes, _ in groups for node in nodes if node in closure]
-    handles = [node.register_prehook(_recorder(records, node)) for node in boundary]
+    handles = [nodes[i].register_prehook(_recorder(records, i)) for i in boundary]
     try:
         got = torch.autograd.grad(roots, need, grads, retain_graph=True, allow_unused=True)
     finally:
         for handle in handles:
             handle.remove()
-    records.update(_root_seeds(roots, grads, closure))
+    records.update(_root_seeds(roots, grads, closure, index))
     work = []
-    for nodes, group_params in groups:
-        starts = [(node, records[node]) for node in nodes if node in records]
-        if starts:
-            work.append((starts, group_params))
+    for starts, positions in groups:
+        found = [(nodes[i], records[i]) for i in starts if i in records]
+        if found:
+            work.append((found, [params[k] for k in positions]))
     return tuple(got), WeightGrad(work)
 
 
@@ -88,11 +114,27 @@ def backward_weight(work: WeightGrad) -> None:
         pins = [node.register_prehook(_pin(grads)) for node, grads in starts
                 if isinstance(grads, tuple)] if len(starts) > 1 else []
         try:
-            torch.autograd.backward(edges, values, inputs=params, retain_graph=True)
+            _accumulate(edges, values, params)
         finally:
             for handle in pins:
                 handle.remove()
     work.groups, work.whole = [], None
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # classes whose backward needs no __torch_function__ dispatch
+
+
+def _accumulate(edges, values, params) -> None:
+    """``torch.autograd.backward(edges, values, inputs=params, retain_graph=True)`` without its argument
+    checks: the values are the gradients autograd itself recorded at those edges (their shapes and dtypes are
+    right by construction), and re-checking them cost about as much as the small matmuls they feed. The public
+    call is kept where torch lacks the engine entry point it uses, and for tensor subclasses (which it may
+    dispatch through ``__torch_function__``)."""
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if run is None or not all(type(t) in _PLAIN for t in (*values, *params)):
+        torch.autograd.backward(edges, values, inputs=params, retain_graph=True)
+        return
+    run(tuple(edges), tuple(values), True, False, tuple(params), allow_unreachable=True, accumulate_grad=True)
 
 
 # ---- the autograd graph ----------------------------------------------------------------------------
@@ -104,27 +146,54 @@ def _node(t: torch.Tensor):
     return t.view_as(t).grad_fn.next_functions[0][0]
 
 
-def _parents(tops) -> dict:
-    """{node: the nodes that pass gradient to it} over the graph below ``tops``; tops map to []."""
-    parents = {node: [] for node in tops}
-    queue = deque(parents)
-    while queue:
-        node = queue.popleft()
+def _walk(tops):
+    """Breadth-first over the graph below ``tops``: ``(nodes, {node: index}, kids)``, ``kids[i]`` the indices
+    of the nodes ``nodes[i]`` passes gradient to (one per edge). ``tops`` come first, duplicates once."""
+    index: dict = {}
+    for node in tops:
+        index.setdefault(node, len(index))
+    nodes, kids = list(index), []
+    for node in nodes:  # grows while walking
+        row = []
         for child, _ in node.next_functions:
             if child is None:
                 continue
-            if child not in parents:
-                parents[child] = []
-                queue.append(child)
-            parents[child].append(node)
-    return parents
+            k = index.get(child)
+            if k is None:
+                k = index[child] = len(nodes)
+                nodes.append(child)
+            row.append(k)
+        kids.append(tuple(row))
+    return nodes, index, tuple(kids)
+
+
+def _leaves(nodes, kids) -> dict:
+    """{id(leaf tensor): index of its accumulate node} over the graph's accumulate nodes."""
+    return {id(node.variable): i for i, node in enumerate(nodes)
+            if not kids[i] and type(node).__name__ == "AccumulateGrad"}
+
+
+def _plan(kids, need, params):
+    """The analysis of a graph's shape: ``(closure, boundary, groups)``. ``closure``: the node indices on a
+    path from a top to an input that needs a gradient (``need``: indices, None for an input not in the graph);
+    ``boundary``: the closure's nodes that parameters' gradients pass through (``I`` records what flows into
+    them); ``groups``: ``[(boundary node indices, parameter positions)]`` (``params``: per parameter the index
+    of its accumulate node, None when the graph does not reach it), a group's ``W`` restarting at its nodes."""
+    parents: list = [[] for _ in kids]
+    for i, row in enumerate(kids):
+        for k in row:
+            parents[k].append(i)
+    closure = frozenset(_upward({i for i in need if i is not None}, parents, stop=()))
+    groups = _groups(params, parents, closure)
+    boundary = sorted({i for nodes, _ in groups for i in nodes if i in closure})
+    return closure, tuple(boundary), tuple(groups)
 
 
 def _upward(starts, parents, stop) -> set:
     """Nodes reachable upward (towards the roots) from ``starts``, not walking past nodes in ``stop``."""
     seen, queue = set(starts), deque(starts)
     while queue:
-        for parent in parents.get(queue.popleft(), ()):
+        for parent in parents[queue.popleft()]:
             if parent not in seen:
                 seen.add(parent)
                 if parent not in stop:
@@ -133,26 +202,25 @@ def _upward(starts, parents, stop) -> set:
 
 
 def _groups(params, parents, closure) -> list:
-    """Parameters grouped by the boundary nodes their gradient passes through: ``[(nodes, params)]``; groups
-    that share a node merge. A boundary node is in the input closure, or is a root outside it (a root
-    that does not depend on the inputs). Parameters the graph does not reach are left out."""
+    """Parameters grouped by the boundary nodes their gradient passes through: ``[(node indices, parameter
+    positions)]``; groups that share a node merge. A boundary node is in the input closure, or is a top
+    outside it (a root that does not depend on the inputs). Parameters the graph does not reach are left out."""
     groups: list = []
-    for p in params:
-        node = _node(p)
-        if node not in parents:
+    for position, node in enumerate(params):
+        if node is None:
             continue
         above = _upward({node}, parents, stop=closure)
         nodes = {n for n in above if n in closure or not parents[n]}
-        group = [nodes, [p]]
+        group = [nodes, [position]]
         for other in [g for g in groups if not g[0].isdisjoint(nodes)]:
             group = [group[0] | other[0], other[1] + group[1]]
         groups = [g for g in groups if g[0].isdisjoint(nodes)] + [group]
-    return [(list(nodes), ps) for nodes, ps in groups]
+    return [(tuple(sorted(nodes)), tuple(positions)) for nodes, positions in groups]
 
 
-def _recorder(records: dict, node):
+def _recorder(records: dict, key):
     def record(grad_outputs):
-        records[node] = tuple(grad_outputs)
+        records[key] = tuple(grad_outputs)
     return record
 
 
@@ -169,11 +237,11 @@ def _given(grads):
     return [(i, g) for i, g in pairs if g is not None]
 
 
-def _root_seeds(roots, grads, closure) -> dict:
-    """{root node: {output index: gradient}}, for roots outside the input closure (``W`` restarts there)."""
+def _root_seeds(roots, grads, closure, index) -> dict:
+    """{root node index: {output index: gradient}}, for roots outside the input closure (``W`` restarts there)."""
     seeds: dict = {}
     for k, r in enumerate(roots):
         node = r.grad_fn
-        if node is not None and node not in closure:
-            seeds.setdefault(node, {})[r.output_nr] = torch.ones_like(r) if grads is None else grads[k]
+        if node is not None and index[node] not in closure:
+            seeds.setdefault(index[node], {})[r.output_nr] = torch.ones_like(r) if grads is None else grads[k]
     return seeds
