@@ -107,8 +107,9 @@ def compile_program(
             SEND_F and RECV_F, proven as a forward-only program.
         early_receives: post each receive up to this many instructions earlier (0: where
             :func:`~pipesched.lower.add_send_recv` put it); :func:`passes_for` says which backend may.
-        ties: groups of stages that use one parameter, each on >= 2 ranks, e.g. ``[(0, 7)]`` (a GPT's embedding
-            and head): their gradients are summed by a ``TIE_REDUCE`` per rank (:mod:`pipesched.ties`).
+        ties: groups of stages that use one parameter, e.g. ``[(0, 7)]`` (a GPT's embedding and head): their
+            gradients are summed by a ``TIE_REDUCE`` per rank (:mod:`pipesched.ties`); a tie whose stages are all
+            on one rank needs none and is left out of ``program.ties``.
         costs, memory_limit: the :class:`~pipesched.cost.CostModel` and the in-flight limit per rank (an int or one
             per rank) that ``zb-auto`` is built for; refused for other schedules (see :func:`build`).
     Raises:

@@ -10,8 +10,12 @@ RECV_B, and the UNSHARD, RESHARD and REDUCE_GRAD its lowering always adds). Both
 - an ``OVERLAP_F_B`` group becomes its compute actions, adjacent and in order, listed in
   ``program.meta[OVERLAP_META]`` (the pairs of :data:`pipesched.ir.OVERLAP_PAIRS`; written back as the group);
 - UNSHARD and RESHARD (FSDP only) are dropped with a :class:`TorchCsvWarning` naming how many;
-- REDUCE_GRAD becomes ``ALL_REDUCE`` of its stage with ``dp_size > 1``, and is dropped with ``dp_size = 1``
-  (its scaling of the gradients by 1/m is the loss's business in pipesched).
+- REDUCE_GRAD becomes ``ALL_REDUCE`` of its stage with ``dp_size > 1``, and is dropped with a
+  :class:`TorchCsvWarning` with ``dp_size = 1`` (its scaling of the gradients by 1/m is the loss's business in
+  pipesched). The mapping is sound: torch puts REDUCE_GRAD once per stage, right after the stage's last backward
+  (``B`` or ``W``), where its FSDP post-backward reduces the stage's gradients over the data-parallel group;
+  pipesched's ALL_REDUCE is that same reduction over the replicas (all-reduce: pipesched replicates, torch's FSDP
+  shards), one per stage after its last backward, which :func:`pipesched.validate.validate` proves.
 
 Only this module's callers need torch (to run what they read); this module does not import it.
 """
@@ -75,14 +79,15 @@ def from_torch_csv(path, num_ranks: int | None = None, stage_to_rank=None, num_m
         OVERLAP_F_B groups.
 
     Warns:
-        TorchCsvWarning: UNSHARD/RESHARD (FSDP-only) actions were dropped.
+        TorchCsvWarning: UNSHARD/RESHARD (FSDP-only) actions were dropped; REDUCE_GRAD actions were dropped
+            (``dp_size=1``).
 
     Raises:
         ProgramFormatError: a cell that is not a torch action, a stage on two ranks or not on the rank
             ``stage_to_rank`` gives, a SEND/RECV without a neighbour stage, a stage with no action and no
             ``stage_to_rank`` (each names the file, line, column and action).
-        ValueError: ``num_ranks``, ``num_microbatches`` or ``dp_size`` not an integer >= 1, or ``num_ranks``
-            below the file's rows.
+        ValueError: ``num_ranks``, ``num_microbatches`` or ``dp_size`` not an integer >= 1, ``num_ranks``
+            below the file's rows, or ``stage_to_rank`` naming a rank past them.
         OSError: the file cannot be read.
     """
     for name, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches), ("dp_size", dp_size)):
@@ -92,6 +97,9 @@ def from_torch_csv(path, num_ranks: int | None = None, stage_to_rank=None, num_m
     if num_ranks is not None and num_ranks < len(rows):
         raise ValueError(f"from_torch_csv: num_ranks={num_ranks}, but {path} has {len(rows)} rows (one per rank)")
     rows += [[] for _ in range((num_ranks or len(rows)) - len(rows))]
+    if stage_to_rank is not None and any(not 0 <= r < len(rows) for r in stage_to_rank):
+        raise ValueError(f"from_torch_csv: stage_to_rank={tuple(stage_to_rank)} names a rank outside 0..{len(rows) - 1}"
+                         f" ({path} has {len(rows)} ranks; pass num_ranks for more)")
     if not any(rows):
         raise ProgramFormatError(f"{path}: no actions (a torch schedule CSV has one row of actions per rank)")
     s2r = _placement(rows, stage_to_rank, path)
@@ -104,12 +112,23 @@ def from_torch_csv(path, num_ranks: int | None = None, stage_to_rank=None, num_m
     if dp_size > 1:
         has_reduce = any(i.op is Op.ALL_REDUCE for st in streams for i in st)
         program = Program(streams, s2r, m, dp_size, schedule, meta) if has_reduce else add_all_reduce(program, dp_size)
+    for message in _dropped_messages(path, dropped):
+        warnings.warn(message, TorchCsvWarning, stacklevel=2)
+    return program
+
+
+def _dropped_messages(path, dropped: Counter) -> list[str]:
+    """One line per kind of dropped action: the FSDP-only ones, and REDUCE_GRAD (dropped only with ``dp_size=1``)."""
+    out = []
     fsdp = {k: n for k, n in dropped.items() if k in FSDP_KINDS}
     if fsdp:
-        warnings.warn(f"{path}: dropped {', '.join(f'{n} {k}' for k, n in fsdp.items())}: FSDP-only actions "
-                      f"(fetching and releasing sharded parameters), which pipesched does not run",
-                      TorchCsvWarning, stacklevel=2)
-    return program
+        out.append(f"{path}: dropped {', '.join(f'{n} {k}' for k, n in fsdp.items())}: FSDP-only actions "
+                   f"(fetching and releasing sharded parameters), which pipesched does not run")
+    if dropped.get(REDUCE_GRAD):
+        out.append(f"{path}: dropped {dropped[REDUCE_GRAD]} {REDUCE_GRAD}: with dp_size=1 there are no replicas to "
+                   f"reduce gradients over (torch's REDUCE_GRAD also scales them by 1/m, which pipesched's loss "
+                   f"does); give dp_size (--dp N) to read each as its stage's ALL_REDUCE")
+    return out
 
 
 def _read_rows(path) -> list[list[_Cell]]:

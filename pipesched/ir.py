@@ -12,7 +12,8 @@ from typing import NamedTuple
 PROOF_ATTR = "_proof"
 #: ``Program.meta`` key of the overlapped pairs: a tuple of ``(F, B)`` instruction pairs (the backward may be an
 #: ``I``), adjacent in their rank's compute-only stream, F first, that an executor may overlap (DualPipe-V; torch's
-#: ``OVERLAP_F_B``); pipesched's executor runs them one after the other. Not part of the text or JSON form.
+#: ``OVERLAP_F_B``); pipesched's executor runs them one after the other. The text and JSON forms carry them
+#: (:mod:`pipesched.program_io`, header ``overlap_pairs:``); they are not compared (``meta`` is not).
 OVERLAP_PAIRS = "overlap_pairs"
 
 

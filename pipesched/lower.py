@@ -241,8 +241,10 @@ def _with_dp(program: Program, streams, dp_size: int) -> Program:
 
 def add_tie_reduce(program: Program, ties) -> Program:
     """Record ``ties`` (groups of stages sharing a parameter) in the program and add one ``TIE_REDUCE`` per rank
-    holding a tied stage: after the last backward (B or W) of its tied stages, and after the sends and ALL_REDUCEs
-    that directly follow it, naming the tied stage whose backward ends last (:mod:`pipesched.ties`).
+    holding a tied stage; a tie whose stages are all on one rank needs no collective and is left out (not
+    recorded, no ``TIE_REDUCE``: :func:`pipesched.ties.cross_rank_ties`). The ``TIE_REDUCE`` goes after the last
+    backward (B or W) of its tied stages, and after the sends and ALL_REDUCEs that directly follow it, naming the
+    tied stage whose backward ends last (:mod:`pipesched.ties`).
 
     Deadlock freedom: TIE_REDUCE only starts asynchronous collectives (one per tie, over the tie's ranks, in tie
     order on every rank, so ranks sharing two ties start them in one order); it never blocks the stream, and
@@ -250,12 +252,13 @@ def add_tie_reduce(program: Program, ties) -> Program:
 
     Args:
         program: a training program (compute-only or lowered), with or without ALL_REDUCE.
-        ties: sequence of groups of >= 2 stages on >= 2 ranks, e.g. ``[(0, 3)]``; empty: ``program`` unchanged.
+        ties: sequence of groups of >= 2 stages, e.g. ``[(0, 3)]``; empty, or all on one rank each: ``program``
+            unchanged.
     Raises:
         ValueError: ill-formed ``ties`` (see :func:`pipesched.ties.check_tie_groups`), a forward-only program,
             a program that already has TIE_REDUCE, or tied stages without a backward.
     """
-    groups = _ties.check_tie_groups(ties, program.stage_to_rank)
+    groups = _ties.cross_rank_ties(ties, program.stage_to_rank)
     if program.forward_only:
         raise ValueError("add_tie_reduce takes a training program; this one is forward-only (no gradients)")
     if program.ties or program.stages_with(Op.TIE_REDUCE):

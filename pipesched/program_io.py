@@ -23,7 +23,12 @@ JSON form::
 (:attr:`~pipesched.ir.Program.forward_only`) has the header line ``forward_only: true`` and the JSON key
 ``"forward_only": true``; both are left out for a training program (the default). A program with ties
 (:attr:`~pipesched.ir.Program.ties`) has the header line ``ties: 0,3 1,2`` (each tie's stages joined by commas)
-and the JSON key ``"ties": [[0, 3], [1, 2]]``; both are left out when it has none.
+and the JSON key ``"ties": [[0, 3], [1, 2]]``; both are left out when it has none. A program with overlapped
+instruction groups (``program.meta[OVERLAP_PAIRS]``, :data:`pipesched.ir.OVERLAP_PAIRS`: DualPipe-V's pairs, torch's
+``OVERLAP_F_B``) has the header line ``overlap_pairs: F0.5+B3.1 F3.6+I0.2`` (each group's instructions joined by
+``+``) and the JSON key ``"overlap_pairs"`` (a list of groups, each a list of instructions in the form of
+``"ranks"``); both are left out when it has none, and a file without them (older ones) loads without pairs. Each
+instruction of a group must be an instruction of one rank's stream (a ``ProgramFormatError`` otherwise).
 """
 from __future__ import annotations
 
@@ -32,9 +37,9 @@ import json
 import re
 
 from .errors import ProgramFormatError
-from .ir import Instr, Program
+from .ir import OVERLAP_PAIRS, Instr, Program
 
-_HEADER_KEYS = ("schedule", "microbatches", "stage_to_rank", "dp_size", "forward_only", "ties")
+_HEADER_KEYS = ("schedule", "microbatches", "stage_to_rank", "dp_size", "forward_only", "ties", OVERLAP_PAIRS)
 _RANK_LINE = re.compile(r"^rank\s+(\d+)\s*:(.*)$")
 
 
@@ -49,6 +54,9 @@ def to_text(program: Program) -> str:
     ] + (["forward_only: true"] if program.forward_only else [])
     if program.ties:
         lines.append("ties: " + " ".join(",".join(map(str, tie)) for tie in program.ties))
+    groups = overlap_groups(program)
+    if groups:
+        lines.append(f"{OVERLAP_PAIRS}: " + " ".join("+".join(map(str, group)) for group in groups))
     for rank, stream in enumerate(program.ranks):
         lines.append(f"rank {rank}:")
         lines.extend(f"  {instr}" for instr in stream)
@@ -97,7 +105,12 @@ def _assemble(header: dict[str, str], ranks: dict[int, list[Instr]]) -> Program:
     if sorted(ranks) != list(range(len(ranks))):
         raise ProgramFormatError(f"ranks must be numbered 0..P-1 without gaps, got {sorted(ranks)}")
     try:
-        return Program(
+        groups = tuple(tuple(Instr.parse(tok) for tok in group.split("+"))
+                       for group in header.get(OVERLAP_PAIRS, "").split())
+    except ValueError as exc:
+        raise ProgramFormatError(f"bad header value: {OVERLAP_PAIRS}: {exc}") from None
+    try:
+        program = Program(
             ranks=tuple(tuple(ranks[r]) for r in range(len(ranks))),
             stage_to_rank=tuple(int(x) for x in header["stage_to_rank"].split()),
             num_microbatches=int(header["microbatches"]),
@@ -108,6 +121,45 @@ def _assemble(header: dict[str, str], ranks: dict[int, list[Instr]]) -> Program:
         )
     except ValueError as exc:
         raise ProgramFormatError(f"bad header value: {exc}") from None
+    return _with_groups(program, groups)
+
+
+def overlap_groups(program: Program) -> tuple[tuple[Instr, ...], ...]:
+    """The groups of ``program.meta[OVERLAP_PAIRS]`` the text and JSON forms carry: those whose instructions are all
+    in one rank's stream (a pass that removes one, e.g. :func:`~pipesched.lower.forward_only` removing the
+    backward of a pair, leaves a group the program no longer runs: it is left out)."""
+    groups = program.meta.get(OVERLAP_PAIRS) or ()
+    if not groups:
+        return ()
+    where = _rank_of(program)
+    return tuple(tuple(g) for g in groups if len(g) >= 2 and all(i in where for i in g)
+                 and len({where[i] for i in g}) == 1)
+
+
+def _rank_of(program: Program) -> dict:
+    return {instr: rank for rank, stream in enumerate(program.ranks) for instr in stream}
+
+
+def _with_groups(program: Program, groups) -> Program:
+    """``program`` with ``meta[OVERLAP_PAIRS] = groups`` (none: unchanged).
+
+    Raises:
+        ProgramFormatError: a group with fewer than 2 instructions, or one not all in one rank's stream.
+    """
+    if not groups:
+        return program
+    where = _rank_of(program)
+    for group in groups:
+        text = "+".join(map(str, group))
+        missing = [i for i in group if i not in where]
+        if len(group) < 2 or missing or len({where[i] for i in group}) > 1:
+            why = (f"{missing[0]} is not an instruction of the program" if missing else
+                   "a group joins 2 or more instructions" if len(group) < 2 else
+                   "its instructions are on ranks " + " and ".join(str(where[i]) for i in group))
+            raise ProgramFormatError(f"{OVERLAP_PAIRS}: {text}: {why}; each group joins instructions of one rank "
+                                     f"with '+', e.g. F0.5+B3.1")
+    program.meta[OVERLAP_PAIRS] = tuple(groups)
+    return program
 
 
 def _flag(text: str) -> bool:
@@ -125,15 +177,25 @@ def to_json_dict(program: Program) -> dict:
         "stage_to_rank": list(program.stage_to_rank),
         "dp_size": program.dp_size,
         "ranks": [
-            [{"op": i.op.value, "stage": i.stage, "microbatch": i.microbatch, "peer": i.peer} for i in stream]
-            for stream in program.ranks
+            [_instr_dict(i) for i in stream] for stream in program.ranks
         ],
     }
     if program.forward_only:
         data["forward_only"] = True
     if program.ties:
         data["ties"] = [list(tie) for tie in program.ties]
+    groups = overlap_groups(program)
+    if groups:
+        data[OVERLAP_PAIRS] = [[_instr_dict(i) for i in group] for group in groups]
     return data
+
+
+def _instr_dict(i: Instr) -> dict:
+    return {"op": i.op.value, "stage": i.stage, "microbatch": i.microbatch, "peer": i.peer}
+
+
+def _instr_of(d: dict) -> Instr:
+    return Instr(d["op"], d["stage"], d.get("microbatch"), d.get("peer"))
 
 
 def from_json_dict(data: dict) -> Program:
@@ -142,11 +204,9 @@ def from_json_dict(data: dict) -> Program:
         if key not in data:
             raise ProgramFormatError(f"JSON program lacks the key {key!r} (needs ranks, num_microbatches, stage_to_rank)")
     try:
-        ranks = tuple(
-            tuple(Instr(d["op"], d["stage"], d.get("microbatch"), d.get("peer")) for d in stream)
-            for stream in data["ranks"]
-        )
-        return Program(
+        ranks = tuple(tuple(_instr_of(d) for d in stream) for stream in data["ranks"])
+        groups = tuple(tuple(_instr_of(d) for d in group) for group in data.get(OVERLAP_PAIRS, ()))
+        program = Program(
             ranks=ranks,
             stage_to_rank=tuple(int(r) for r in data["stage_to_rank"]),
             num_microbatches=int(data["num_microbatches"]),
@@ -157,6 +217,7 @@ def from_json_dict(data: dict) -> Program:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ProgramFormatError(f"bad instruction or field in JSON program: {exc!r}") from None
+    return _with_groups(program, groups)
 
 
 def _json_flag(value) -> bool:

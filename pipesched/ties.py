@@ -3,7 +3,9 @@
 A *tie* is a group of stages that use one parameter (a GPT's token embedding on stage 0 and its LM head on the
 last stage). The caller knows the model, so the caller gives the ties (:attr:`pipesched.ir.Program.ties`: sorted
 tuples of stages); a tie whose stages are all on one rank needs nothing (autograd sums both uses into the one
-``.grad``), so a tie must span two ranks or more.
+``.grad``; ZB-V's and DualPipe-V's V puts stage 0 and the last stage on rank 0, so an embedding tied to the head
+is such a tie): :func:`pipesched.lower.add_tie_reduce` accepts it and leaves it out, and a program's ties are
+the ones that span two ranks or more (:func:`cross_rank_ties`).
 
 After the last backward of its tied stages, each rank holding a tie issues ONE ``TIE_REDUCE`` whose ``stage``
 is the *anchor*: the rank's tied stage whose backward ends last (B, or W of a split). It starts one asynchronous
@@ -27,13 +29,33 @@ from .ir import Instr, Op, Program
 _PASSED = frozenset({Op.SEND_B, Op.SEND_F, Op.ALL_REDUCE})
 
 
-def check_tie_groups(ties, stage_to_rank) -> tuple[tuple[int, ...], ...]:
+def cross_rank_ties(ties, stage_to_rank) -> tuple[tuple[int, ...], ...]:
+    """The ties of ``ties`` that need a ``TIE_REDUCE``: as :func:`check_tie_groups`, but a tie whose stages are all
+    on one rank is accepted and left out (autograd sums its uses on that rank; no collective).
+
+    Raises:
+        ValueError: as :func:`check_tie_groups`, except for a tie on one rank.
+    """
+    return check_tie_groups(ties, stage_to_rank, one_rank="drop")
+
+
+def one_rank_ties(ties, stage_to_rank) -> tuple[tuple[int, ...], ...]:
+    """The ties of well-formed ``ties`` whose stages are all on one rank (those :func:`cross_rank_ties` leaves
+    out), as sorted tuples."""
+    return tuple(tuple(sorted(t)) for t in ties if len({stage_to_rank[s] for s in t}) == 1)
+
+
+def check_tie_groups(ties, stage_to_rank, one_rank: str = "refuse") -> tuple[tuple[int, ...], ...]:
     """``ties`` as sorted tuples of stages, checked against the placement ``stage_to_rank``.
+
+    ``one_rank``: what to do with a tie whose stages are all on one rank: ``"refuse"`` (a program's ties,
+    :attr:`pipesched.ir.Program.ties`, are the ones that need a collective) or ``"drop"`` (leave it out:
+    :func:`cross_rank_ties`).
 
     Raises:
         ValueError: ``ties`` is not a sequence of sequences of stage indices; a tie with fewer than 2 stages,
-            a repeated or out-of-range stage, all its stages on one rank, or given twice (the message names
-            ``ties``, the value and what is valid).
+            a repeated or out-of-range stage, all its stages on one rank (``one_rank="refuse"``), or given twice
+            (the message names ``ties``, the value and what is valid).
     """
     if isinstance(ties, (str, bytes)) or not hasattr(ties, "__iter__"):
         raise ValueError(f"ties must be a sequence of stage groups, e.g. [(0, 3)], got {ties!r}")
@@ -47,13 +69,13 @@ def check_tie_groups(ties, stage_to_rank) -> tuple[tuple[int, ...], ...]:
             raise ValueError(f"ties: {tie!r} names a stage that is not an integer in 0..{num_stages - 1}")
         if len(set(stages)) != len(stages) or len(stages) < 2:
             raise ValueError(f"ties: {tie!r} must name 2 or more distinct stages")
-        if len({stage_to_rank[s] for s in stages}) < 2:
+        if len({stage_to_rank[s] for s in stages}) < 2 and one_rank != "drop":
             raise ValueError(f"ties: the stages {tie!r} are all on rank {stage_to_rank[stages[0]]}; a tie within one "
                              f"rank needs no collective (autograd sums its uses): leave it out")
         groups.append(tuple(sorted(stages)))
     if len(set(groups)) != len(groups):
         raise ValueError(f"ties: a tie is given twice in {list(groups)}; give each group of stages once")
-    return tuple(groups)
+    return tuple(g for g in groups if len({stage_to_rank[s] for s in g}) > 1)
 
 
 def tie_ranks(program: Program, tie: int) -> tuple[int, ...]:

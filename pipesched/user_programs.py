@@ -8,8 +8,12 @@ What the program decides and what the ``Pipeline`` arguments may still say:
   program). The step programs (early receives, forward-only, learning steps) are then derived from it and
   proven as from a compiled one (:func:`pipesched.api.step_programs`).
 - **It must be a lowered training program**: SEND/RECV present when it has more than one rank (lower a
-  compute-only one with :func:`~pipesched.lower.add_send_recv`), not forward-only, without ties (the
-  ``Pipeline`` finds tied parameters in the model and adds their ``TIE_REDUCE`` itself).
+  compute-only one with :func:`~pipesched.lower.add_send_recv`), not forward-only.
+- **Ties**: the ``Pipeline`` finds the parameters the model's stages share (:func:`pipesched.runtime.ties.find_ties`).
+  A program without ties gets their ``TIE_REDUCE`` as lowering adds it (:func:`~pipesched.lower.add_tie_reduce`);
+  a program with ties (``compile_program(..., ties=...)``, or a file's ``ties:`` line) is run as it is if its
+  ties are the model's cross-rank ones, in any order (its ``TIE_REDUCE`` instructions proven by the validator),
+  and refused otherwise, naming both (:func:`program_with_ties`).
 - **Ranks**: ``program.num_ranks`` must equal the pipeline's ranks, world size / ``dp_size``.
 - **num_microbatches and dp_size come from the program**: the argument must be left at its default (1) or
   equal the program's, else a ``ValueError`` naming both.
@@ -24,6 +28,7 @@ from __future__ import annotations
 from .api import compile_program
 from .engine import has_comm
 from .ir import Op, Program
+from .lower import add_tie_reduce
 from .validate import validate
 
 
@@ -103,9 +108,28 @@ def _check_shape(program: Program, num_ranks: int, dp_size: int) -> None:
     if program.num_ranks > 1 and not has_comm(program):
         raise ValueError("the program is compute-only (no SEND/RECV); lower it first: "
                          "pipesched.add_send_recv(program), or register its builder (pipesched.register_schedule)")
-    if program.ties or program.stages_with(Op.TIE_REDUCE):
-        raise ValueError(f"the program has ties {list(program.ties)} or TIE_REDUCE instructions; give it without "
-                         f"them: the Pipeline finds the parameters the model's stages share and adds TIE_REDUCE")
+
+
+def program_with_ties(program: Program, ties) -> Program:
+    """The program a pipeline runs for a model whose cross-rank tie groups are ``ties`` (sorted tuples of stages,
+    :func:`pipesched.runtime.ties.program_ties`): ``program`` with ``TIE_REDUCE`` added by
+    :func:`~pipesched.lower.add_tie_reduce` and validated when it has no ties (a compiled program, or a user's
+    without them); ``program`` itself when its ties are ``ties`` (in any order; validated already, which proves
+    its TIE_REDUCE instructions).
+
+    Raises:
+        ValueError: ``program`` has ties (or TIE_REDUCE instructions) other than ``ties``: names both, with the
+            stages of each and what to do.
+    """
+    if not program.ties and not program.stages_with(Op.TIE_REDUCE):
+        return validate(add_tie_reduce(program, ties)) if ties else program
+    if sorted(program.ties) != sorted(ties):
+        model = ", ".join(map(str, ties)) or "none"
+        raise ValueError(f"the program's ties ({', '.join(map(str, program.ties)) or 'none, but it has TIE_REDUCE'}) "
+                         f"differ from the model's (stages sharing a parameter on two ranks or more: {model}); give "
+                         f"the program without ties and TIE_REDUCE (the Pipeline adds them for the model), or compile "
+                         + (f"it with ties={list(ties)}" if ties else "it without ties"))
+    return program
 
 
 def _agree(name: str, given: int, own: int, what: str) -> None:

@@ -44,8 +44,11 @@ def test_parse_action_reads_every_kind_and_the_overlap_group():
 
 
 def test_compute_comms_file_maps_stages_microbatches_kinds_and_peers(tmp_path):
-    with pytest.warns(TorchCsvWarning, match="dropped 2 UNSHARD, 2 RESHARD: FSDP-only"):
+    with pytest.warns(TorchCsvWarning) as caught:
         program = from_torch_csv(write(tmp_path, ONE_F_ONE_B))
+    said = sorted(str(w.message).split(": ", 1)[1] for w in caught)
+    assert said[0].startswith("dropped 2 REDUCE_GRAD: with dp_size=1 there are no replicas"), said
+    assert said[1].startswith("dropped 2 UNSHARD, 2 RESHARD: FSDP-only"), said
     expected = ps.compile_program("1f1b", 2, 2)
     assert program.stage_to_rank == (0, 1) and program.num_microbatches == 2 and program.dp_size == 1
     assert program.ranks == expected.ranks  # torch's lowering of 1F1B here is ours, instruction for instruction

@@ -289,8 +289,8 @@ def test_programs_of_the_wrong_kind_are_refused():
     assert check_user_program(ps.build("1f1b", 1, 2), 1, 1, None, 1).num_ranks == 1  # one rank: nothing to send
     with pytest.raises(ValueError, match="the program is forward-only"):
         check_user_program(ps.forward_only(ps.compile_program("1f1b", 2, 2)), 2, 1, None, 1)
-    with pytest.raises(ValueError, match=r"the program has ties \[\(0, 1\)\] or TIE_REDUCE instructions"):
-        check_user_program(ps.compile_program("1f1b", 2, 2, ties=[(0, 1)]), 2, 1, None, 1)
+    tied = ps.compile_program("1f1b", 2, 2, ties=[(0, 1)])  # checked against the model's ties by the Pipeline
+    assert check_user_program(tied, 2, 1, None, 1) is tied  # (tests/test_cli_forms_and_ties.py, runtime/test_one_rank_and_user_ties.py)
 
 
 def test_an_invalid_program_gets_the_validators_error():

@@ -19,15 +19,14 @@ def add_render_parser(subparsers) -> argparse.ArgumentParser:
     Usage: ``render SCHEDULE --ranks P --microbatches M [--virtual-stages V] [--dp D] [--recompute]
     [cost options] -o FILE.png|.svg|.pdf|.json`` or ``render --trace MEASURED.json [--compare] -o FILE``.
     """
-    from ..cli import add_cost_args, add_schedule_args
+    from ..cli import schedule_parent
 
     parser = subparsers.add_parser(
         "render", help="draw a timeline (.png/.svg/.pdf) or export a Chrome trace (.json)",
         description="Simulate SCHEDULE with the cost options and draw its timeline, or draw a measured run "
                     "the runtime saved (--trace). The output's suffix picks the format: .png/.svg/.pdf is a "
-                    "Gantt chart, .json a Chrome/Perfetto trace.")
-    add_schedule_args(parser, optional_name=True)
-    add_cost_args(parser)
+                    "Gantt chart, .json a Chrome/Perfetto trace.",
+        parents=[schedule_parent(optional_name=True)])
     parser.add_argument("--trace", metavar="MEASURED.json", help="a timeline saved with Timeline.save (measured run)")
     parser.add_argument("--compare", action="store_true",
                         help="with --trace: draw the prediction (costs fitted from the run) beside the measurement")
