@@ -3,13 +3,14 @@
 A step of ``pipesched.runtime.Pipeline`` runs one proven program (:class:`pipesched.api.StepPrograms`) and,
 on each rank, posts exactly these messages, in this order (:func:`step_posts`):
 
-0. *The step's opening* (``pipesched.runtime.handshake``): first a collective all-gather over the pipeline
-   group (every rank's settings, stage 0's rank's description of the input; :data:`OPENING`), which every
-   rank calls before anything else of the step, and only once every message it posted in the previous step
-   has been waited for (the executor waits for every send and all-reduce at the end of its stream, every
-   receive at the instruction that needs it, the handshake for its own sends); then, in a training step, the
-   rank of the last stage sends its verdict on the target to every other rank, in rank order, and each of
-   them waits for it before its first instruction.
+0. *The step's opening* (``pipesched.runtime.handshake``): one collective all-gather over the pipeline
+   group (every rank's settings and anticipated clipping, stage 0's rank's description of the input and, in a
+   training step, the last stage's rank's verdict on the target, checked on its own before the gather;
+   :data:`OPENING`), which every rank calls before anything else of the step, and only once every message it
+   posted in the previous step has been waited for (the executor waits for every send and all-reduce at the
+   end of its stream, every receive at the instruction that needs it). It is the step's only message before
+   its program: every rank rules on the gathered rows alike (a refused input or target is the same error on
+   every rank), so no point-to-point message opens the step.
 1. *Program messages*, one per SEND or RECV instruction, at the instruction's place in the rank's stream.
    While a step learns the message shapes (:attr:`Post.message` kind ``"act_header"``), a SEND_F sends a
    shape header right before the activation, and a RECV_F posts the header's receive, waits for it, then
@@ -26,10 +27,19 @@ on each rank, posts exactly these messages, in this order (:func:`step_posts`):
    receive at :func:`loss_post_position`: right after its last receive from that rank when the program
    posts receives early (a backend that matches by tag, gloo), else after its last instruction (NCCL, where
    a posted receive holds up the pair's later messages).
+3. *The norm parts* (a training step that anticipates a ``clip_grad_norm_``, ``norm_parts``;
+   ``runtime/norm_parts.py``): after its last instruction, once its gradients are final (its data-parallel
+   all-reduces and tied-gradient sums waited for; where receives are posted early, a rank that owns no tied copy
+   sends before waiting for the tied sums), every rank sends its part of the gradient norm to every
+   other pipeline rank, in rank order — its last message to each in the step — and receives each other rank's
+   part. Rank ``r`` posts the receive of rank ``q``'s part at :func:`norm_post_position`: right after its last
+   receive from ``q`` (the loss counted) when the program posts receives early, else at its step's end, where
+   each pair posts in one order: the lower rank sends, then receives; the higher rank receives, then sends
+   (:func:`norm_end_posts`). Every rank posts all its sends before it waits for any part.
 
 Why this order cannot hang or swap a message (:func:`check_step` checks each point for every program the
-runtime runs): every rank reaches the all-gather, and the verdict's sender waits for nothing after it, so
-each verdict arrives; it is the first message from that rank on each pair, and its receive the first posted.
+runtime runs): every rank reaches the all-gather (it waits for no message of the step first) and joins it once,
+before any other message of the step; every rank rules on the same rows, so all go on to the program or none.
 The program is proven (:mod:`pipesched.validate`) under first-in first-out matching per pair of ranks
 whatever the message's kind, and a learning step's program also with each RECV_F blocking until its SEND_F
 is issued (:func:`learning_view`). A header and its payload travel together, in one order on both sides.
@@ -40,7 +50,8 @@ the messages one sends the other in a step are exactly, in order and in tensor c
 receives for in that step: so first-in first-out matching gives every receive its own message, and no
 message of a step is left unmatched when a rank, having waited for all of its own, enters the next step's
 all-gather (on NCCL the collective runs on the pair's stream behind any unfinished point-to-point message,
-which would hang it). A masked gradient drops a message from both sides of its pair alike (both learned the
+which would hang it). A norm part is the last message each way on each pair (after the loss), so it matches last; each rank
+sends its parts without waiting for any message first, so every part arrives. A masked gradient drops a message from both sides of its pair alike (both learned the
 mask from the one learning message) and only removes a wait, so it keeps every point above; :func:`check_step`
 takes the masks too. On a backend that runs a pair's messages in issue order (NCCL), both ranks of each pair
 post them in one order.
@@ -58,8 +69,8 @@ class Post(NamedTuple):
     """One message post: ``kind`` ``"send"`` or ``"recv"`` (point to point, with the ``peer`` pipeline rank) or
     ``"all_gather"`` (the collective that opens the step, on the whole pipeline group: ``peer`` ``None``, message
     :data:`OPENING`); the ``message``: ``(kind, stage, microbatch)`` with kind ``"act_header"``, ``"act"`` (the
-    output of ``stage``), ``"grad"`` (the gradient of ``stage``'s input), ``"target"`` or ``"loss"``
-    (:data:`TARGET`, :data:`LOSS`); ``tensors``: the number of tensors a gradient message carries
+    output of ``stage``), ``"grad"`` (the gradient of ``stage``'s input), ``"loss"`` or ``"norm"``
+    (:data:`LOSS`, :data:`NORM`); ``tensors``: the number of tensors a gradient message carries
     (:func:`gradient_tensors`), ``None`` for the other messages (an activation carries the stage's output
     tensors, the others one tensor each)."""
 
@@ -70,8 +81,8 @@ class Post(NamedTuple):
 
 
 LOSS = ("loss", None, None)  #: the step's loss, from the last stage's rank
-TARGET = ("target", None, None)  #: the verdict on the step's target, from the last stage's rank
-OPENING = ("opening", None, None)  #: the all-gather that opens every step (handshake), on every pipeline rank
+OPENING = ("opening", None, None)  #: the all-gather that opens every step (handshake, with the verdict on the target)
+NORM = ("norm", None, None)  #: a rank's part of the gradient norm, to every other pipeline rank (norm_parts)
 #: Which gradients of one stage input come back when a step's ``gradients`` does not say: one tensor that
 #: requires grad and gets a gradient (a stage of a plain ``nn.Sequential`` of ``Linear`` layers).
 ALL_GRADIENTS = (True,)
@@ -106,6 +117,36 @@ def loss_post_position(stream, last_rank: int, early: bool) -> int:
     return max([k for k, i in enumerate(stream) if i.op in RECV_OPS and i.peer == last_rank], default=-1)
 
 
+def norm_post_position(stream, peer: int, early: bool) -> int | None:
+    """Where, in ``stream``, a rank posts the receive of ``peer``'s norm part (a step with ``norm_parts``): after
+    the instruction at the returned position (-1: before everything; the same position as the loss receive
+    comes after it), or ``None``: at the step's end, in :func:`norm_end_posts`' order.
+
+    ``early`` (gloo): right after its last receive from ``peer`` (the loss receive is there too, when ``peer``
+    is the last stage's rank), so the part finds its receive posted when ``peer`` finishes first: one message
+    hop, not a round trip, between ``peer``'s end and this rank knowing its part. Otherwise (NCCL): at the end.
+    """
+    if not early:
+        return None
+    return max([k for k, i in enumerate(stream) if i.op in RECV_OPS and i.peer == peer], default=-1)
+
+
+def norm_end_posts(rank: int, num_ranks: int, early: bool) -> list[tuple[str, int]]:
+    """The norm-part posts ``rank`` makes at its step's end, in order: ``("send" | "recv", peer)``. Early
+    (receives already posted): a send to every other rank, in rank order. Otherwise, per peer in rank order,
+    the lower rank of the pair sends then receives, the higher receives then sends: one order per pair."""
+    posts = []
+    for peer in range(num_ranks):
+        if peer == rank:
+            continue
+        if early:
+            posts.append(("send", peer))
+        else:
+            pair = [("send", peer), ("recv", peer)]
+            posts += pair if rank < peer else pair[::-1]
+    return posts
+
+
 def instruction_posts(instr, learning: bool, gradients=None) -> list[Post]:
     """The posts one SEND or RECV instruction makes (none for any other kind); ``learning``: the step learns
     the message shapes (headers before activations, gradient masks); ``gradients``: as :func:`step_posts`."""
@@ -122,7 +163,8 @@ def instruction_posts(instr, learning: bool, gradients=None) -> list[Post]:
     return header + [Post(kind, instr.peer, ("act", stage, instr.microbatch))]
 
 
-def step_posts(program: Program, rank: int, learning: bool, early: bool, gradients=None) -> list[Post]:
+def step_posts(program: Program, rank: int, learning: bool, early: bool, gradients=None,
+               norm_parts: bool = False) -> list[Post]:
     """Every message ``rank`` posts in a step that runs ``program`` (see the module docstring), in order: the
     opening all-gather (``Post("all_gather", None, OPENING)``), then each point-to-point send and receive.
 
@@ -133,32 +175,37 @@ def step_posts(program: Program, rank: int, learning: bool, early: bool, gradien
         gradients: which gradients come back: ``{(stage, microbatch): mask}``, ``mask`` one bool per tensor of
             that stage's input that requires grad, True where it gets a gradient (what the step learns;
             :func:`gradient_tensors`). A missing pair (or ``None``): :data:`ALL_GRADIENTS`.
+        norm_parts: the step anticipates a ``clip_grad_norm_`` (a training step only): each rank's norm part
+            to every other rank (:data:`NORM`, :func:`norm_post_position`, :func:`norm_end_posts`).
     """
-    return [post for _, post in _numbered_posts(program, rank, learning, early, gradients)]
+    return [post for _, post in _numbered_posts(program, rank, learning, early, gradients, norm_parts)]
 
 
 def _numbered_posts(program: Program, rank: int, learning: bool, early: bool,
-                    gradients=None) -> list[tuple[int, Post]]:
+                    gradients=None, norm_parts: bool = False) -> list[tuple[int, Post]]:
     """:func:`step_posts`, each with the position of the instruction it belongs to (the loss: the position
-    its receive follows, clamped to 0, or the last instruction for its sends; the opening: 0)."""
+    its receive follows, clamped to 0, or the last instruction for its sends; the opening: 0; the norm parts:
+    as the loss)."""
     stream, last = program.ranks[rank], program.stage_to_rank[-1]
     train = not program.forward_only
+    parts = train and norm_parts
     loss_at = loss_post_position(stream, last, early) if train and rank != last else None
-    posts = [(0, Post("all_gather", None, OPENING))]
-    if train:  # the verdict on the target opens the step
-        if rank == last:
-            posts += [(0, Post("send", peer, TARGET)) for peer in range(program.num_ranks) if peer != rank]
-        else:
-            posts.append((0, Post("recv", last, TARGET)))
+    peers = [q for q in range(program.num_ranks) if q != rank]
+    norm_at = {q: norm_post_position(stream, q, early) for q in peers} if parts else {}
+    posts = [(0, Post("all_gather", None, OPENING))]  # the verdict on the target travels in it
     if loss_at == -1:
         posts.append((0, Post("recv", last, LOSS)))
+    posts += [(0, Post("recv", q, NORM)) for q in peers if norm_at.get(q) == -1]
     for at, instr in enumerate(stream):
         posts += [(at, post) for post in instruction_posts(instr, learning, gradients)]
         if at == loss_at:
             posts.append((at, Post("recv", last, LOSS)))
+        posts += [(at, Post("recv", q, NORM)) for q in peers if norm_at.get(q) == at]
+    end = max(len(stream) - 1, 0)
     if train and rank == last:
-        end = max(len(stream) - 1, 0)
-        posts += [(end, Post("send", peer, LOSS)) for peer in range(program.num_ranks) if peer != rank]
+        posts += [(end, Post("send", peer, LOSS)) for peer in peers]
+    if parts:
+        posts += [(end, Post(kind, peer, NORM)) for kind, peer in norm_end_posts(rank, program.num_ranks, early)]
     return posts
 
 
@@ -186,21 +233,20 @@ def learning_view(program: Program) -> Program:
 
 
 def check_step(program: Program, learning: bool, early: bool, same_pair_order: bool = False,
-               gradients=None) -> Program:
+               gradients=None, norm_parts: bool | None = None) -> Program:
     """Prove, for a step that runs ``program`` (validated by :func:`~pipesched.validate.validate`), what the
     checker's model of the program alone leaves out; return ``program``.
 
     - ``learning``: the step completes although each RECV_F blocks until its SEND_F is issued (the shape
       header's wait): ``validate(learning_view(program))``.
-    - The verdict on the target and the loss (training programs): on each rank, the verdict's receive is its
-      first post with the last stage's rank and the loss's receive its last receive from it, so first-in
-      first-out matching gives each its message (the first and the last that rank sends it). The verdict's
-      sender waits for nothing before sending it; nothing in the program waits for the loss and its sends
-      follow the sender's last instruction, so a complete execution of the program plus the loss receives
-      (which never block) ends with every loss send finding its receive posted.
+    - The loss (training programs): on each rank, the loss's receive is its last receive from the last stage's
+      rank, so first-in first-out matching gives it its message (the last that rank sends it). Nothing in the
+      program waits for the loss and its sends follow the sender's last instruction, so a complete execution
+      of the program plus the loss receives (which never block) ends with every loss send finding its receive
+      posted. (The verdict on the target is no message: it travels in the opening all-gather.)
     - Every message on the wire is paired within the step: every rank's posts open with the step's all-gather
       (once), and for every ordered pair of ranks (a, b), the messages a sends b are, in order and in tensor
-      count, exactly those b posts receives from a (verdict, headers, activations, masked gradients, loss).
+      count, exactly those b posts receives from a (headers, activations, masked gradients, loss, norm parts).
       So first-in first-out matching per pair (NCCL's; gloo's per tag) gives every receive its own message,
       and when a rank enters the next step's all-gather, having waited for all its own posts, no
       point-to-point message of any pair is unfinished (on NCCL the collective would queue behind one: a hang).
@@ -213,6 +259,9 @@ def check_step(program: Program, learning: bool, early: bool, same_pair_order: b
         gradients: which gradients come back (as :func:`step_posts`; ``None``: every one). A mask drops a
             message from both sides of its pair, so the proof with ``None`` covers every mask; pass one to
             check that too.
+        norm_parts: check the step with the norm parts of an anticipated ``clip_grad_norm_`` (``True``), without
+            (``False``), or both (``None``, the default; a training program only): each part is the last message
+            each way on its pair, posted once per peer, and every point above holds with them.
     Raises:
         DeadlockError: the learning step would hang (names the blocked instructions of the learning view).
         PairingError: the step does not open with its all-gather, a message of a pair is not received
@@ -226,12 +275,17 @@ def check_step(program: Program, learning: bool, early: bool, same_pair_order: b
             raise DeadlockError("while learning the message shapes (each RECV_F waits for its SEND_F's header; "
                                 "the grid is the learning view, each such F moved up to its RECV_F): " + exc.reason,
                                 exc.rank, exc.instr, exc.grid) from None
-    posts = [_numbered_posts(program, rank, learning, early, gradients) for rank in range(program.num_ranks)]
-    _check_opening(program, posts)
-    _check_verdict_first_and_loss_last(program, posts)  # the most telling message first
-    _check_pairs_match(program, posts)
-    if same_pair_order:
-        _check_same_pair_order(program, posts)
+    variants = (False, True) if norm_parts is None else (norm_parts,)
+    for parts in variants if not program.forward_only else (False,):
+        posts = [_numbered_posts(program, rank, learning, early, gradients, parts)
+                 for rank in range(program.num_ranks)]
+        _check_opening(program, posts)
+        _check_loss_last(program, posts)  # the most telling message first
+        if parts:
+            _check_norm_parts_last(program, posts)
+        _check_pairs_match(program, posts)
+        if same_pair_order:
+            _check_same_pair_order(program, posts)
     return program
 
 
@@ -281,17 +335,31 @@ def _instr_at(program: Program, rank: int, at: int):
     return stream[at] if stream else None
 
 
-def _check_verdict_first_and_loss_last(program: Program, posts: list) -> None:
+def _check_norm_parts_last(program: Program, posts: list) -> None:
+    """Each rank sends each other rank one norm part, as its last send to it, and posts one part receive per
+    peer, as its last receive from it: first-in first-out matching gives each part its receive."""
+    for rank, mine in enumerate(posts):
+        for peer in range(program.num_ranks):
+            if peer == rank:
+                continue
+            for kind in ("send", "recv"):
+                ours = [(at, post) for at, post in mine if post.peer == peer and post.kind == kind]
+                parts = [k for k, (_, post) in enumerate(ours) if post.message == NORM]
+                if parts != [len(ours) - 1]:
+                    at = ours[parts[0] if parts else -1][0] if ours else 0
+                    side = f"sends rank {peer}" if kind == "send" else f"receives from rank {peer}"
+                    raise PairingError(f"rank {rank}'s norm part {'to' if kind == 'send' else 'from'} rank {peer} "
+                                       f"must be the last message it {side}, once; it is at positions {parts} of "
+                                       f"its {len(ours)} such messages", rank, _instr_at(program, rank, at),
+                                       render_grid(program.ranks, {rank: at}))
+
+
+def _check_loss_last(program: Program, posts: list) -> None:
     last = program.stage_to_rank[-1]
     for rank, mine in enumerate(posts):
-        with_last = [(at, post) for at, post in mine if post.peer == last]
-        received = [(at, post) for at, post in with_last if post.kind == "recv"]
+        mine = [(at, post) for at, post in mine if post.message != NORM]  # the parts come after the loss
+        received = [(at, post) for at, post in mine if post.peer == last and post.kind == "recv"]
         messages = {post.message for _, post in received}
-        if TARGET in messages and with_last[0][1].message != TARGET:
-            at = with_last[0][0]
-            raise PairingError(f"rank {rank} posts a message with rank {last} before the receive of the verdict on "
-                               f"the target, which opens the step", rank, program.ranks[rank][at],
-                               render_grid(program.ranks, {rank: at}))
         if LOSS in messages and received[-1][1].message != LOSS:
             at = received[-1][0]
             raise PairingError(f"the receive of the step's loss is posted before this receive from rank {last}, "
@@ -316,7 +384,7 @@ def _check_same_pair_order(program: Program, posts: list) -> None:
 
 def _describe(message: tuple) -> str:
     kind, stage, mb = message
-    return {"loss": "the step's loss", "opening": "the step's opening all-gather",
+    return {"loss": "the step's loss", "opening": "the step's opening all-gather", "norm": "the norm part",
             "act_header": f"the shape header of stage {stage}'s output, microbatch {mb}",
-            "act": f"stage {stage}'s output, microbatch {mb}", "target": "the verdict on the step's target",
+            "act": f"stage {stage}'s output, microbatch {mb}",
             "grad": f"the gradient of stage {stage}'s input, microbatch {mb}"}[kind]

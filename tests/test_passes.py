@@ -15,7 +15,7 @@ from pipesched.ir import FORWARD_OPS, RECV_OPS, SEND_OPS, Instr, Op, Program
 from pipesched.lower import EARLY_RECEIVE_WINDOW, forward_only, post_receives_early
 from pipesched import protocol
 from pipesched.errors import PairingError
-from pipesched.protocol import LOSS, OPENING, TARGET, check_step, learning_view, step_posts
+from pipesched.protocol import LOSS, OPENING, check_step, learning_view, step_posts
 from pipesched.testing import schedule_configs
 
 
@@ -213,10 +213,10 @@ def test_step_posts_by_hand():
     act, grad, opening = ("act", 0, 0), ("grad", 1, 0), ("all_gather", None, OPENING)
     # a gradient message carries the gradient plus its presence mask while learning (2 tensors), then 1
     assert [tuple(p) for p in step_posts(program, 0, learning=True, early=False)] == [
-        opening + (None,), ("recv", 1, TARGET, None), ("send", 1, ("act_header", 0, 0), None), ("send", 1, act, None),
+        opening + (None,), ("send", 1, ("act_header", 0, 0), None), ("send", 1, act, None),
         ("recv", 1, grad, 2), ("recv", 1, LOSS, None)]
     assert [tuple(p) for p in step_posts(program, 1, learning=False, early=False)] == [
-        opening + (None,), ("send", 0, TARGET, None), ("recv", 0, act, None), ("send", 0, grad, 1),
+        opening + (None,), ("recv", 0, act, None), ("send", 0, grad, 1),
         ("send", 0, LOSS, None)]
     assert [tuple(p) for p in step_posts(forward_only(program), 1, learning=False, early=False)] == [
         opening + (None,), ("recv", 0, act, None)]

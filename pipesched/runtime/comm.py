@@ -34,7 +34,7 @@ HEADER_LEN = 256  # int64 words of a meta header
 _ALIGN = 16
 
 # tags: 0..15 control, then 4 per (stage, microbatch): act header, act payload, grad payload
-TAG_LOSS, TAG_TARGET = 2, 3  # (the step signature is an all-gather, see handshake.py)
+TAG_LOSS = 2  # (the step's opening, with the verdict on the target, is an all-gather, see handshake.py)
 _KIND = {"act_header": 0, "act": 1, "grad": 2}
 
 

@@ -1,19 +1,59 @@
-"""The messages that open every step: an all-gather in which stage 0's rank describes the input (or rejects
-it) and every rank gives its settings fingerprint, then the last stage's rank rules on the target, so a bad
-batch is the same ``ValueError`` on every rank before any work, and a changed setting on any rank makes every
-rank re-learn the step's message metas."""
+"""The one message round that opens every step: an all-gather in which stage 0's rank describes the input (or
+rejects it), the last stage's rank gives its verdict on the target (checked on its own before the gather: all but
+the batch size x must match), and every rank gives its settings fingerprint and its anticipated clipping
+(:mod:`~pipesched.runtime.norm_parts`); every rank then decides alike, so a bad batch is the same ``ValueError``
+on every rank before any work, and a changed setting on any rank makes every rank re-learn the step's message metas.
+
+Each rank's row of the all-gather is ``ROW_LEN`` int64 words: ``[OPENING_MARK, settings, train, no_grad,
+clip calls, clip max_norm, clip norm_type, *signature, *verdict]`` (``verdict``: ``VERDICT_LEN`` words,
+:func:`verdict_words`, zeros but on the last stage's rank in a training step). ``clip_grad_norm_``'s all-gather
+on the same group (``runtime/clipping.py``) has rows of the same shape opening with ``CLIP_MARK`` and the count of
+clip calls, so
+where ranks are out of step (some in a step's opening, some in a clip's collective, or with different counts of
+clip calls) every rank that meets them raises the same clear error (:func:`check_rows_meet`) instead of
+misreading the rows."""
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
 
-from .comm import DTYPE_CODE, TAG_TARGET
+from .comm import DTYPE_CODE
 from .failure import CommError
-from .microbatch import split
+from .microbatch import batch_size, split
 from .transport import wait
 
 SIG_LEN = 64  # int64 words of a step signature
+HEAD = 7  # int64 words of a row before the signature
+VERDICT_LEN = SIG_LEN  # int64 words of the verdict on the target (the room for its text it had as a message)
+ROW_LEN = HEAD + SIG_LEN + VERDICT_LEN  # int64 words of each rank's row in the opening all-gather (and clip's)
+OPENING_MARK, CLIP_MARK = 0x5354_4550, 0x434C_4950  # the first word of a step's row, of a clip's row
+
+
+def check_rows_meet(heads: list[list[int]], mark: int) -> None:
+    """``heads``: every pipeline rank's first two words of its row in an all-gather (its mark, its count of
+    ``clip_grad_norm_`` calls). Every rank must be in the same operation (``mark``) with the same count of
+    clip calls.
+
+    Raises:
+        RuntimeError: naming the ranks in a step's opening and those in a clip's collective, or the counts of
+            calls by rank; every rank that took part sees the same rows, so each raises the same error (the
+            Pipeline ends every rank with a ``PipelineError``: some ranks may have clipped their gradients).
+    """
+    opening = [r for r, head in enumerate(heads) if head[0] == OPENING_MARK]
+    clipping = [r for r, head in enumerate(heads) if head[0] == CLIP_MARK]
+    if len(opening) not in (0, len(heads)):
+        raise RuntimeError(
+            f"clip_grad_norm_: pipeline ranks {clipping} are in clip_grad_norm_'s collective while ranks {opening} "
+            f"opened the next step: the ranks' clip_grad_norm_ calls differed. After a step that anticipated the "
+            f"call (the ranks' norm parts sent at the step's end), a rank whose call differed from the anticipated "
+            f"one (another max_norm or norm_type, or gradients changed since the step, on that rank only) took the "
+            f"collective while the others did not; pass the same arguments on every rank and change gradients "
+            f"between step() and clip_grad_norm_() on every rank alike, or set pipe.anticipate_clip = False")
+    counts = [head[1] for head in heads]
+    if len(set(counts)) > 1:
+        raise RuntimeError(f"clip_grad_norm_: the pipeline ranks made different numbers of clip_grad_norm_ calls "
+                           f"(by pipeline rank: {counts}); call it on every rank alike")
 
 
 class StepKey(NamedTuple):
@@ -28,6 +68,17 @@ class StepKey(NamedTuple):
     def batch_size(self) -> int:
         """``N``, the size of the step's batch along dim 0."""
         return self.signature[2]
+
+
+class TargetVerdict(NamedTuple):
+    """The last stage's rank's check of the step's target before the opening (all that needs no x): ``batch``,
+    the target's size along dim 0 (``None``: no target, or rejected before its size was known); ``error``, why
+    it is refused (``""``: accepted); ``target``, the target on the stages' device (``None`` where refused or
+    absent), split once the opening has shown ``batch`` to be x's."""
+
+    batch: int | None
+    error: str = ""
+    target: object = None
 
 
 class Rejected(ValueError):
@@ -47,28 +98,28 @@ class Handshake:
 
     def __init__(self, transport, program, pp_rank: int, device) -> None:
         self.transport, self.program, self.pp_rank, self.device = transport, program, pp_rank, device
-        self.sends: list = []  # this step's control sends, settled by :meth:`settle`
+        self.clip_words: list = []  # the last opening's clip words, by pipeline rank (see :meth:`signature`)
 
-    def settle(self, what: str = "the step signature send") -> None:
-        """Wait until this step's control sends are delivered (a dropped gloo send is cancelled)."""
-        for work, _ in self.sends:
-            wait(work, what)
-        self.sends = []
-
-    def signature(self, x, train: bool, to_device, settings: int):
-        """Every rank learns the step's input (stage 0's rank describes ``x`` or rejects it) and every rank's
-        settings fingerprint (:func:`~pipesched.runtime.settings.fingerprint`), in one all-gather over the
-        pipeline group.
+    def signature(self, x, train: bool, to_device, settings: int, clip=(0, 0, 0),
+                  verdict: TargetVerdict | None = None):
+        """Every rank learns the step's input (stage 0's rank describes ``x`` or rejects it), the last stage's
+        rank's ``verdict`` on the step's target (a training step; ``None`` on the other ranks and in a
+        ``forward()``), every rank's settings fingerprint (:func:`~pipesched.runtime.settings.fingerprint`) and its
+        three words of anticipated clipping (``clip``: :meth:`NormParts.opening_words
+        <pipesched.runtime.norm_parts.NormParts.opening_words>`, by pipeline rank in :attr:`clip_words`
+        afterwards), in one all-gather over the pipeline group: the step's only message before its program.
 
         Returns:
             ``(key, microbatches, is_tuple)``: the :class:`StepKey` (the input's description and every pipeline
             rank's fingerprint); ``microbatches`` is ``None`` on the other ranks.
         Raises:
-            Rejected: stage 0's rank refused ``x``, or ranks disagree on ``step()`` versus ``forward()`` (on
-                every rank, with the same message).
+            Rejected: on every rank, with the same message, checked in this order: stage 0's rank refused ``x``;
+                ranks disagree on ``step()`` versus ``forward()``; a training step with gradients disabled; the
+                target's batch size is not x's; the last stage's rank refused the target (:func:`judge_target`).
+            RuntimeError: some ranks are in ``clip_grad_norm_``'s collective, or made other numbers of clip calls
+                (:func:`check_rows_meet`), on every rank.
         """
         first = self.program.stage_to_rank[0]
-        self.sends = []
         m = self.program.num_microbatches
         words, micro, is_tuple = [0] * SIG_LEN, None, False
         if self.pp_rank == first:
@@ -80,7 +131,12 @@ class Handshake:
                 words = encode_signature(train, m, micro, is_tuple)
             except (TypeError, ValueError) as exc:
                 words = encode_text([1, int(train), m], str(exc))
-        rows = self._gather([settings, int(train), int(train and not torch.is_grad_enabled())] + words)
+        rows = self._gather([OPENING_MARK, settings, int(train), int(train and not torch.is_grad_enabled()),
+                             *clip] + words + verdict_words(verdict if train else None))
+        check_rows_meet([row[:1] + row[4:5] for row in rows], OPENING_MARK)
+        self.clip_words = [row[4:HEAD] for row in rows]
+        last_verdict = rows[self.program.stage_to_rank[-1]][HEAD + SIG_LEN:]
+        rows = [row[1:4] + row[HEAD:HEAD + SIG_LEN] for row in rows]  # settings, train, no_grad, signature
         words = rows[first][3:]
         if words[0]:
             raise Rejected(decode_text(words) if self.pp_rank == first else
@@ -95,35 +151,9 @@ class Handshake:
             raise Rejected(f"step() trains, but pipeline ranks {no_grad} called it with gradients disabled "
                            f"(inside torch.no_grad() or torch.inference_mode()); call step() outside it, or use "
                            f"forward() for evaluation")
+        if train:
+            judge_target(last_verdict, words[3], self.program.stage_to_rank[-1], self.pp_rank, verdict)
         return StepKey(tuple(words[1:]), tuple(row[0] for row in rows)), micro, is_tuple
-
-    def target_verdict(self, target, total: int, check_targets):
-        """The last stage's rank checks ``target`` with ``check_targets(target, total)`` and tells the others.
-
-        Returns:
-            The target microbatches on the last stage's rank, else ``None``.
-        Raises:
-            Rejected: the last stage's rank refused ``target`` (on every rank, with its message).
-        """
-        last = self.program.stage_to_rank[-1]
-        if self.pp_rank != last:
-            words = self._receive(last, TAG_TARGET, "the target check")
-            if words[0]:
-                self.settle()  # delivered (the last stage's rank got past them)
-                raise Rejected(f"the rank of the last stage (pipeline rank {last}) rejected the step's target: "
-                               f"{decode_text(words)}")
-            return None
-        try:
-            targets, text = check_targets(target, total), ""
-        except (TypeError, ValueError) as exc:
-            targets, text = None, str(exc)
-        sent_before = len(self.sends)
-        self._broadcast(encode_text([int(bool(text)), 0, 0], text), TAG_TARGET)
-        if text:
-            del self.sends[:sent_before]  # only the rejection needs to be seen delivered before raising
-            self.settle("the target rejection send")
-            raise Rejected(text)
-        return targets
 
     def _gather(self, words: list[int]) -> list[list[int]]:
         """All-gather one row of int64 ``words`` from every pipeline rank; returns the rows by rank."""
@@ -137,15 +167,64 @@ class Handshake:
         wait(work, "the step signature")
         return [row.tolist() for row in rows]
 
-    def _receive(self, peer: int, tag: int, what: str) -> list[int]:
-        tensors, _ = self.transport.wait(self.transport.post([((SIG_LEN,), torch.int64)], peer, tag, what))
-        return tensors[0].tolist()
 
-    def _broadcast(self, words, tag: int) -> None:
-        message = torch.tensor(words, dtype=torch.int64, device=self.device)
-        for peer in range(self.program.num_ranks):
-            if peer != self.pp_rank:
-                self.sends.append(self.transport.send((message,), peer, tag))
+def check_target(target, missing: str, move) -> TargetVerdict:
+    """The last stage's rank's check of the step's ``target`` before the opening: all that needs no x, in the
+    order the step always checked it (present, a batch, then movable), so the errors are those it always gave.
+
+    Args:
+        target: the step's target (``None``, a tensor or a tuple of tensors; anything else is refused).
+        missing: the error where ``target`` is None (``""``: ``loss_fn`` takes none).
+        move: ``target -> target`` on the stages' device (raises ``ValueError`` where it cannot be moved).
+    """
+    if target is None:
+        return TargetVerdict(None, missing)
+    try:
+        batch = batch_size(target, "target")
+    except (TypeError, ValueError) as exc:
+        return TargetVerdict(None, str(exc))
+    try:
+        return TargetVerdict(batch, "", move(target))
+    except (TypeError, ValueError) as exc:  # ruled on after the batch size (:func:`judge_target`)
+        return TargetVerdict(batch, str(exc))
+
+
+def target_microbatches(verdict: TargetVerdict | None, m: int):
+    """The accepted target of ``verdict`` split into ``m`` microbatches (a tensor each, or a tuple where the
+    target is one); ``None`` without a target. Cannot fail once :func:`judge_target` passed."""
+    if verdict is None or verdict.target is None:
+        return None
+    parts, is_tuple = split(verdict.target, m, "target")
+    return [p if is_tuple else p[0] for p in parts]
+
+
+def verdict_words(verdict: TargetVerdict | None) -> list[int]:
+    """``verdict`` as ``VERDICT_LEN`` int64 words: ``[refused, batch known, batch, *text]`` (:func:`encode_text`);
+    zeros for ``None`` (no verdict: another rank, or a ``forward()``)."""
+    if verdict is None:
+        return [0] * VERDICT_LEN
+    batch = verdict.batch
+    return encode_text([int(bool(verdict.error)), int(batch is not None), batch or 0], verdict.error, VERDICT_LEN)
+
+
+def judge_target(words: list[int], total: int, last: int, pp_rank: int, verdict: TargetVerdict | None) -> None:
+    """Every rank's ruling on the last stage's rank's :func:`verdict_words` (``words``, from the gathered row of
+    ``last``) for a batch of ``total`` samples; ``verdict``: this rank's own (the last stage's rank's full text).
+
+    Raises:
+        Rejected: the target's batch size is not ``total`` (checked first, as the target is checked on one
+            rank: size, then device), or the last stage's rank refused it; its own message on that rank,
+            prefixed by ``the rank of the last stage (pipeline rank N) rejected the step's target:`` elsewhere.
+    """
+    refused, known, batch = words[:3]
+    if known and batch != total:
+        text = f"target has batch size {batch} but x has {total}"
+    elif refused:
+        text = verdict.error if pp_rank == last and verdict is not None else decode_text(words)
+    else:
+        return
+    raise Rejected(text if pp_rank == last else
+                   f"the rank of the last stage (pipeline rank {last}) rejected the step's target: {text}")
 
 
 def encode_text(head: list[int], text: str, length: int = SIG_LEN) -> list[int]:

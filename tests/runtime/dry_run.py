@@ -15,7 +15,8 @@ from torch import nn
 
 from pipesched.api import StepPrograms
 from pipesched.runtime.executor import Executor, Links, RankWork, StepInputs
-from pipesched.runtime.handshake import Handshake
+from pipesched.runtime.handshake import Handshake, TargetVerdict, target_microbatches
+from pipesched.runtime.norm_parts import NormParts
 from pipesched.runtime.transport import Transport
 
 WAIT_S = 20.0  # a receive that gets nothing in this time fails (a hang, in a real run)
@@ -182,9 +183,11 @@ class _FakeDP:
 
 class DryPipeline:
     """``programs`` run by one real :class:`Executor` per pipeline rank on a stage of ``nn.Linear(4, 4)`` each,
-    or on ``layers`` (one module per stage taking and giving tensors of width 4, e.g. :class:`Boundary`)."""
+    or on ``layers`` (one module per stage taking and giving tensors of width 4, e.g. :class:`Boundary`).
+    ``norm_parts``: ``(max_norm, norm_type)`` every rank anticipates a ``clip_grad_norm_`` with (its training
+    steps send the norm parts, runtime/norm_parts.py; ``self.parts[rank].rows`` after a step), or ``None``."""
 
-    def __init__(self, programs: StepPrograms, width: int = 4, layers=None) -> None:
+    def __init__(self, programs: StepPrograms, width: int = 4, layers=None, norm_parts=None) -> None:
         torch.manual_seed(0)
         program = programs.train
         self.programs, self.p, self.m = programs, program.num_ranks, program.num_microbatches
@@ -197,6 +200,11 @@ class DryPipeline:
                      Links(transports[r], _FakeDP() if program.dp_size > 1 else None))
             for r in range(self.p)]
         self.handshakes = [Handshake(transports[r], program, r, cpu) for r in range(self.p)]
+        self.parts = [NormParts(transports[r], self.p, r, cpu,
+                                lambda r=r: [q for s in program.stages_of(r) for q in self.layers[s].parameters()])
+                      for r in range(self.p)]
+        for parts in self.parts:
+            parts.wanted = norm_parts
         self.metas = {True: [None] * self.p, False: [None] * self.p}  # per kind of step, per rank, once learned
         g = torch.Generator().manual_seed(1)
         self.x, self.y = torch.randn(2 * self.m, width, generator=g), torch.randn(2 * self.m, width, generator=g)
@@ -226,16 +234,17 @@ class DryPipeline:
         program, handshake = self.programs.train, self.handshakes[rank]
         first, last = program.stage_to_rank[0], program.stage_to_rank[-1]
         try:
-            key, micro, is_tuple = handshake.signature(self.x if rank == first else None, train, lambda x: x, 0)
-            targets = None
-            if train:
-                targets = handshake.target_verdict(self.y if rank == last else None, key.batch_size,
-                                                   lambda y, total: list(y.chunk(self.m)))
+            parts = self.parts[rank]
+            verdict = TargetVerdict(len(self.y), "", self.y) if train and rank == last else None
+            _, micro, is_tuple = handshake.signature(self.x if rank == first else None, train, lambda x: x, 0,
+                                                     parts.opening_words(), verdict)
+            parts.agree(handshake.clip_words, train)
+            targets = target_microbatches(verdict, self.m)
             metas = self.metas[train][rank]
             inputs = StepInputs(train, micro, is_tuple, targets, [1 / self.m] * self.m,
-                                {} if metas is None else metas, metas is None)
+                                {} if metas is None else metas, metas is None, None,
+                                parts if parts.agreed else None)
             self.executors[rank].run(inputs)
-            handshake.settle()
             self.metas[train][rank] = inputs.metas
         except BaseException as exc:  # noqa: BLE001 - reported by run()
             errors.append((rank, exc))

@@ -7,7 +7,7 @@ import pytest
 
 from pipesched import compile_program, step_programs
 from pipesched.protocol import step_posts
-from pipesched.runtime.comm import TAG_LOSS, TAG_TARGET, tag_of
+from pipesched.runtime.comm import TAG_LOSS, tag_of
 from rt_cases import SCHEDULES
 
 pytestmark = pytest.mark.multiprocess
@@ -132,7 +132,7 @@ def _step_posts(schedule, v, p, early) -> list:
     """Per rank, the posts ``message_order`` makes by :func:`pipesched.protocol.step_posts` (a learning step, a
     step, a learning forward), as ``(kind, peer, tag)``."""
     programs = step_programs(compile_program(schedule, p, 4, v), "gloo", early)
-    tags = {"loss": TAG_LOSS, "target": TAG_TARGET}
+    tags = {"loss": TAG_LOSS}
     runs = ((programs.learn_train, True, False), (programs.train, False, early), (programs.learn_forward, True, False))
     return [[(post.kind, post.peer, tags.get(post.message[0]) or tag_of(*post.message, programs.train.num_stages))
              for program, learning, early_run in runs for post in step_posts(program, rank, learning, early_run)

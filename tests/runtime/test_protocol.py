@@ -1,10 +1,10 @@
 """The whole wire protocol, dry-run: for every built-in schedule and option over a hypothesis grid, each rank's
 real handshake and executor (threads of one process, an in-memory group matching messages first in, first out
 whatever their tag) post exactly the messages of the validated program they run, plus the documented opening
-all-gather, target verdict, shape headers and loss (:func:`pipesched.protocol.step_posts`), in that order, with
-each gradient message carrying the tensors :func:`pipesched.protocol.gradient_tensors` says — also where some
-stage inputs get no gradient (masked messages) — and no rank enters a step's all-gather with a message of the
-previous step not yet waited for."""
+all-gather (which carries the verdict on the target: no message of its own), shape headers and loss
+(:func:`pipesched.protocol.step_posts`), in that order, with each gradient message carrying the tensors
+:func:`pipesched.protocol.gradient_tensors` says — also where some stage inputs get no gradient (masked
+messages) — and no rank enters a step's all-gather with a message of the previous step not yet waited for."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from pipesched import compile_program, step_programs
 from pipesched.engine import proven_run
 from pipesched.protocol import check_step, step_posts
-from pipesched.runtime.comm import TAG_LOSS, TAG_TARGET, tag_of
+from pipesched.runtime.comm import TAG_LOSS, tag_of
 
 from dry_run import Boundary, DryPipeline
 
@@ -24,12 +24,12 @@ def _tag(message, num_stages: int) -> int | None:
     kind, stage, mb = message
     if kind == "opening":
         return None
-    return {"loss": TAG_LOSS, "target": TAG_TARGET}.get(kind) or tag_of(kind, stage, mb, num_stages)
+    return TAG_LOSS if kind == "loss" else tag_of(kind, stage, mb, num_stages)
 
 
 def _expected(program, rank: int, learning: bool, early: bool, gradients=None, boundaries=None) -> list:
     """``step_posts`` as the dry run logs posts: ``(kind, peer, tag, tensors)`` (the all-gather without a
-    count): a gradient's tensor count from the protocol, one tensor for a header, the verdict and the loss,
+    count): a gradient's tensor count from the protocol, one tensor for a header and the loss,
     and an activation the stage's output tensors (one, or two where a :class:`Boundary` gives a pair)."""
     out = []
     for post in step_posts(program, rank, learning, early, gradients):
@@ -179,11 +179,11 @@ def test_check_step_wants_the_all_gather_first(monkeypatch):
     program = compile_program("1f1b", 2, 2)
     real = protocol._numbered_posts
 
-    def gather_after_the_verdict(*args):
+    def gather_after_the_first_message(*args):
         posts = real(*args)
         return posts[1:2] + posts[:1] + posts[2:]
 
-    monkeypatch.setattr(protocol, "_numbered_posts", gather_after_the_verdict)
+    monkeypatch.setattr(protocol, "_numbered_posts", gather_after_the_first_message)
     with pytest.raises(PairingError, match=r"rank 0's step must open with the all-gather on the pipeline group, "
                                            r"once, before any point-to-point message; it posts it at positions \[1\]"):
         check_step(program, learning=False, early=False)
