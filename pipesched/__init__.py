@@ -23,6 +23,9 @@ from .registry import REGISTRY, Registry, get_schedule, register_schedule, unreg
 from .sim import simulate
 from .timeline import Event, Timeline
 from .validate import validate
+from .planner import Candidate, Plan, PlanError, plan  # the planner (issue 14)
+from .partition import balance_by_time, rank_loads
+from .profile import LayerProfile
 
 __version__ = "0.1.0"
 
@@ -33,4 +36,6 @@ __all__ = [
     "add_tie_reduce", "build", "REGISTRY", "Registry", "register_schedule", "unregister_schedule",
     "compile_program", "forward_only", "get_schedule", "load", "loads", "passes_for", "post_receives_early",
     "simulate", "split_backward", "step_programs", "to_json", "to_text", "validate",
+    "Candidate", "Plan", "PlanError", "plan",
+    "LayerProfile", "balance_by_time", "rank_loads",
 ]

@@ -1,11 +1,11 @@
-"""The ``pipesched`` command line: list, show, simulate, validate, render, demo."""
+"""The ``pipesched`` command line: list, show, simulate, validate, plan, render, demo."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
-from . import interop_cli, program_io
+from . import interop_cli, plan_cli, program_io
 from .api import build, compile_program
 from .lower import add_recompute, add_tie_reduce, forward_only, split_backward
 from .cost import CostError, CostModel
@@ -15,10 +15,22 @@ from .ir import Op
 from .registry import REGISTRY
 from .schedules import SCHEDULES
 from .sim import simulate
+from .ties import one_rank_ties
+
+
+def schedule_parent(optional_name: bool = False) -> argparse.ArgumentParser:
+    """The argparse parent of every command that compiles a schedule by name (show, simulate, render: pass it as
+    ``parents=[schedule_parent()]``): SCHEDULE, the sizes and passes (:func:`add_schedule_args`), ``--memory-limit``
+    and the cost options (:func:`add_cost_args`), which ``zb-auto`` is built for in every one of them (and which
+    simulate and render also simulate with). ``optional_name``: SCHEDULE may be left out (render --trace)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    add_schedule_args(parent, optional_name)
+    add_cost_args(parent)
+    return parent
 
 
 def add_schedule_args(parser: argparse.ArgumentParser, optional_name: bool = False) -> None:
-    """SCHEDULE and the size options shared by show, simulate and render."""
+    """SCHEDULE and the size options of :func:`schedule_parent` (without the cost options)."""
     parser.add_argument("schedule", nargs="?" if optional_name else None, metavar="SCHEDULE",
                         help=f"schedule name: {', '.join(SCHEDULES)}")
     parser.add_argument("--ranks", "-p", type=int, default=4, help="pipeline ranks p (default 4)")
@@ -37,7 +49,7 @@ def add_schedule_args(parser: argparse.ArgumentParser, optional_name: bool = Fal
                              "head): adds a TIE_REDUCE per rank holding one; repeat it or list several")
     parser.add_argument("--memory-limit", type=_limit, default=None, metavar="N[,N...]",
                         help="zb-auto only: peak in-flight microbatches per rank, one number or one per rank "
-                             "(default min(p, m), zb-h1's); zb-auto is built for the cost options (simulate, render)")
+                             "(default min(p, m), zb-h1's); zb-auto is built for it and the cost options")
     add_schedule_module_arg(parser)
 
 
@@ -86,8 +98,10 @@ COST_FLAGS = {"forward": "--forward", "backward": "--backward", "input_grad": "-
 
 
 def add_cost_args(parser: argparse.ArgumentParser) -> None:
-    """Cost-model options (seconds, bytes); a per-stage option takes one number or a comma list per stage."""
-    group = parser.add_argument_group("cost model (seconds and bytes; per-stage values as a comma list)")
+    """Cost-model options (seconds, bytes); a per-stage option takes one number or a comma list per stage. The
+    costs ``zb-auto`` is built for (every command of :func:`schedule_parent`), and those simulate and render use."""
+    group = parser.add_argument_group("cost model (seconds and bytes; per-stage values as a comma list; "
+                                      "zb-auto is built for them)")
     group.add_argument("--forward", type=_per_stage, default=1.0, help="seconds per F (default 1)")
     group.add_argument("--backward", type=_per_stage, default=2.0, help="seconds per B (default 2)")
     group.add_argument("--input-grad", type=_per_stage, default=None,
@@ -110,6 +124,15 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--grad-bytes", type=_per_stage, default=0.0, help="bytes of a stage's gradients (all-reduce)")
     group.add_argument("--tie-bytes", type=_per_stage, default=0.0,
                        help="bytes of the tied gradients the TIE_REDUCE naming a stage sums (with --ties)")
+
+
+def given_costs(args: argparse.Namespace) -> list[str]:
+    """The cost options of ``args`` set to something other than their default, as ``--option value``."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_cost_args(parser)
+    defaults = vars(parser.parse_args([]))
+    return [f"--{dest.replace('_', '-')} {_show(getattr(args, dest))}" for dest, default in defaults.items()
+            if getattr(args, dest, default) != default]
 
 
 def cost_from_args(args: argparse.Namespace) -> CostModel:
@@ -147,19 +170,30 @@ def program_from_args(args: argparse.Namespace):
         ScheduleArgumentError: a size the schedule cannot run, prefixed with the option that set it.
     """
     try:
-        return compile_program(args.schedule, args.ranks, args.microbatches, args.virtual_stages,
-                               dp_size=args.dp, recompute=bool(args.recompute),
-                               split_backward=bool(args.split_backward), forward_only=bool(args.forward_only),
-                               ties=tuple(args.ties), **_auto_args(args))
+        program = compile_program(args.schedule, args.ranks, args.microbatches, args.virtual_stages,
+                                  dp_size=args.dp, recompute=bool(args.recompute),
+                                  split_backward=bool(args.split_backward), forward_only=bool(args.forward_only),
+                                  ties=tuple(args.ties), **_auto_args(args))
+        note_one_rank_ties(args.ties, program)
+        return program
     except ScheduleArgumentError as exc:
         if exc.argument not in _SIZE_FLAGS:
             raise
         flag, attr = _SIZE_FLAGS[exc.argument]
         value = getattr(args, attr)
         shown = ",".join(map(str, value)) if isinstance(value, list) and attr == "memory_limit" else value
+        shown = " ".join(",".join(map(str, t)) for t in value) if attr == "ties" else shown
         raise ScheduleArgumentError(f"{flag} {shown}: {exc}", argument=exc.argument) from None
     except CostError as exc:  # zb-auto is built from the costs: a per-stage cost of the wrong length
         raise _named_cost_error(exc) from None
+
+
+def note_one_rank_ties(ties, program) -> None:
+    """Say on stderr which ``--ties`` were left out because their stages are all on one rank (no TIE_REDUCE)."""
+    for tie in one_rank_ties(ties, program.stage_to_rank):
+        print(f"note: --ties {','.join(map(str, tie))}: stages {' and '.join(map(str, tie))} are all on rank "
+              f"{program.stage_to_rank[tie[0]]}, where autograd sums the uses of the shared parameter: no TIE_REDUCE "
+              f"needed", file=sys.stderr)
 
 
 def _auto_args(args: argparse.Namespace) -> dict:
@@ -194,8 +228,10 @@ def simulate_from_args(args: argparse.Namespace):
             raise ValueError(f"{flag} {value} sets the cost of I/W, but this program runs fused B backwards "
                              f"(no I or W); {hint}")
     if args.tie_bytes and not program.ties:
+        hint = ("its --ties are each on one rank (no TIE_REDUCE):" if args.ties else
+                f"add --ties (e.g. --ties 0,{program.num_stages - 1}), or")
         raise ValueError(f"--tie-bytes {_show(args.tie_bytes)} sets the size of the tied gradients, but this program "
-                         f"has no ties; add --ties (e.g. --ties 0,{program.num_stages - 1}), or drop --tie-bytes")
+                         f"has no ties to reduce; {hint} drop --tie-bytes")
     cost = cost_from_args(args)
     try:
         return program, simulate(program, cost, check=False)
@@ -234,6 +270,11 @@ def _cmd_list(args) -> int:
 
 
 def _cmd_show(args) -> int:
+    given = given_costs(args)
+    if given and not getattr(REGISTRY.get(args.schedule), "takes_costs", False):
+        raise ValueError(f"{given[0]} sets a cost that a schedule built from costs (zb-auto) is built for; "
+                         f"{args.schedule} is built without costs, so show would ignore it: drop {given[0]} "
+                         f"(pipesched simulate takes it)")
     if args.compute_only:
         if args.dp != 1:
             raise ValueError(f"--dp {args.dp} adds ALL_REDUCE when the program is lowered; "
@@ -245,6 +286,7 @@ def _cmd_show(args) -> int:
             program = add_recompute(program)
         if args.ties:
             program = add_tie_reduce(program, args.ties)
+            note_one_rank_ties(args.ties, program)
         if args.forward_only:
             program = forward_only(program)
     else:
@@ -297,7 +339,8 @@ def _cmd_validate(args) -> int:
     if args.json:
         print(json.dumps({"valid": True, "compute_only": not has_comm(program),
                           "ranks": program.num_ranks, "stages": program.num_stages,
-                          "num_microbatches": program.num_microbatches, "instructions": len(program),
+                          "num_microbatches": program.num_microbatches, "dp_size": program.dp_size,
+                          "instructions": len(program),
                           "bubble_fraction": timeline.bubble_fraction,
                           "peak_inflight": list(timeline.peak_inflight)}))
     else:
@@ -306,7 +349,9 @@ def _cmd_validate(args) -> int:
                 "complete, ordered and deadlock-free as a compute-only program (no SEND/RECV: transfers between "
                 "ranks are implicit; lower it with pipesched.add_send_recv before running it)")
         print(f"valid: {args.file}: {_count(program.num_ranks, 'rank')}, {_count(program.num_stages, 'stage')}, "
-              f"{_count(program.num_microbatches, 'microbatch')}, {_count(len(program), 'instruction')}; {kind}. "
+              f"{_count(program.num_microbatches, 'microbatch')}, "
+              + (f"{program.dp_size} data-parallel replicas, " if program.dp_size > 1 else "")
+              + f"{_count(len(program), 'instruction')}; {kind}. "
               f"Bubble fraction {timeline.bubble_fraction:.4f} at F=1 B=2, peak in-flight {list(timeline.peak_inflight)}")
     return 0
 
@@ -333,22 +378,21 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     add_schedule_module_arg(p)
     p.set_defaults(func=_cmd_list)
-    p = sub.add_parser("show", help="the per-rank instruction streams of a schedule")
-    add_schedule_args(p)
+    p = sub.add_parser("show", help="the per-rank instruction streams of a schedule", parents=[schedule_parent()])
     p.add_argument("--format", choices=("grid", "text"), default="grid", help="grid (default) or the text form")
     p.add_argument("--compute-only", action="store_true", help="before lowering: no SEND/RECV")
     p.add_argument("--json", action="store_true", help="print the JSON form")
     interop_cli.add_show_args(p)
     p.set_defaults(func=_cmd_show)
-    p = sub.add_parser("simulate", help="makespan, bubble fraction and peak in-flight activations")
-    add_schedule_args(p)
-    add_cost_args(p)
+    p = sub.add_parser("simulate", help="makespan, bubble fraction and peak in-flight activations",
+                       parents=[schedule_parent()])
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_simulate)
     p = sub.add_parser("validate", help="prove a program file (text or JSON form) runnable")
     interop_cli.add_validate_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_validate)
+    plan_cli.add_plan_parser(sub)  # pipesched plan: pipesched/plan_cli.py
     _add_optional_commands(sub)
     return parser
 

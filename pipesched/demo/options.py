@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from .. import ScheduleArgumentError, UnknownScheduleError, build, get_schedule
+from ..plan_cli import parse_bytes
 from .corpus import check_corpus
 
 DESCRIPTION = "Train a small GPT (byte level) across pipeline ranks with pipesched, then show where the bubble was."
@@ -53,6 +54,13 @@ def options(argv=None, prog: str | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default 50)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in "
                         "--checkpoint-dir, which must exist (start from scratch if it holds none)")
+    parser.add_argument("--plan", action="store_true", help="profile the model here, plan schedule, ranks x dp, "
+                        "microbatches, virtual stages, balance and recompute for --ranks x --dp ranks and --memory "
+                        "(pipesched.plan), print the table, train with the winner, and compare its prediction with "
+                        "the run")
+    parser.add_argument("--memory", default=None, help="with --plan: bytes per rank, e.g. 2GiB (default: the "
+                        "memory available now / ranks)")
+    parser.add_argument("--plan-top", type=int, default=5, help="with --plan: candidates to print (default 5)")
     args = parser.parse_args(argv)
     _check(parser, args)
     return args
@@ -60,7 +68,7 @@ def options(argv=None, prog: str | None = None) -> argparse.Namespace:
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("ranks", "microbatches", "virtual_stages", "dp", "steps", "batch", "context", "width", "depth",
-                 "heads", "checkpoint_every"):
+                 "heads", "checkpoint_every", "plan_top"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.width % args.heads:
@@ -80,6 +88,13 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(why)
     if why := folder_problem("--out", args.out):
         parser.error(why)
+    if args.memory is not None:
+        if not args.plan:
+            parser.error("--memory is the budget of --plan: add --plan")
+        try:
+            args.memory = parse_bytes(args.memory)
+        except ValueError as exc:
+            parser.error(str(exc))
     try:
         args.balance = _balance(args.balance)
     except ValueError:

@@ -16,15 +16,21 @@ from .corpus import load_text
 from .data import batch_at, batches
 from .model import generate, lm_loss, make_gpt
 from .options import options
+from .planning import plan_demo, report_honesty, step_seconds
 
 
 def main(argv=None, prog: str | None = None) -> None:
     """Entry point: under torchrun, train this rank; otherwise spawn ``--ranks x --dp`` local ranks."""
     args = options(argv, prog)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if args.plan:
+            raise SystemExit("error: --plan profiles and plans before the ranks start: run it with pipesched demo "
+                             "(not under torchrun)")
         train(int(os.environ["RANK"]), args)
         dist.destroy_process_group()
     else:
+        if args.plan:  # profile and plan here, then start the winner's ranks (pipesched/demo/planning.py)
+            plan_demo(args, autocast_dtype(args.autocast))
         launch(train, args.ranks * args.dp, args, timeout=24 * 3600.0)
 
 
@@ -36,9 +42,14 @@ def train(rank: int, args: argparse.Namespace) -> None:
     corpus = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()  # (N,)
     split = int(0.9 * len(corpus))
     model = make_gpt(256, args.context, args.width, args.depth, args.heads, dropout=0.0, tied=not args.untied)
-    pipe = Pipeline(model, schedule=args.schedule, num_microbatches=args.microbatches, loss_fn=lm_loss,
-                    virtual_stages=args.virtual_stages, dp_size=args.dp, recompute=args.recompute,
-                    balance=args.balance, timeout=args.timeout, autocast=autocast_dtype(args.autocast))
+    candidate = getattr(args, "candidate", None)  # --plan's winner
+    if candidate is not None:
+        pipe = Pipeline.from_plan(model, candidate, loss_fn=lm_loss, timeout=args.timeout,
+                                  autocast=autocast_dtype(args.autocast))
+    else:
+        pipe = Pipeline(model, schedule=args.schedule, num_microbatches=args.microbatches, loss_fn=lm_loss,
+                        virtual_stages=args.virtual_stages, dp_size=args.dp, recompute=args.recompute,
+                        balance=args.balance, timeout=args.timeout, autocast=autocast_dtype(args.autocast))
     val_stream = batches(corpus[split:], args.batch, args.context, torch.Generator().manual_seed(args.seed + 7))
     val_data = [next(val_stream) for _ in range(8)]  # the same batches before and after training
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
@@ -58,11 +69,13 @@ def train(rank: int, args: argparse.Namespace) -> None:
               f"{' (embedding tied to the head)' if pipe.ties else ''}, autocast {str(pipe.autocast).replace('torch.', '') if pipe.autocast else 'off'}, clip "
               f"{args.clip or 'off'}, {len(text) / 1e6:.1f} MB of text; validation loss at step {first - 1} "
               f"{start_val:.3f}", flush=True)
-    started, tokens = time.perf_counter(), 0
+    started, tokens, step_times = time.perf_counter(), 0, []
     for step in range(first, args.steps + 1):
         # every replica sees different data; all ranks of one pipeline see the same batches; seeded by the step
         x, y = batch_at(corpus[:split], args.batch, args.context, args.seed + 1000 * pipe.grid.dp_rank + 10**6 * step)
+        begun = time.perf_counter()
         loss = pipe.step(x, target=y)
+        step_times.append(time.perf_counter() - begun)
         if args.clip:
             pipe.clip_grad_norm_(args.clip)  # the norm over every stage, not this rank's (collective)
         optimizer.step()
@@ -83,6 +96,11 @@ def train(rank: int, args: argparse.Namespace) -> None:
     measured = pipe.gather_timeline()  # the last training step, every pipeline rank (collective)
     end_val = evaluate(pipe, val_data)
     paths = write_timelines(pipe, measured, Path(args.out))
+    if candidate is not None:  # the plan's prediction next to the run (collective: every rank's peak)
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, pipe.peak_activation_bytes)
+        if report:
+            paths += report_honesty(candidate, measured, step_seconds(step_times), peaks[:candidate.pp], Path(args.out))
     gather_model(model, pipe)
     if report:
         print(f"validation loss {start_val:.3f} -> {end_val:.3f} "

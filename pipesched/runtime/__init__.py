@@ -25,6 +25,7 @@ from .comm import SingleProcessWarning
 from .failure import PipelineError
 from .launch import ChildTraceback, launch
 from .pipeline import Pipeline
+from .profiling import profile_layers, profile_link
 from .ties import TiedParameter
 
-__all__ = ["CheckpointInfo", "ChildTraceback", "GradScaler", "Pipeline", "PipelineError", "SingleProcessWarning", "latest_checkpoint", "launch", "load_checkpoint", "load_into", "save_checkpoint", "stage_activation_bytes", "TiedParameter"]
+__all__ = ["CheckpointInfo", "ChildTraceback", "GradScaler", "Pipeline", "PipelineError", "SingleProcessWarning", "latest_checkpoint", "launch", "load_checkpoint", "load_into", "save_checkpoint", "stage_activation_bytes", "TiedParameter", "profile_layers", "profile_link"]

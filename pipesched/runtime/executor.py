@@ -20,7 +20,7 @@ from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, describe_change, grad_specs, met
 from .microbatch import as_tuple, stage_output
 from .recompute import BufferLedger, check_no_forward_hooks, keep_nothing, replay_rng, rng_state
 from .settings import SETTINGS
-from .split import backward_input, backward_weight
+from .split import SplitPlans, backward_input, backward_weight
 from .stage import call_stage
 from .clock import clock_for
 from ..api import StepPrograms
@@ -36,10 +36,11 @@ class StepInputs:
     ``("in_grad" | "out_grad", stage, mb)``: which of the gradients of that stage's input / output come (a
     bool per tensor that requires grad)."""
 
-    def __init__(self, train, microbatches, is_tuple, targets, weights, metas, learning, scale=None):
+    def __init__(self, train, microbatches, is_tuple, targets, weights, metas, learning, scale=None, parts=None):
         self.train, self.microbatches, self.is_tuple = train, microbatches, is_tuple
         self.targets, self.weights, self.metas, self.learning = targets, weights, metas, learning
         self.scale = scale or (lambda loss: loss)  # the loss a backward starts from (a GradScaler's scale())
+        self.parts = parts  # None, or the NormParts whose norm parts this training step sends (runtime/norm_parts.py)
 
 
 class _Step:
@@ -99,6 +100,7 @@ class Executor:
         # every parameter, frozen too: requires_grad is read at each step (one frozen now may be unfrozen later)
         self.params = {s: list(m.parameters()) for s, m in work.stages.items()}
         self.counter = SavedBytes(p for ps in self.params.values() for p in ps)
+        self.split_plans = {s: SplitPlans() for s in work.stages}  # each stage's I/W graph analysis, reused
         self.ties = ties = links.ties  # the TieReducer of TIE_REDUCE (runtime.tie_reduce), None without ties here
         self.reduced = reduced_params(self.params if ties is None else ties.untied(self.params), program.ranks[pp_rank])
         table = {Op.F: self._f, Op.B: self._b, Op.I: self._i, Op.W: self._w, Op.R: self._r,
@@ -139,6 +141,9 @@ class Executor:
         loss_post = self.loss_post[key] if inputs.train and self.last not in self.local else None
         if loss_post == -1:
             self._post_loss()
+        parts = inputs.parts if inputs.train else None
+        if parts is not None:  # the receives of the other ranks' norm parts, where the protocol puts them
+            parts.begin(self.ran.ranks[self.pp_rank], self.programs.early_receives > 0 and not inputs.learning)
         for at, (handler, instr) in enumerate(self.streams[key]):
             self.current = instr
             self.waited = mark()
@@ -146,6 +151,8 @@ class Executor:
             events.append([instr, self.waited, mark()])  # a handler that waits for data moves its start past it
             if at == loss_post:
                 self._post_loss()
+            if parts is not None:
+                parts.post_at(at)
         self.current = None
         loss = self._finish()
         self.step = None
@@ -167,8 +174,12 @@ class Executor:
                 wait(work, "a send")
         for started in st.reductions:
             finish_sum(started, self.program.dp_size)  # the average over replicas; None where no replica had one
+        if st.io.train and st.io.parts is not None:
+            st.io.parts.send_early(self.ties)  # the norm parts, if this rank's owned gradients are final already
         if self.ties is not None:
             self.ties.finish()  # the tied-gradient sums TIE_REDUCE started
+        if st.io.train and st.io.parts is not None:
+            st.io.parts.exchange()  # the gradients are final: this rank's norm part to every rank, theirs here
         if not st.io.train:
             return None
         if self.last in self.local:
@@ -330,7 +341,7 @@ class Executor:
         roots, grads = self._backward_roots(s, mb)
         inputs, _ = self.step.inputs.pop((s, mb))
         trainable = [p for p in self.params[s] if p.requires_grad]  # now, not at construction
-        got, self.step.wgrad[(s, mb)] = backward_input(roots, grads, inputs, trainable)
+        got, self.step.wgrad[(s, mb)] = backward_input(roots, grads, inputs, trainable, self.split_plans[s])
         if s > 0:
             self.step.input_grads[(s, mb)] = got
 

@@ -10,29 +10,27 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from ..api import StepPrograms, step_programs
-from ..ir import Op, Program
-from ..checks import check_positive
-from ..user_programs import dp_size_for, program_for
-from .comm import backend_for, init_default_group, make_grid, make_groups, warn_if_unlaunched, world_and_rank
+from .comm import backend_for, init_default_group, make_groups, world_and_rank
 from .accounting import cuda_memory_base, cuda_peak_since
 from .amp import autocast_context, checked_autocast, loss_scaling
 from .clipping import clip_grad_norm_ as clip_all_stages
 from .collective import peer_loss_as_comm_error
 from .agreement import agree, describe, refuse
-from .devices import checked_device, move_to
+from .construction import local_setup
+from .devices import move_to
 from .executor import Executor, Links, RankWork, StepInputs
-from .handshake import Handshake, Rejected, StepKey
+from .handshake import Handshake, Rejected, StepKey, TargetVerdict, check_target, target_microbatches
+from .norm_parts import NormParts
 from .heap import keep_freed_memory
 from .settings import fingerprint
 from .failure import CommError, FailureChannel, FailureRecord, PipelineError
 from .lost_rank import lost_record
 from .measured import StepRecord, gather_timeline, local_timeline
-from .microbatch import batch_size, merge, split, split_sizes
-from .recompute import refuse_forward_hooks
-from .stage import build_stages, layer_starts, layers_of, resolve_balance
-from .state import load_rank_state_dict, rank_state_dict, state_spec
-from .ties import counted_parameters, find_ties, start_ties, with_ties
+from .measured_costs import costs_field, measure_and_compile
+from .microbatch import merge, split_sizes
+from .stage import layers_of
+from .state import load_rank_state_dict, rank_state_dict
+from .ties import counted_parameters, start_ties
 from .transport import Transport
 
 _CACHE_SIZE = 32  # input signatures whose message metas are remembered
@@ -58,11 +56,14 @@ class Pipeline:
         schedule: a schedule name (``pipesched.SCHEDULES`` or registered: ``pipesched.register_schedule``), or a
             lowered ``pipesched.Program`` of world size / ``dp_size`` ranks, validated here; its ``dp_size`` and
             ``num_microbatches`` are used (the arguments must be left at 1 or equal them) and its R/I/W stand
-            (``recompute``/``split_backward`` must be False): see :mod:`pipesched.user_programs`.
+            (``recompute``/``split_backward`` must be False); its ties, if any, must be the model's cross-rank
+            ties (else ``ValueError`` naming both): see :mod:`pipesched.user_programs`.
         num_microbatches: microbatches per step ``m`` >= 1.
         loss_fn: ``loss_fn(output, target) -> scalar tensor`` (``loss_fn(output)`` when ``target`` is None).
         virtual_stages: stages per rank ``v``; ``None`` takes the schedule's default (interleaved: 2; zbv: 2, its only value).
-        balance: ``None`` (even by layer count), ``"params"`` or a list of layers per stage.
+        balance: ``None`` (even by layer count), ``"params"``, ``"time"`` (needs ``profile``: the cut that minimises
+            the slowest rank's measured seconds, :func:`pipesched.partition.balance_by_time`) or a list of layers
+            per stage.
         dp_size: data-parallel replicas of the pipeline.
         recompute: ``False``, ``True`` or one bool per stage: keep only the stage input for backward and
             re-run the forward right before it, with the RNG state and the buffer values its first run saw,
@@ -85,7 +86,15 @@ class Pipeline:
             position. ``False``: program order on gloo too. ``True``: early receives (gloo only).
         costs, memory_limit: for ``schedule="zb-auto"`` only: the :class:`~pipesched.CostModel` (seconds, bytes) and
             the in-flight limit per rank (int or list) it is built for (:func:`pipesched.compile_program`; identical
-            on every rank, else construction fails naming the differing program); measured costs are not supported.
+            on every rank, else construction fails naming the differing program). ``costs=None``: measured. The
+            first training ``step()`` runs a safe program with I and W split (``zb-h1``, or ``zb-auto`` for the
+            default costs where ``zb-h1`` exceeds ``memory_limit``) and measures per stage the median F, I, W
+            (and R) seconds and, by a ping between neighbouring ranks, the one-way time of an activation message;
+            at its end every rank of the job agrees on one ``CostModel`` (each stage's numbers from the rank that
+            owns it, the maximum over data-parallel replicas) and compiles ``zb-auto`` from it, which every later
+            step runs (:mod:`pipesched.runtime.measured_costs`). A ``forward()`` before that runs the safe program.
+        profile: for ``balance="time"``: the model's :class:`~pipesched.profile.LayerProfile`
+            (:func:`~pipesched.runtime.profile_layers`); a profile of another model is a ``ValueError``.
         autocast: ``None`` (default; the caller's autocast state applies), ``torch.bfloat16`` or ``torch.float16``:
             each stage's forward, its recompute and ``loss_fn`` run under ``torch.autocast(device.type, autocast)``
             (as torch advises: the forward including the loss; backward outside); parameters, gradients and
@@ -96,7 +105,14 @@ class Pipeline:
         programs: the validated programs this pipeline runs (:class:`pipesched.api.StepPrograms`): ``step()``
             and ``forward()``, once the message shapes are known and while learning them; the executor runs
             this rank's stream of the one that fits each step, as it is.
-        program: ``programs.train``, what ``step()`` runs once the shapes are known.
+        program: ``programs.train``, what ``step()`` runs once the shapes are known. ``zb-auto`` without ``costs``:
+            the safe program (``program.schedule`` says which) until the first training step ends, then the
+            ``zb-auto`` program compiled from the measured costs (``programs`` alike). The first step's
+            :meth:`timeline` then carries the new program's name and in-flight counts in its metadata.
+        costs: the :class:`~pipesched.CostModel` ``zb-auto`` was compiled from: the given ``costs``, or, measured,
+            ``None`` until the first training step ends, then the agreed costs (per-stage ``forward``,
+            ``input_grad``, ``weight_grad``, ``backward = I + W``, ``recompute`` (``None`` without recompute) and
+            ``latency``, in seconds; identical on every rank of the job). ``None`` for other schedules.
         autocast: the checked ``autocast`` argument (``None``, ``torch.bfloat16`` or ``torch.float16``); read only.
         ties: the parameters used by two stages or more, frozen ones too
             (:class:`~pipesched.runtime.ties.TiedParameter`: names in the unsplit model, stages, ranks, owning
@@ -125,10 +141,15 @@ class Pipeline:
                  virtual_stages: int | None = None, balance=None, dp_size: int = 1, recompute=False,
                  split_backward=False, device=None, timeout: float = 300.0,
                  early_receives: bool | None = None, autocast: torch.dtype | None = None, costs=None,
-                 memory_limit=None) -> None:
+                 memory_limit=None, profile=None) -> None:
         try:
-            layers = self._setup(model, schedule, num_microbatches, loss_fn, virtual_stages, balance, dp_size,
-                                 recompute, split_backward, device, timeout, early_receives, costs, memory_limit)
+            setup = local_setup(model, schedule, num_microbatches, loss_fn, virtual_stages, balance, dp_size,
+                                recompute, split_backward, device, timeout, early_receives, costs, memory_limit,
+                                profile)  # checks, program, stages, device: nothing communicated yet
+            layers, self._plan, self.loss_fn, self.timeout = setup.layers, setup.plan, loss_fn, float(timeout)
+            for name in ("state_spec", "grid", "program", "programs", "costs", "balance", "ties", "first_layers",
+                         "stages", "device"):
+                setattr(self, name, getattr(setup, name))
             self.autocast = checked_autocast(autocast, self.device)  # ValueError naming autocast and valid values
         except Exception as exc:
             if dist.is_available() and dist.is_initialized():  # the other ranks must not wait for this one
@@ -136,8 +157,9 @@ class Pipeline:
             raise
         init_default_group(self.device, self.timeout)  # communication starts here
         agree(dist.distributed_c10d._get_default_store(), self.grid.world_rank, self.grid.world_size,
-              dict(describe(self.program, self.balance, len(layers), self.grid.world_size,
-                            self.programs.early_receives),
+              dict(costs=costs_field(self._plan, self.costs),  # first: a measured safe program has another name
+                   **describe(self.program, self.balance, len(layers), self.grid.world_size,
+                              self.programs.early_receives),
                    autocast=str(self.autocast)), self.timeout)
         grid = self.grid
         self._tie_groups, ties = start_ties(layers, self.ties, self.program, grid, self.timeout, self.device)
@@ -151,48 +173,29 @@ class Pipeline:
         keep_freed_memory()  # no page faults for the weight-gradient blocks each backward frees (heap.py)
         self._executor = Executor(self.programs, grid.pp_rank, work, links)
         self._handshake = Handshake(self._executor.transport, self.program, grid.pp_rank, self.device)
+        self._norm_parts = NormParts(self._executor.transport, self.program.num_ranks, grid.pp_rank, self.device,
+                                     self.owned_parameters)  # anticipated clip_grad_norm_ (runtime/norm_parts.py)
         self._metas: OrderedDict[StepKey, dict] = OrderedDict()  # -> {(kind, stage, mb): meta}
         self._learned = 0  # steps and forwards that learned their message metas
         self._records: dict[str, StepRecord | None] = {"step": None, "forward": None}  # the last step()'s, forward()'s
         self._broken: PipelineError | None = None
         self._closed = False
 
-    def _setup(self, model, schedule, num_microbatches, loss_fn, virtual_stages, balance, dp_size, recompute,
-               split_backward, device, timeout, early_receives, costs=None, memory_limit=None) -> list:
-        """Everything decided locally, before any communication: checks, program, stages, device. Returns the
-        model's layers."""
-        check_positive("num_microbatches", num_microbatches, 1)
-        check_positive("dp_size", dp_size, 1)
-        if virtual_stages is not None:
-            check_positive("virtual_stages", virtual_stages, 1)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    @classmethod
+    def from_plan(cls, model, plan, loss_fn=None, **kwargs) -> "Pipeline":
+        """The pipeline a plan chose (:func:`pipesched.plan`: its winner, or one :class:`~pipesched.Candidate`):
+        its schedule, m, v, balance, recompute, split backward and dp size; ``kwargs`` are the other arguments.
+
+        Raises:
+            ValueError: the model's layer count (or layer classes) differs from the plan's, the job's world size
+                is not pp x dp, or ``kwargs`` sets what the plan decides (:func:`pipesched.planner.pipeline_kwargs`);
+                on every rank, before any communication. TypeError: ``plan`` is neither.
+        """
+        from ..planner import pipeline_kwargs
+
         layers = layers_of(model)
-        self.state_spec = state_spec(layers)  # unsplit-model name -> shape, for state_dict and checkpoints
-        world, rank = world_and_rank()
-        dp_size = dp_size_for(schedule, dp_size)  # a Program's own dp_size (pipesched.user_programs)
-        grid = make_grid(rank, world, dp_size)
-        self.program: Program = program_for(schedule, grid.pp_size, num_microbatches, virtual_stages,
-                                            dp_size, recompute, split_backward, costs=costs, memory_limit=memory_limit)
-        self.costs = costs  # what zb-auto was built for (pipesched.schedules.zb_auto); None: not given
-        self.balance = resolve_balance(layers, self.program.num_stages, balance)
-        self.ties = find_ties(layers, self.balance, self.program.stage_to_rank)  # parameters used by 2+ stages
-        self.program = with_ties(self.program, self.ties)  # a TIE_REDUCE per rank of a tie that spans ranks
-        self.grid, self.loss_fn, self.timeout = grid, loss_fn, float(timeout)
-        self.stages = build_stages(layers, self.balance, self.program.stages_of(grid.pp_rank))
-        self.first_layers = layer_starts(self.balance)
-        recomputed = self.program.stages_with(Op.R)  # their forward runs twice: no forward hooks there
-        refuse_forward_hooks(self.stages, [s in recomputed for s in range(self.program.num_stages)], self.first_layers)
-        self.device = checked_device(self.stages, device)  # ValueError naming device and both devices
-        # the programs the backend's steps run (early receives on gloo), each proven with its step protocol
-        self.programs: StepPrograms = step_programs(self.program, backend_for(self.device), early_receives)
-        self.program = self.programs.train
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # NCCL and all_gather_object use the current device
-        warn_if_unlaunched()  # plain `python train.py`: one rank, nothing split (SingleProcessWarning)
-        return layers
+        kwargs = pipeline_kwargs(plan, len(layers), world_and_rank()[0], [type(l).__name__ for l in layers], kwargs)
+        return cls(model, loss_fn=loss_fn, **kwargs)
 
     # ---- public ----------------------------------------------------------------------------------------
 
@@ -246,19 +249,36 @@ class Pipeline:
         :func:`~pipesched.runtime.state.load_rank_state_dict` (returns missing/unexpected keys; raises on a bad one)."""
         return load_rank_state_dict(self, state_dict, strict)
 
+    @property
+    def anticipate_clip(self) -> bool:
+        """Whether steps after a :meth:`clip_grad_norm_` send each rank's norm part at their end, so the next call
+        needs no collective (default True; :mod:`~pipesched.runtime.norm_parts`). Set it alike on every rank
+        (False on any rank: no step anticipates)."""
+        return self._norm_parts.enabled
+
+    @anticipate_clip.setter
+    def anticipate_clip(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"anticipate_clip must be True or False, got {value!r}")
+        self._norm_parts.enabled = value
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole pipeline (collective over its ranks): scales every
         ``.grad`` of this rank by ``min(max_norm / (total + 1e-6), 1)``, ``total`` the norm of all gradients of
         every stage (``.grad is None`` skipped; data-parallel replicas counted once). Returns ``total``: a 0-dim
         tensor on this rank's device, the same value on every rank, of the dtype torch would return for the
-        unsplit model (float32 for float32 gradients). See :mod:`pipesched.runtime.clipping`.
+        unsplit model (float32 for float32 gradients). See :mod:`pipesched.runtime.clipping`. Right after a step that
+        anticipated this call (same ``max_norm`` and ``norm_type`` as the last call: :attr:`anticipate_clip`), it
+        combines the norm parts that step sent and communicates nothing (:mod:`pipesched.runtime.norm_parts`).
 
         Raises:
             ValueError: a bad ``max_norm`` (a number or 0-dim tensor > 0), ``norm_type`` (> 0 or inf),
                 ``error_if_nonfinite`` or ``foreach``, before any communication; the message names the argument.
             ValueError: the pipeline ranks passed different ``max_norm`` or ``norm_type`` (names the argument and
                 each value with its ranks): on every rank, gradients unchanged, the pipeline stays usable.
+            PipelineError: after an anticipating step, the ranks' calls differed (arguments, or gradients changed
+                since the step on some ranks only): on every rank, at the next collective of the pipeline group.
             RuntimeError: ``error_if_nonfinite`` and ``total`` is nan or inf: on every rank, gradients unscaled.
             RuntimeError, PipelineError: a closed or failed pipeline, as :meth:`step`; a rank failed meanwhile.
         """
@@ -300,6 +320,7 @@ class Pipeline:
             raise ValueError("step() needs a loss_fn; pass loss_fn= to Pipeline (forward() needs none)")
         self._check_local(x, target)
         scale = loss_scaling(scaler, self)  # None, or the scaler's scale(); counted on the scaler
+        self._norm_parts.scaler = scaler  # its unscale_ rescales the anticipated norm parts
         return self._guarded(lambda: self._run(x, target, train=True, scale=scale))
 
     def forward(self, x=None):
@@ -396,39 +417,47 @@ class Pipeline:
             raise error from (None if isinstance(exc, CommError) else exc)
 
     def _run(self, x, target, train: bool, scale=None):
+        verdict = self._targets(target) if train and self.pp_rank == self.program.stage_to_rank[-1] else None
         key, micro, is_tuple = self._handshake.signature(x, train, lambda batch: _to(batch, self.device),
-                                                         fingerprint(self.stages, self.device, self.autocast))
+                                                         fingerprint(self.stages, self.device, self.autocast),
+                                                         self._norm_parts.opening_words(), verdict)
+        self._norm_parts.agree(self._handshake.clip_words, train)  # does this step send its norm parts?
         m, total = self.program.num_microbatches, key.batch_size
         sizes = split_sizes(total, m)
-        targets = self._handshake.target_verdict(target, total, self._targets) if train else None
+        targets = target_microbatches(verdict, m)  # the opening proved its batch size x's
         metas = self._metas.get(key)  # metas follow from the input and every rank's settings
         learning = metas is None
         inputs = StepInputs(train, micro, is_tuple, targets, [n / total for n in sizes],
-                            {} if learning else metas, learning, scale)
+                            {} if learning else metas, learning, scale,
+                            self._norm_parts if self._norm_parts.agreed else None)
         base = cuda_memory_base(self.device)
         wall0 = time.time()
         loss, outputs, peak = self._executor.run(inputs)
-        self._handshake.settle()
         self._remember(key, inputs.metas)
         self._learned += learning
         ex = self._executor
         self._records["step" if train else "forward"] = StepRecord(
             events=ex.events, origin=ex.origin, clock=ex.clock, wall0=wall0, peak=peak,
             allocated=cuda_peak_since(self.device, base), train=train, dp_rank=self.grid.dp_rank, sent=ex.sent)
+        if train and self._plan is not None:  # zb-auto without costs=: this first step measured them
+            self._adopt_measured_costs()
         if train:
             return loss
         return outputs
 
-    def _targets(self, target, total):
-        if target is None:
-            if _needs_target(self.loss_fn):
-                raise ValueError(f"step() needs target on the rank of the last stage (pipeline rank {self.pp_rank}): "
-                                 f"loss_fn takes (output, target)")
-            return None
-        if batch_size(target, "target") != total:
-            raise ValueError(f"target has batch size {batch_size(target, 'target')} but x has {total}")
-        parts, is_tuple = split(_to(target, self.device, "target"), self.program.num_microbatches, "target")
-        return [p if is_tuple else p[0] for p in parts]
+    def _adopt_measured_costs(self) -> None:
+        """Agree on the costs the first step measured, compile zb-auto from them and run it from now on
+        (collective; :func:`~pipesched.runtime.measured_costs.measure_and_compile`)."""
+        self.costs, self.programs, self._executor = measure_and_compile(
+            self._plan, self._records["step"], self._executor, (self._pp_group, self._dp_group), self.ties,
+            backend_for(self.device))
+        self.program, self._plan = self.programs.train, None
+
+    def _targets(self, target) -> TargetVerdict:
+        """The last stage's rank's verdict on ``target`` before the step's opening (:func:`check_target`)."""
+        missing = (f"step() needs target on the rank of the last stage (pipeline rank {self.pp_rank}): loss_fn "
+                   f"takes (output, target)") if target is None and _needs_target(self.loss_fn) else ""
+        return check_target(target, missing, lambda batch: _to(batch, self.device, "target"))
 
     def _remember(self, key: StepKey, metas: dict) -> None:
         self._metas[key] = metas
@@ -467,7 +496,6 @@ class Pipeline:
         self._executor.step = None
         self._executor.transport.group = None
         self._executor.dp_group = None
-        self._handshake.sends = []
         for group in (self._pp_group, self._dp_group, *self._tie_groups.values()):
             if group is not None:
                 try:

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..partition import balance_by_time
+from ..profile import LayerProfile
 from .torch_errors import inplace_on_leaf
 
 
@@ -25,19 +27,26 @@ def layers_of(model) -> list[nn.Module]:
     raise TypeError(f"model must be an nn.Sequential or a list of nn.Module, got {type(model).__name__}")
 
 
-def resolve_balance(layers: Sequence[nn.Module], num_stages: int, balance=None) -> tuple[int, ...]:
+def resolve_balance(layers: Sequence[nn.Module], num_stages: int, balance=None, profile=None,
+                    stage_to_rank: Sequence[int] | None = None) -> tuple[int, ...]:
     """Layers per stage.
 
     Args:
         layers: the model's layers, in order.
         num_stages: stages to cut into (pipeline ranks x virtual stages).
         balance: ``None`` (even by layer count, larger stages first), ``"params"`` (contiguous split that
-            minimises the largest stage's parameter count) or a sequence of ``num_stages`` positive ints
-            summing to ``len(layers)``.
+            minimises the largest stage's parameter count), ``"time"`` (the split that minimises the slowest
+            rank's forward + backward seconds in ``profile``, then its activation bytes:
+            :func:`pipesched.partition.balance_by_time`) or a sequence of ``num_stages`` positive ints summing
+            to ``len(layers)``.
+        profile: the :class:`~pipesched.profile.LayerProfile` of this model, for ``balance="time"``.
+        stage_to_rank: the rank of each stage (the program's placement), for ``balance="time"``; ``None``: one
+            stage per rank.
     Raises:
         ValueError: fewer layers than stages, or a balance of the wrong length, with a count < 1, or whose
-            sum differs from the layer count (names the layer count and the sum).
-        TypeError: ``balance`` is of an unknown kind.
+            sum differs from the layer count (names the layer count and the sum); ``balance="time"`` without a
+            profile, or with a profile of another model (layer count or class names differ).
+        TypeError: ``balance`` is of an unknown kind, ``profile`` not a LayerProfile.
     """
     n = len(layers)
     if n < num_stages:
@@ -50,12 +59,15 @@ def resolve_balance(layers: Sequence[nn.Module], num_stages: int, balance=None) 
         base, extra = divmod(n, num_stages)
         return tuple(base + 1 if i < extra else base for i in range(num_stages))
     if isinstance(balance, str):
+        if balance == "time":
+            return _balance_by_time(layers, num_stages, profile, stage_to_rank)
         if balance != "params":
-            raise ValueError(f"balance={balance!r}: valid values are None, 'params' or a list of layer counts")
+            raise ValueError(f"balance={balance!r}: valid values are None, 'params' or a list of layer counts "
+                             f"(or 'time' with profile=)")
         costs = [sum(p.numel() for p in layer.parameters()) for layer in layers]
         return min_max_partition(costs, num_stages)
     if not isinstance(balance, Sequence) or not all(isinstance(b, int) and not isinstance(b, bool) for b in balance):
-        raise TypeError(f"balance must be None, 'params' or a list of ints, got {balance!r}")
+        raise TypeError(f"balance must be None, 'params', 'time' or a list of ints, got {balance!r}")
     if len(balance) != num_stages:
         raise ValueError(f"balance has {len(balance)} entries but the pipeline has {num_stages} stages")
     if any(b < 1 for b in balance):
@@ -65,31 +77,21 @@ def resolve_balance(layers: Sequence[nn.Module], num_stages: int, balance=None) 
     return tuple(balance)
 
 
-def min_max_partition(costs: Sequence[float], num_stages: int) -> tuple[int, ...]:
-    """Contiguous split of ``costs`` into ``num_stages`` non-empty parts minimising the largest part's sum.
+def _balance_by_time(layers, num_stages, profile, stage_to_rank) -> tuple[int, ...]:
+    if profile is None:
+        raise ValueError("balance='time' needs profile=: the model's LayerProfile, measured once with "
+                         "pipesched.runtime.profile_layers(model, sample_microbatch, target, loss_fn) (save it with "
+                         "profile.save(path), read it with LayerProfile.load(path))")
+    if not isinstance(profile, LayerProfile):
+        raise TypeError(f"profile must be a pipesched.LayerProfile, got {type(profile).__name__}")
+    profile.check_model(len(layers), [type(layer).__name__ for layer in layers])
+    return balance_by_time(profile.layer_seconds(), num_stages, stage_to_rank, memory=profile.activation_bytes)
 
-    Exact dynamic programme, O(len(costs)^2 x num_stages). Ties go to the split with earlier cuts.
-    """
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[k][i]: the smallest max-part over splits of costs[:i] into k parts; cut[k][i]: start of part k
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, num_stages + 1):
-        for i in range(k, n - (num_stages - k) + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    sizes, i = [], n
-    for k in range(num_stages, 0, -1):
-        sizes.append(i - cut[k][i])
-        i = cut[k][i]
-    return tuple(reversed(sizes))
+
+def min_max_partition(costs: Sequence[float], num_stages: int) -> tuple[int, ...]:
+    """Contiguous split of ``costs`` into ``num_stages`` non-empty parts minimising the largest part's sum; ties
+    go to the split with earlier cuts (:func:`pipesched.partition.balance_by_time`, one stage per rank)."""
+    return balance_by_time(costs, num_stages)
 
 
 def layer_starts(balance: Sequence[int]) -> list[int]:
