@@ -73,12 +73,31 @@ class Candidate:
 
     def to_json(self) -> dict:
         """The JSON form (``pipesched plan --json``): ``schedule, pp, dp, num_microbatches, virtual_stages,
-        balance, recompute, step_time, bubble_fraction, peak_memory`` (bytes per pipeline rank), as issue 14 fixes it
-        (``split_backward`` is in :meth:`describe`)."""
+        balance, recompute, split_backward, microbatch_size, step_time, bubble_fraction, peak_memory`` (bytes per
+        pipeline rank); :meth:`from_json` reads it back."""
         return {"schedule": self.schedule, "pp": self.pp, "dp": self.dp, "num_microbatches": self.num_microbatches,
                 "virtual_stages": self.virtual_stages, "balance": list(self.balance),
-                "recompute": list(self.recompute), "step_time": self.step_time, "bubble_fraction": self.bubble_fraction,
-                "peak_memory": [int(math.ceil(b)) for b in self.peak_memory]}
+                "recompute": list(self.recompute), "split_backward": self.split_backward,
+                "microbatch_size": self.microbatch_size, "step_time": self.step_time,
+                "bubble_fraction": self.bubble_fraction, "peak_memory": [int(math.ceil(b)) for b in self.peak_memory]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Candidate":
+        """A candidate from its :meth:`to_json` form (e.g. one entry of ``pipesched plan --json``'s
+        ``"candidates"``), for :meth:`pipesched.runtime.Pipeline.from_plan` in a training script (no timeline).
+
+        Raises:
+            ValueError: a key is missing (names it).
+        """
+        names = ("schedule", "pp", "dp", "num_microbatches", "virtual_stages", "balance", "recompute",
+                 "split_backward", "microbatch_size", "step_time", "bubble_fraction", "peak_memory")
+        missing = [n for n in names if n not in data]
+        if missing:
+            raise ValueError(f"a planned candidate needs the keys {list(names)}; missing {missing}")
+        values = {n: data[n] for n in names}
+        for n in ("balance", "recompute", "peak_memory"):
+            values[n] = tuple(values[n])
+        return cls(**values)
 
     def describe(self) -> str:
         """One line: schedule, sizes, recompute and split."""

@@ -1,6 +1,7 @@
 """The planner (pipesched.planner, plan_search, plan_bounds): every returned candidate fits the budget in the
 simulator, the bounds it prunes with hold, plans are deterministic and ranked, the winner is never predicted slower
 than the default configuration, and bad input names the argument."""
+import json
 import math
 
 import pytest
@@ -192,11 +193,21 @@ def test_json_form():
     data = result.to_json()
     assert list(data) == ["candidates"] and len(data["candidates"]) == 2
     assert set(data["candidates"][0]) == {"schedule", "pp", "dp", "num_microbatches", "virtual_stages", "balance",
-                                          "recompute", "step_time", "bubble_fraction", "peak_memory"}
+                                          "recompute", "split_backward", "microbatch_size", "step_time",
+                                          "bubble_fraction", "peak_memory"}
     first = data["candidates"][0]
     assert first["step_time"] == result.best.step_time and len(first["peak_memory"]) == result.best.pp
     assert all(isinstance(b, int) for b in first["peak_memory"])
     assert isinstance(result, Plan)
+    # a CLI plan read back in a training script builds what the planner chose (peak memory rounded up to bytes)
+    back = Candidate.from_json(json.loads(json.dumps(first)))
+    best = result.best
+    assert (back.schedule, back.pp, back.dp, back.num_microbatches, back.virtual_stages, back.balance,
+            back.recompute, back.split_backward, back.microbatch_size) == (
+        best.schedule, best.pp, best.dp, best.num_microbatches, best.virtual_stages, best.balance, best.recompute,
+        best.split_backward, best.microbatch_size)
+    with pytest.raises(ValueError, match=r"missing \['balance'\]"):
+        Candidate.from_json({k: v for k, v in first.items() if k != "balance"})
 
 
 def test_one_pipeline_rank_searches_no_virtual_stages():
