@@ -5,7 +5,7 @@ Model: ``pipesched.demo.model.make_gpt(256, context, width, depth, 4, dropout=0.
 context 128, 4 blocks, embedding tied to the LM head), 1F1B on 4 ranks (gloo, 127.0.0.1, one thread each), batch 16
 in 4 microbatches, balance by parameters (the demo's), autocast as the demo's ``--autocast auto``, AdamW. The same
 model untied (``tied=False``: the head gets its own weight, of the same shape, so the same compute) runs as the
-reference, cut into the same stages, and the tied model a second time with ``pipe.anticipate_clip = False`` (every
+reference, cut into the same stages, and the tied model a second time with the default ``pipe.anticipate_clip = False`` (every
 ``clip_grad_norm_`` through the all-gather, as before anticipation: "collective"); the three pipelines take turns in
 blocks of ``--block`` steps (the order rotates), after ``--warmup`` steps each that are not counted.
 
@@ -134,7 +134,7 @@ def ranks(rank: int, args) -> dict:
     tied, tied_opt = make_pipe(args, True, "params")
     untied, untied_opt = make_pipe(args, False, list(tied.balance))  # the same stages
     collective, collective_opt = make_pipe(args, True, list(tied.balance))
-    collective.anticipate_clip = False  # every clip_grad_norm_ through the all-gather
+    tied.anticipate_clip = untied.anticipate_clip = True  # opt in (`collective` keeps the default: the all-gather)
     if not tied.ties or untied.ties or list(untied.balance) != list(tied.balance):
         raise RuntimeError(f"expected a tie across ranks in the tied model only, the same stages in both: ties "
                            f"{tied.ties} / {untied.ties}, balance {tied.balance} / {untied.balance}")

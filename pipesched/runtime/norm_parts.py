@@ -63,7 +63,8 @@ class NormParts:
         device: where the rows live (the model's device).
         owned: ``() -> iterable of parameters`` this rank counts in the norm (``Pipeline.owned_parameters``).
     Attributes:
-        enabled: anticipate (default True); False on any rank: no step anticipates.
+        enabled: anticipate (default False: opt in with ``Pipeline.anticipate_clip = True``); False on any rank:
+            no step anticipates.
         wanted: ``(max_norm, norm_type)`` of this rank's last ``clip_grad_norm_`` call (``None`` before one).
         calls: this rank's ``clip_grad_norm_`` calls that got past the local argument checks.
         used: how many of them combined the anticipated rows (no collective).
@@ -77,7 +78,7 @@ class NormParts:
     def __init__(self, transport, num_ranks: int, pp_rank: int, device, owned) -> None:
         self.transport, self.num_ranks, self.pp_rank, self.device, self.owned = (transport, num_ranks, pp_rank,
                                                                                  device, owned)
-        self.enabled, self.wanted, self.calls, self.used, self.scaler = True, None, 0, 0, None
+        self.enabled, self.wanted, self.calls, self.used, self.scaler = False, None, 0, 0, None
         self.fell_back = False
         self.rows, self.agreed = None, None
         self._sent = None  # this rank's row of the last step (float64 tensor), to compare with a clip call's

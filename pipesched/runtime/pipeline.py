@@ -252,8 +252,12 @@ class Pipeline:
     @property
     def anticipate_clip(self) -> bool:
         """Whether steps after a :meth:`clip_grad_norm_` send each rank's norm part at their end, so the next call
-        needs no collective (default True; :mod:`~pipesched.runtime.norm_parts`). Set it alike on every rank
-        (False on any rank: no step anticipates)."""
+        needs no collective (:mod:`~pipesched.runtime.norm_parts`). Default False: every call takes one
+        all-gather, always correct. Opt in (``True`` on every rank; False on any rank: no step anticipates) only
+        for a loop that, between ``step()`` and ``clip_grad_norm_()``, changes gradients on every rank alike or
+        not at all and calls it on every rank with the same arguments: a rank whose gradients alone changed
+        takes the all-gather while the others clip by the anticipated norm and step, so they clip by a stale norm
+        once before the next step ends every rank with a ``PipelineError``."""
         return self._norm_parts.enabled
 
     @anticipate_clip.setter

@@ -204,7 +204,7 @@ class DryPipeline:
                                 lambda r=r: [q for s in program.stages_of(r) for q in self.layers[s].parameters()])
                       for r in range(self.p)]
         for parts in self.parts:
-            parts.wanted = norm_parts
+            parts.wanted, parts.enabled = norm_parts, True
         self.metas = {True: [None] * self.p, False: [None] * self.p}  # per kind of step, per rank, once learned
         g = torch.Generator().manual_seed(1)
         self.x, self.y = torch.randn(2 * self.m, width, generator=g), torch.randn(2 * self.m, width, generator=g)
