@@ -101,6 +101,15 @@ def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
 
 
+def test_demo_plan_exits_1_naming_the_smallest_memory_when_nothing_fits(capsys):
+    from pipesched.demo.train import main as demo_main
+
+    with pytest.raises(SystemExit) as info:
+        demo_main(["--plan", "--memory", "1KiB", "--ranks", "2", "--width", "32", "--context", "16", "--batch", "4"])
+    assert info.value.code == 1
+    assert "smallest" in capsys.readouterr().err
+
+
 def test_demo_plan_options(capsys):
     from pipesched.demo.options import options
 
@@ -108,7 +117,10 @@ def test_demo_plan_options(capsys):
     assert args.plan and args.memory == 2 * 2**30 and args.plan_top == 5
     for argv, words in ((["--memory", "2GiB"], "--memory is the budget of --plan"),
                         (["--plan", "--memory", "much"], "--memory 'much'"),
-                        (["--plan", "--plan-top", "0"], "--plan-top must be >= 1")):
+                        (["--plan", "--plan-top", "0"], "--plan-top must be >= 1"),
+                        (["--plan", "--schedule", "zbv", "--microbatches", "3", "--recompute"],
+                         "--schedule zbv, --microbatches 3, --recompute True: --plan decides the schedule"),
+                        (["--plan", "--balance", "2,2,2,1"], "--balance 2,2,2,1: --plan decides")):
         with pytest.raises(SystemExit) as info:
             options(argv)
         assert info.value.code == 2 and words in capsys.readouterr().err

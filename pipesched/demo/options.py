@@ -66,6 +66,10 @@ def options(argv=None, prog: str | None = None) -> argparse.Namespace:
     return args
 
 
+#: what ``--plan`` chooses: giving one of these with it is an error, not silently overridden
+_PLANNED = ("schedule", "microbatches", "virtual_stages", "recompute", "balance")
+
+
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("ranks", "microbatches", "virtual_stages", "dp", "steps", "batch", "context", "width", "depth",
                  "heads", "checkpoint_every", "plan_top"):
@@ -88,6 +92,11 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(why)
     if why := folder_problem("--out", args.out):
         parser.error(why)
+    decided = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in _PLANNED
+               if args.plan and getattr(args, name) != parser.get_default(name)]
+    if decided:
+        parser.error(f"{', '.join(decided)}: --plan decides the schedule, microbatches, virtual stages, balance and "
+                     f"recompute; leave these out, or drop --plan")
     if args.memory is not None:
         if not args.plan:
             parser.error("--memory is the budget of --plan: add --plan")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..planner import PlanError
 from ..runtime import Pipeline, latest_checkpoint, launch, load_checkpoint, save_checkpoint
 from .corpus import load_text
 from .data import batch_at, batches
@@ -30,7 +32,11 @@ def main(argv=None, prog: str | None = None) -> None:
         dist.destroy_process_group()
     else:
         if args.plan:  # profile and plan here, then start the winner's ranks (pipesched/demo/planning.py)
-            plan_demo(args, autocast_dtype(args.autocast))
+            try:
+                plan_demo(args, autocast_dtype(args.autocast))
+            except PlanError as exc:  # nothing fits --memory: exit 1, as `pipesched plan` does
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
         launch(train, args.ranks * args.dp, args, timeout=24 * 3600.0)
 
 
