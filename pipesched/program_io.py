@@ -92,7 +92,9 @@ def from_text(text: str) -> Program:
             elif current is not None:
                 ranks[current].extend(Instr.parse(tok) for tok in line.split())
             else:
-                raise ValueError(f"expected a header ({', '.join(_HEADER_KEYS)}) or 'rank N:', got {line!r}")
+                hint = (" (this looks like `pipesched show`'s grid, a picture for reading: write the program with "
+                        "`pipesched show ... --format text` or `--json`)" if line.split()[:1] == ["step"] else "")
+                raise ValueError(f"expected a header ({', '.join(_HEADER_KEYS)}) or 'rank N:', got {line!r}{hint}")
         except ValueError as exc:
             raise ProgramFormatError(f"line {lineno}: {exc}") from None
     return _assemble(header, ranks)

@@ -40,3 +40,13 @@ def test_missing_header_is_named():
 def test_json_missing_key_is_named():
     with pytest.raises(ProgramFormatError, match="stage_to_rank"):
         loads('{"ranks": [], "num_microbatches": 1}')
+
+
+def test_the_grid_of_show_is_refused_with_how_to_write_the_text_form(capsys):
+    from pipesched.cli import main
+
+    assert main(["show", "1f1b", "-p", "2", "-m", "2"]) == 0  # the default format: the grid
+    grid = capsys.readouterr().out
+    with pytest.raises(ProgramFormatError, match=r"line 2: .*got 'step .*looks like `pipesched show`'s grid.*"
+                                                 r"--format text` or `--json`"):
+        loads(grid)
