@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gc
-import inspect
 import time
 import traceback
 from collections import OrderedDict
@@ -25,6 +24,7 @@ from .heap import keep_freed_memory
 from .settings import fingerprint
 from .failure import CommError, FailureChannel, FailureRecord, PipelineError
 from .lost_rank import lost_record
+from .loss import needs_target
 from .measured import StepRecord, gather_timeline, local_timeline
 from .measured_costs import costs_field, measure_and_compile
 from .microbatch import merge, split_sizes
@@ -460,7 +460,7 @@ class Pipeline:
     def _targets(self, target) -> TargetVerdict:
         """The last stage's rank's verdict on ``target`` before the step's opening (:func:`check_target`)."""
         missing = (f"step() needs target on the rank of the last stage (pipeline rank {self.pp_rank}): loss_fn "
-                   f"takes (output, target)") if target is None and _needs_target(self.loss_fn) else ""
+                   f"takes (output, target)") if target is None and needs_target(self.loss_fn) else ""
         return check_target(target, missing, lambda batch: _to(batch, self.device, "target"))
 
     def _remember(self, key: StepKey, metas: dict) -> None:
@@ -513,14 +513,3 @@ class Pipeline:
 
 def _to(batch, device, name: str = "x"):
     return move_to(batch, device, name)  # a tensor that cannot get there: ValueError naming it and both devices
-
-
-def _needs_target(loss_fn) -> bool:
-    """Whether ``loss_fn`` requires a second positional argument (``False`` if its signature is unknown)."""
-    try:
-        params = inspect.signature(loss_fn.forward if isinstance(loss_fn, torch.nn.Module) else loss_fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    required = [p for p in params if p.kind in kinds and p.default is inspect.Parameter.empty]
-    return len(required) >= 2

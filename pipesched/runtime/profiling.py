@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..profile import LayerProfile
+from .loss import needs_target
 from .accounting import SavedBytes, tensor_bytes
 from .microbatch import as_tuple, stage_output
 from .recompute import scratch_buffers
@@ -63,7 +64,7 @@ def profile_layers(model, sample_input, target=None, loss_fn=None, repeat: int =
         TypeError: ``model`` is not an ``nn.Sequential``/list of modules, ``sample_input`` not a tensor or tuple
             of tensors, ``loss_fn`` not callable. ValueError: ``repeat`` < 1 or ``warmup`` < 0; ``sizes`` not
             ints in ``[1, microbatch_size]``; a layer's output (not the last's) is not a tensor or tuple of
-            tensors.
+            tensors; ``loss_fn`` takes a target and ``target`` is None.
     """
     layers = layers_of(model)
     for name, value, low in (("repeat", repeat, 1), ("warmup", warmup, 0)):
@@ -71,6 +72,9 @@ def profile_layers(model, sample_input, target=None, loss_fn=None, repeat: int =
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if loss_fn is not None and target is None and needs_target(loss_fn):
+        raise ValueError("profile_layers: loss_fn takes (output, target) but target is None: pass target= (a "
+                         "microbatch's target, as for the sample)")
     inputs, is_tuple = as_tuple(sample_input, "sample_input")
     n = int(inputs[0].shape[0])
     smaller = _smaller_sizes(sizes, n)

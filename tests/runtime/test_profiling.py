@@ -95,6 +95,8 @@ def test_save_load_round_trip(tmp_path):
     (dict(repeat=0), ValueError, r"repeat must be an int >= 1, got 0"),
     (dict(warmup=-1), ValueError, r"warmup must be an int >= 0, got -1"),
     (dict(loss_fn=3), TypeError, r"loss_fn must be callable, got int"),
+    (dict(loss_fn=lambda out, y: (out - y).pow(2).mean()), ValueError,
+     r"loss_fn takes \(output, target\) but target is None: pass target="),
 ])
 def test_bad_arguments(kwargs, error, message):
     with pytest.raises(error, match=message):
