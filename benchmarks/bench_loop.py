@@ -60,37 +60,33 @@ def make_pipe(args, tied: bool, balance):
     return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-4)
 
 
+def timed_method(owner, name: str) -> list:
+    """Wrap ``owner.name`` (a method called once per step) so that each call appends its seconds to the returned
+    list."""
+    times: list = []
+    method = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        result = method(*args, **kwargs)
+        times.append(time.perf_counter() - t0)
+        return result
+
+    setattr(owner, name, timed)
+    return times
+
+
 def probe_tie_wait(pipe) -> list:
     """Time the step end's wait for the tied-gradient sum (``TieReducer.finish``; not an instruction, so not in
-    the timeline): returns the list each call appends its seconds to (empty forever on a rank without a tie)."""
-    times: list = []
+    the timeline): the list each call appends its seconds to (empty forever on a rank without a tie)."""
     ties = pipe._executor.ties  # benchmark probe: the executor's TieReducer, None on a rank without a tie
-    if ties is not None:
-        finish = ties.finish
-
-        def timed_finish():
-            t0 = time.perf_counter()
-            finish()
-            times.append(time.perf_counter() - t0)
-
-        ties.finish = timed_finish
-    return times
+    return [] if ties is None else timed_method(ties, "finish")
 
 
 def probe_parts(pipe) -> list:
     """Time each step's exchange of the norm parts (``NormParts.exchange``, at the step's end, not an instruction):
-    returns the list each call appends its seconds to."""
-    times: list = []
-    parts = pipe._norm_parts  # benchmark probe: the pipeline's NormParts (runtime/norm_parts.py)
-    exchange = parts.exchange
-
-    def timed_exchange():
-        t0 = time.perf_counter()
-        exchange()
-        times.append(time.perf_counter() - t0)
-
-    parts.exchange = timed_exchange
-    return times
+    the list each call appends its seconds to."""
+    return timed_method(pipe._norm_parts, "exchange")  # benchmark probe: runtime/norm_parts.py
 
 
 def timed(fn) -> float:

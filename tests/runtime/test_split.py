@@ -27,7 +27,7 @@ def _fused_and_split(module, inputs, grads=None, loss=False):
     return results
 
 
-def _bitwise(a, b):
+def bitwise(a, b):
     return len(a) == len(b) and all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
                                     for x, y in zip(a, b))
 
@@ -64,7 +64,7 @@ class _Tied(nn.Module):
 def test_a_weight_used_twice_is_not_counted_twice():
     torch.manual_seed(1)
     (fused_in, fused_p), (split_in, split_p) = _fused_and_split(_Tied(), (torch.randn(3, 6),), [torch.randn(3, 6)])
-    assert _bitwise(fused_in, split_in) and _bitwise(fused_p, split_p)
+    assert bitwise(fused_in, split_in) and bitwise(fused_p, split_p)
 
 
 class _TwoHeads(nn.Module):
@@ -86,7 +86,7 @@ def test_roots_outside_the_input_closure_int_inputs_and_unused_parameters():
     grads = [torch.randn(3, 4), torch.randn(4)]
     (fused_in, fused_p), (split_in, split_p) = _fused_and_split(_TwoHeads(), inputs, grads)
     assert len(split_in) == 1  # the int64 ids get no gradient
-    assert _bitwise(fused_in, split_in) and _bitwise(fused_p, split_p)
+    assert bitwise(fused_in, split_in) and bitwise(fused_p, split_p)
     names = [n for n, _ in _TwoHeads().named_parameters()]
     assert split_p[names.index("unused")] is None  # no gradient, as in a fused backward
 
@@ -108,7 +108,7 @@ def test_a_scalar_loss_root_with_an_input_gradient():
     torch.manual_seed(4)
     net = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
     (fused_in, fused_p), (split_in, split_p) = _fused_and_split(net, (torch.randn(5, 4),), loss=True)
-    assert _bitwise(fused_in, split_in) and _bitwise(fused_p, split_p)
+    assert bitwise(fused_in, split_in) and bitwise(fused_p, split_p)
 
 
 def test_an_input_no_root_depends_on_gets_none_not_zeros():

@@ -7,6 +7,8 @@ from torch import nn
 
 from pipesched.runtime.split import SplitPlans, backward_input, backward_weight
 
+from test_split import bitwise  # None where None, else torch.equal, element by element
+
 
 def _compare(module, calls, trainable=None):
     """Run ``calls`` ([(args, output grads)]) through two deep copies of ``module``: fused backward, and split
@@ -33,19 +35,14 @@ def _compare(module, calls, trainable=None):
     return fused_in, split_in, [p.grad for p in fused.parameters()], [p.grad for p in split.parameters()], plans
 
 
-def _same(a, b):
-    return len(a) == len(b) and all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
-                                    for x, y in zip(a, b))
-
-
 def test_a_chain_reuses_its_plan_every_microbatch_after_the_first():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
     calls = [((torch.randn(5, 8),), [torch.randn(5, 4)]) for _ in range(4)]
     fused_in, split_in, fused_p, split_p, plans = _compare(net, calls)
     assert plans.hits == 3
-    assert all(_same(a, b) for a, b in zip(fused_in, split_in))
-    assert _same(fused_p, split_p) and all(g is not None for g in split_p)
+    assert all(bitwise(a, b) for a, b in zip(fused_in, split_in))
+    assert bitwise(fused_p, split_p) and all(g is not None for g in split_p)
 
 
 class _Branchy(nn.Module):
@@ -68,8 +65,8 @@ def test_a_graph_that_changes_shape_gets_a_new_plan_and_the_same_gradients():
     calls = [((torch.randn(3, 6), torch.tensor(t)), [torch.randn(3, 6)]) for t in pattern]
     fused_in, split_in, fused_p, split_p, plans = _compare(_Branchy(), calls)
     assert plans.hits == 2
-    assert all(_same(a, b) for a, b in zip(fused_in, split_in))
-    assert _same(fused_p, split_p)
+    assert all(bitwise(a, b) for a, b in zip(fused_in, split_in))
+    assert bitwise(fused_p, split_p)
 
 
 def test_freezing_a_parameter_between_microbatches_is_a_new_plan():
@@ -82,8 +79,8 @@ def test_freezing_a_parameter_between_microbatches_is_a_new_plan():
     calls = [((torch.randn(2, 4),), [torch.randn(2, 4)]) for _ in range(4)]
     fused_in, split_in, fused_p, split_p, plans = _compare(net, calls, trainable)
     assert plans.hits == 2  # calls 2 and 4 reuse; call 3 (frozen now) does not
-    assert all(_same(a, b) for a, b in zip(fused_in, split_in))
-    assert _same(fused_p, split_p)
+    assert all(bitwise(a, b) for a, b in zip(fused_in, split_in))
+    assert bitwise(fused_p, split_p)
 
 
 class _TwoHeads(nn.Module):
@@ -103,8 +100,8 @@ def test_a_root_outside_the_input_closure_with_a_kept_plan():
     calls = [((torch.randn(3, 4),), [torch.randn(3, 4), torch.randn(4)]) for _ in range(3)]
     fused_in, split_in, fused_p, split_p, plans = _compare(_TwoHeads(), calls)
     assert plans.hits == 2
-    assert all(_same(a, b) for a, b in zip(fused_in, split_in))
-    assert _same(fused_p, split_p)
+    assert all(bitwise(a, b) for a, b in zip(fused_in, split_in))
+    assert bitwise(fused_p, split_p)
 
 
 class _Sum(nn.Module):
@@ -124,8 +121,8 @@ def test_the_same_nodes_with_another_edge_is_a_new_plan():
     calls = [((torch.randn(3, 4), torch.tensor(t)), [torch.randn(3, 4)]) for t in (1, 0, 0, 1)]
     fused_in, split_in, fused_p, split_p, plans = _compare(_Sum(), calls)
     assert plans.hits == 1
-    assert all(_same(a, b) for a, b in zip(fused_in, split_in))
-    assert _same(fused_p, split_p) and all(g is not None for g in split_p)
+    assert all(bitwise(a, b) for a, b in zip(fused_in, split_in))
+    assert bitwise(fused_p, split_p) and all(g is not None for g in split_p)
 
 
 def test_the_same_graph_with_the_parameters_in_another_order_is_a_new_plan():
@@ -139,4 +136,4 @@ def test_the_same_graph_with_the_parameters_in_another_order_is_a_new_plan():
         _, work = backward_input([split(xs)], [g], [xs], list(split.parameters())[::order], plans)
         backward_weight(work)
     assert plans.hits == 0
-    assert _same([p.grad for p in fused.parameters()], [p.grad for p in split.parameters()])
+    assert bitwise([p.grad for p in fused.parameters()], [p.grad for p in split.parameters()])
