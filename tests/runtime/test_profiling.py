@@ -31,7 +31,7 @@ def small_model():
 def test_fields_of_a_small_model():
     torch.set_num_threads(1)
     model = small_model()
-    prof = profile_layers(model, torch.randn(4, 6), torch.randn(4, 3), F.mse_loss, repeat=2, warmup=0)
+    prof = profile_layers(model, torch.randn(4, 6), torch.randn(4, 3), F.mse_loss, repeat=2, warmup=0, sizes=(2,))  # BatchNorm: not 1 row
     assert isinstance(prof, LayerProfile) and prof.num_layers == 6 and prof.microbatch_size == 4
     assert prof.layer_names == ("Linear", "BatchNorm1d", "Dropout", "Pair", "Sum", "Linear")
     assert prof.weight_grad[2:5] == (0.0, 0.0, 0.0)  # no parameters: W = 0
@@ -68,7 +68,7 @@ def test_leaves_no_trace_on_grads_buffers_and_rng():
     twin[5].weight.grad = torch.full_like(twin[5].weight, 3.0)
     before = copy.deepcopy(model.state_dict())
     torch.manual_seed(7)
-    profile_layers(model, x, target, F.mse_loss, repeat=2, warmup=1)
+    profile_layers(model, x, target, F.mse_loss, repeat=2, warmup=1, sizes=(2,))
     out = model(x)  # dropout draws from the RNG: as if profiling never ran
     F.mse_loss(out, target).backward()
     torch.manual_seed(7)
@@ -79,14 +79,14 @@ def test_leaves_no_trace_on_grads_buffers_and_rng():
         assert torch.equal(a.grad, b.grad), name
     assert model[1].num_batches_tracked.item() == 1  # one training forward after profiling
     model2 = small_model()
-    profile_layers(model2, x, target, F.mse_loss, repeat=1, warmup=0)
+    profile_layers(model2, x, target, F.mse_loss, repeat=1, warmup=0, sizes=(2,))
     assert all(p.grad is None for p in model2.parameters())
     for key, value in before.items():
         assert torch.equal(small_model().state_dict()[key], value), key
 
 
 def test_save_load_round_trip(tmp_path):
-    prof = profile_layers(small_model(), torch.randn(4, 6), repeat=1, warmup=0)
+    prof = profile_layers(small_model(), torch.randn(4, 6), repeat=1, warmup=0, sizes=(2,))
     prof.save(tmp_path / "profile.json")
     assert LayerProfile.load(tmp_path / "profile.json") == prof
 
