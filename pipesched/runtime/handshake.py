@@ -19,9 +19,8 @@ from typing import NamedTuple
 import torch
 
 from .comm import DTYPE_CODE
-from .failure import CommError
 from .microbatch import batch_size, split
-from .transport import wait
+from .transport import gather_rows
 
 SIG_LEN = 64  # int64 words of a step signature
 HEAD = 7  # int64 words of a row before the signature
@@ -157,15 +156,8 @@ class Handshake:
 
     def _gather(self, words: list[int]) -> list[list[int]]:
         """All-gather one row of int64 ``words`` from every pipeline rank; returns the rows by rank."""
-        mine = torch.tensor(words, dtype=torch.int64, device=self.device)
-        rows = [torch.empty_like(mine) for _ in range(self.program.num_ranks)]
-        group = self.transport.group
-        try:
-            work = group.allgather([rows], [mine])
-        except RuntimeError as exc:
-            raise CommError("the step signature", exc) from None
-        wait(work, "the step signature")
-        return [row.tolist() for row in rows]
+        return gather_rows(words, self.transport.group, self.program.num_ranks, torch.int64, self.device,
+                           "the step signature")
 
 
 def check_target(target, missing: str, move) -> TargetVerdict:

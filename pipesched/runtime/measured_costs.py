@@ -47,9 +47,8 @@ from ..program_io import fingerprint
 from ..timeline import peak_inflight
 from ..user_programs import program_for
 from .executor import Executor, Links, RankWork
-from .failure import CommError
 from .ties import with_ties
-from .transport import wait
+from .transport import gather_rows, wait
 
 KINDS = (Op.F, Op.I, Op.W, Op.R)  #: the instructions whose per-stage medians make the costs, in vector order
 _TAG_HEADER, _TAG_PING, _TAG_PONG = 13, 14, 15  # control tags (0..15) that no step message uses
@@ -205,22 +204,6 @@ def _settled(sent) -> None:
     wait(work, "a latency ping send")
 
 
-def all_gather(values, group, size: int, dtype, device, what: str) -> list:
-    """All-gather one row of ``values`` from each of the ``size`` ranks of ``group``; returns the rows by rank.
-
-    Raises:
-        CommError: the all-gather failed (a peer is gone, or the timeout passed).
-    """
-    mine = torch.tensor(values, dtype=dtype, device=device)
-    rows = [torch.empty_like(mine) for _ in range(size)]
-    try:
-        work = group.allgather([rows], [mine])
-    except RuntimeError as exc:
-        raise CommError(what, exc) from None
-    wait(work, what)
-    return [row.tolist() for row in rows]
-
-
 def agree_costs(vector, stage_to_rank, groups, sizes, device) -> CostModel:
     """The one :class:`CostModel` of the job from every rank's :func:`cost_vector` (see the module docstring).
 
@@ -230,10 +213,10 @@ def agree_costs(vector, stage_to_rank, groups, sizes, device) -> CostModel:
         CommError: an all-gather failed.
     """
     pp_group, dp_group = groups
-    rows = all_gather(vector, pp_group, sizes[0], torch.float64, device, "the all-gather of the measured costs")
+    rows = gather_rows(vector, pp_group, sizes[0], torch.float64, device, "the all-gather of the measured costs")
     combined = combine(rows, stage_to_rank)
     if dp_group is not None:
-        combined = replicas_max(all_gather(combined, dp_group, sizes[1], torch.float64, device,
+        combined = replicas_max(gather_rows(combined, dp_group, sizes[1], torch.float64, device,
                                            "the all-gather of the replicas' measured costs"))
     return cost_model(combined, len(stage_to_rank))
 
@@ -257,7 +240,7 @@ def check_same_program(program, groups, sizes, device) -> None:
     for group, size in zip(groups, sizes):
         if group is None:
             continue
-        prints = [row[0] for row in all_gather([mine], group, size, torch.int64, device,
+        prints = [row[0] for row in gather_rows([mine], group, size, torch.int64, device,
                                               "the all-gather of the zb-auto program's fingerprint")]
         if any(p != mine for p in prints):
             raise RuntimeError(f"the ranks compiled different zb-auto programs from the same measured costs "

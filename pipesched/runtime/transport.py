@@ -123,3 +123,20 @@ def wait(work, what: str, peer: int | None = None) -> None:
         work.wait()
     except RuntimeError as exc:
         raise CommError(what, exc, peer) from None
+
+
+def gather_rows(values, group, size: int, dtype, device, what: str) -> list[list]:
+    """All-gather one row of ``values`` (numbers of ``dtype``) from each of the ``size`` ranks of ``group``, on
+    ``device``; returns the rows by group rank, as lists.
+
+    Raises:
+        CommError: the all-gather could not start or failed (a peer is gone, or the timeout passed); names ``what``.
+    """
+    mine = torch.tensor(values, dtype=dtype, device=device)
+    rows = [torch.empty_like(mine) for _ in range(size)]
+    try:
+        work = group.allgather([rows], [mine])
+    except RuntimeError as exc:
+        raise CommError(what, exc) from None
+    wait(work, what)
+    return [row.tolist() for row in rows]
