@@ -112,9 +112,13 @@ def loss_post_position(stream, last_rank: int, early: bool) -> int:
     where a posted receive holds up every later send to that rank on the pair's stream): after the last
     instruction, so nothing this rank still sends waits behind it.
     """
-    if not early:
-        return len(stream) - 1
-    return max([k for k, i in enumerate(stream) if i.op in RECV_OPS and i.peer == last_rank], default=-1)
+    return last_receive_from(stream, last_rank) if early else len(stream) - 1
+
+
+def last_receive_from(stream, peer: int) -> int:
+    """The position in ``stream`` of its last receive from ``peer`` (-1: none): where, receives being posted early,
+    a rank posts the receive of a message ``peer`` sends after its stream (the loss, a norm part)."""
+    return max([k for k, i in enumerate(stream) if i.op in RECV_OPS and i.peer == peer], default=-1)
 
 
 def norm_post_position(stream, peer: int, early: bool) -> int | None:
@@ -126,9 +130,7 @@ def norm_post_position(stream, peer: int, early: bool) -> int | None:
     is the last stage's rank), so the part finds its receive posted when ``peer`` finishes first: one message
     hop, not a round trip, between ``peer``'s end and this rank knowing its part. Otherwise (NCCL): at the end.
     """
-    if not early:
-        return None
-    return max([k for k, i in enumerate(stream) if i.op in RECV_OPS and i.peer == peer], default=-1)
+    return last_receive_from(stream, peer) if early else None
 
 
 def norm_end_posts(rank: int, num_ranks: int, early: bool) -> list[tuple[str, int]]:
