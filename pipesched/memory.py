@@ -27,20 +27,25 @@ def peak_activation_bytes(program: Program, cost) -> tuple[float, ...] | None:
         return None
     if program.forward_only:
         return (0.0,) * program.num_ranks
-    peaks = []
-    for stream in program.ranks:
-        held: dict = {}
-        live = peak = 0.0
-        for instr in stream:
-            key, change = (instr.stage, instr.microbatch), STASH_CHANGE[instr.op]
-            if change > 0:
-                held[key] = inputs[instr.stage] if key in recomputed else stash[instr.stage]
-                live += held[key]
-            elif change < 0:
-                live -= held.pop(key, 0.0)
-            elif instr.op is Op.R:
-                live += redone[instr.stage] - held.get(key, 0.0)
-                held[key] = redone[instr.stage]
-            peak = max(peak, live)
-        peaks.append(peak)
-    return tuple(peaks)
+    return tuple(rank_peak(((i.op, i.stage, i.microbatch) for i in stream), stash, inputs, redone,
+                           lambda s, mb: (s, mb) in recomputed) for stream in program.ranks)
+
+
+def rank_peak(items, stash, inputs, redone, recomputed) -> float:
+    """The most bytes one rank holds for backward over its compute ``items`` (``(op, stage, microbatch)`` in stream
+    order), by :data:`pipesched.deps.STASH_CHANGE`: ``F`` keeps ``stash[s]``, or ``inputs[s]`` when
+    ``recomputed(s, mb)``; ``R`` raises that to ``redone[s]``; the end of the backward frees it."""
+    held: dict = {}
+    live = peak = 0.0
+    for op, s, mb in items:
+        key, change = (s, mb), STASH_CHANGE[op]
+        if change > 0:
+            held[key] = inputs[s] if recomputed(s, mb) else stash[s]
+            live += held[key]
+        elif change < 0:
+            live -= held.pop(key, 0.0)
+        elif op is Op.R:
+            live += redone[s] - held.get(key, 0.0)
+            held[key] = redone[s]
+        peak = max(peak, live)
+    return peak

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
-from .deps import STASH_CHANGE
 from .ir import BACKWARD_OPS, Op
+from .memory import rank_peak
 
 
 @dataclass(frozen=True)
@@ -102,21 +102,17 @@ def compute_order(program) -> list[list[tuple[Op, int, int]]]:
 def activation_peak(order, c: StageCosts, recompute) -> float:
     """Peak activation bytes of one rank's compute ``order`` if the stages flagged in ``recompute`` (one bool per
     stage) recompute: exactly what :func:`pipesched.memory.peak_activation_bytes` gives the program that
-    :func:`pipesched.lower.add_recompute` makes (its R sits right before the stage's B or I)."""
-    held: dict = {}
-    live = peak = 0.0
+    :func:`pipesched.lower.add_recompute` makes (its R sits right before the stage's B or I), by the same walk
+    (:func:`~pipesched.memory.rank_peak`)."""
+    return rank_peak(_with_recompute(order, recompute), c.stash, c.inputs, c.redone, lambda s, mb: recompute[s])
+
+
+def _with_recompute(order, recompute):
+    """``order`` with an ``R`` right before each ``B`` or ``I`` of a stage flagged in ``recompute``."""
     for op, s, mb in order:
-        change = STASH_CHANGE[op]
-        if change > 0:
-            held[(s, mb)] = c.inputs[s] if recompute[s] else c.stash[s]
-            live += held[(s, mb)]
-        elif op in BACKWARD_OPS and recompute[s]:  # its R: the stage's input -> input + re-saved activations
-            live += c.redone[s] - held[(s, mb)]
-            held[(s, mb)] = c.redone[s]
-        peak = max(peak, live)
-        if change < 0:
-            live -= held.pop((s, mb))
-    return peak
+        if op in BACKWARD_OPS and recompute[s]:
+            yield Op.R, s, mb
+        yield op, s, mb
 
 
 def choose_recompute(orders, c: StageCosts, stage_to_rank, static, budget: float) \
