@@ -2,8 +2,12 @@
 ``Pipeline(balance="time")`` and ``balance="params"`` and the planner. Torch-free.
 
 Objective, in order: (1) the largest per-rank load (a rank's load is the sum of its stages' costs, each stage's
-cost the sum of its layers'); (2) the largest per-rank memory (same sums over ``memory``); (3) ties go to the
-lexicographically smallest balance (earlier cuts, so smaller early stages). ``memory_limit`` is a hard
+cost the sum of its layers'); (2) the largest per-rank memory (same sums over ``memory``); (3) the slowest stage;
+(4) ties go to the lexicographically smallest balance (earlier cuts, so smaller early stages: a faster fill, less
+held in flight there) or, ``ties="even"`` with several stages per rank, to the first cut found nearest each rank's
+even share of time (even stages). Neither wins always: for 96 layers on 8 x 4 looped stages the first tie puts
+1-layer stages in the first round and 4-layer ones after, 429 simulated units against 387 for even stages; for a
+6-layer model on 2 x 2 it is 149 against 170 the other way. The planner simulates both. ``memory_limit`` is a hard
 per-rank bound on (2). All sums and comparisons are exact: the numbers are converted to integers over a common
 power-of-two denominator (every float is a binary fraction), so there is no rounding anywhere.
 """
@@ -17,10 +21,10 @@ from fractions import Fraction
 
 def balance_by_time(layer_costs: Sequence[float], num_stages: int, stage_to_rank: Sequence[int] | None = None,
                     memory: Sequence[float] | None = None, memory_limit: float | None = None,
-                    max_nodes: int | None = 2_000) -> tuple[int, ...]:
+                    max_nodes: int | None = 2_000, ties: str = "first") -> tuple[int, ...]:
     """Layers per stage: the contiguous cut of ``layer_costs`` into ``num_stages`` non-empty stages that minimises
     the slowest rank; then, among those, the largest per-rank ``memory``; then the slowest stage; then the
-    lexicographically smallest balance.
+    lexicographically smallest balance (``ties="first"``) or the first found nearest even shares (``"even"``).
 
     Args:
         layer_costs: per layer, a cost >= 0 (seconds of forward + backward of one microbatch; any unit).
@@ -35,6 +39,9 @@ def balance_by_time(layer_costs: Sequence[float], num_stages: int, stage_to_rank
             (``None``: no limit, always exact). When one is spent, it keeps the best cut it found (never worse than
             the one-stage-per-rank and the even cut for time; deterministic, as the count is); the default keeps a
             call under about a second for 96 layers, and is never reached at the tests' brute-force sizes.
+        ties: ``"first"`` (the lexicographically smallest balance among the best) or ``"even"`` (several stages
+            per rank: the first found nearest each rank's even share of time, so even stages; one stage per rank:
+            as ``"first"``). See the module docstring for when each wins.
 
     Returns:
         ``balance``: ``num_stages`` ints >= 1 summing to ``len(layer_costs)``; deterministic.
@@ -43,29 +50,40 @@ def balance_by_time(layer_costs: Sequence[float], num_stages: int, stage_to_rank
         ValueError: fewer layers than stages; a cost or memory that is negative, NaN, infinite or not a number;
             ``memory`` of another length; ``stage_to_rank`` of a length other than ``num_stages`` or with a
             negative rank; ``memory_limit`` without ``memory`` or < 0; no cut keeps every rank within
-            ``memory_limit`` (names the smallest limit a cut meets); ``max_nodes`` < 1. TypeError: ``num_stages``
+            ``memory_limit`` (names the smallest limit a cut meets); ``max_nodes`` < 1; ``ties`` not ``"first"`` or
+            ``"even"``. TypeError: ``num_stages``
             not an int.
 
     Complexity (n layers, S stages): each rank holding one stage (``stage_to_rank`` None or one-to-one):
     O(n^2 log n) — binary search of the O(n^2) stage sums with an O(n) greedy feasibility test, then an O(n^2)
     lexicographic reconstruction. Several stages per rank (looped, V): the problem contains multiprocessor
-    scheduling (NP-hard), so it is an exact depth-first branch and bound over the cut positions (the stage ends
-    nearest an even share first; lexicographic order for the last search), seeded with the best of the one-stage-per-rank cut and the even cut, pruned by each rank's load, by
-    "the ranks still to receive stages hold the rest" (by sum and by layer count) and by a memo of failed states;
-    one search per criterion (rank time, rank memory, stage time, then the lexicographically first cut within
-    those). Exponential in the worst case, hence ``max_nodes``: measured on this machine for 96 layers
-    (GPT-like: 94 equal blocks, 0 .. 30% noise, activation bytes as memory), p = 2 .. 48, v = 2 .. 6, looped and
-    V: 0.1 .. 1 s per call, most of them ending at ``max_nodes`` (so best found, not proven); the time search
-    alone takes ~1 ms when the blocks are exactly equal.
+    scheduling (NP-hard), so it is an exact depth-first branch and bound over the cut positions, trying first the
+    stage end that leaves every rank still to receive stages an equal share of the cost left (not of the layers
+    left: the cost), seeded with the best of the one-stage-per-rank cut and the even cut, pruned by each rank's
+    load, by "the ranks still to receive stages hold the rest" (by sum and by layer count) and by a memo of failed
+    states; one search per criterion (rank time -- when it spends ``max_nodes``, a second from its best cut
+    trying the even share of layers first --, rank memory, stage time, then the first cut within those in the
+    order ``ties`` asks).
+    Exponential in the worst case, hence ``max_nodes``. Measured on this machine (``python
+    benchmarks/bench_partition.py``: 96 layers, 94 blocks of cost 1 with 0 / 10 / 30% noise between a first of 3
+    and a last of 4, activation bytes as memory; looped p x v = 4x2, 8x2, 8x4, 16x3, V p = 4, 8, 16; 3 seeds): the
+    slowest rank 4.2% over the lower bound max(total / p, largest layer) on average, 10.9% at most (the bound is
+    not always reachable: a rank's six layers on 16 ranks hold the 3-unit first layer whole), against 5.6% and 25%
+    for the previous version (even shares of layers first, one search); 0.33 s per call on average, 1 s at most;
+    the searches end at ``max_nodes`` in most noisy cases (best found, not proven optimal). With noise the least
+    slowest rank can come with uneven stages on one rank (up to 1 : 22 layers at 4 x 2): the planner simulates the
+    cut of least slowest stage next to it.
     """
     n, costs, mem, limit, s2r = _checked(layer_costs, num_stages, stage_to_rank, memory, memory_limit)
     if max_nodes is not None and (isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1):
         raise ValueError(f"max_nodes must be None or an int >= 1, got {max_nodes!r}")
+    if ties not in ("first", "even"):
+        raise ValueError(f"ties must be 'first' or 'even', got {ties!r}")
     C, M, limit = _exact_prefixes(costs, mem, limit)
     if len(set(s2r)) == num_stages:
         cut = _one_stage_per_rank(C, M, num_stages, limit)
     else:
-        cut = _branch_and_bound(C, M, s2r, limit, max_nodes)
+        cut = _branch_and_bound(C, M, s2r, limit, max_nodes, ties)
     if cut is None:
         need = max(rank_loads(mem, balance_by_time(mem, num_stages, s2r, max_nodes=max_nodes), s2r))
         if need <= memory_limit:
@@ -212,33 +230,38 @@ def _lexicographic_cut(C, M, S, t, m):
 
 # ---- several stages per rank: branch and bound ----------------------------------------------------------------
 
-def _branch_and_bound(C, M, s2r, limit, max_nodes):
+def _branch_and_bound(C, M, s2r, limit, max_nodes, ties):
     """Cut positions for several stages per rank, or None when ``limit`` cannot be met. Searches in turn: the
     least per-rank time T (within the limit), the least per-rank memory within T, the least stage time within
-    both, then the lexicographically first cut within all three."""
+    both, then the first cut within all three: lexicographically (``ties="first"``) or in the even-share order
+    (``"even"``, :func:`_ends`)."""
     n, S = len(C) - 1, len(s2r)
     stages = tuple(range(S))
     limits = [] if limit is None else [(M, s2r, limit)]
     seeds = [cut for cut in (_even_cut(n, S), _one_stage_per_rank(C, M, S, None))
              if all(_evaluate(Q, owners, cut) <= cap for Q, owners, cap in limits)]
-    cut = _least_max((C, s2r), limits, seeds, [max_nodes])
+    budget = [max_nodes]
+    cut = _least_max((C, s2r), limits, seeds, budget)
+    if cut is not None and budget[0] is not None and budget[0] <= 0:  # not proven: another order, from that cut
+        cut = _least_max((C, s2r), limits, [cut], [max_nodes], order="layers")
     if cut is None:
         return None
     limits = [(C, s2r, _evaluate(C, s2r, cut))] + limits
     for objective in ([(M, s2r)] if M[n] else []) + [(C, stages)]:
         cut = _least_max(objective, limits, [cut], [max_nodes])
         limits.append((*objective, _evaluate(*objective, cut)))
-    return _least_max(([0] * (n + 1), s2r), limits, [], [max_nodes], first=True) or cut
+    return _least_max((C, s2r), limits, [], [max_nodes], first=True,
+                      order="lexicographic" if ties == "first" else "cost") or cut
 
 
-def _least_max(objective, limits, seeds, budget, first=False):
+def _least_max(objective, limits, seeds, budget, first=False, order="cost"):
     """The cut (positions 0 .. n) whose largest per-owner sum of the objective is least, among cuts whose
     per-owner sums of each ``(prefix sums, owner of each stage, cap)`` in ``limits`` are <= cap; None if none.
     ``objective``: ``(prefix sums, owner of each stage)``; ``seeds``: cuts known to meet the limits (the best is
-    the bound to beat); ``first``: the lexicographically first cut meeting the limits instead; ``budget``:
-    ``[nodes left]`` (None: no limit); once spent, the best cut found so far.
+    the bound to beat); ``first``: the first cut found meeting the limits instead; ``budget``:
+    ``[nodes left]`` (None: no limit); once spent, the best cut found so far; ``order``: :func:`_ends`'s.
 
-    Depth-first over the cut positions in lexicographic order; a partial cut is dropped when an owner exceeds a
+    Depth-first over the cut positions, each stage's ends in :func:`_ends`'s order; a partial cut is dropped when an owner exceeds a
     cap (the objective's cap: the best found minus one, as all numbers are ints), when the owners still to receive
     stages cannot hold the rest within their caps (by sum, and by count: each holds at most as many of the
     remaining layers as its cap fits of the smallest ones, and the last stage's owner holds the last layer), or
@@ -276,6 +299,13 @@ def _least_max(objective, limits, seeds, budget, first=False):
                 return False
         return True
 
+    def share(k, i):
+        """The objective's cost this stage would take if every owner still to receive stages ended equal."""
+        here = owners[0].holding[k]
+        level = (P[n] - P[i] + sum(sums[0][r] for r in here)) / len(here)
+        r = s2r_objective[k]
+        return (level - sums[0][r]) / owners[0].left[k], P
+
     def dfs(k, i) -> bool:
         """True: stop (the first cut found in ``first`` mode, or the budget spent)."""
         if budget[0] is not None:
@@ -286,10 +316,10 @@ def _least_max(objective, limits, seeds, budget, first=False):
         if key in failed:
             return False
         found, rest = best["cut"], S - k - 1
-        for e in _ends(i, n, rest, first):
+        for e in _ends(i, n, rest, order, share(k, i)):
             new = [sums[q][s2r[k]] + Q[e] - Q[i] for q, (Q, s2r, _) in enumerate(quantities)]
             if any(cap is not None and x > cap for x, cap in zip(new, caps)):
-                if first:
+                if order == "lexicographic":
                     break  # a longer stage only adds
                 continue
             if rest == 0:
@@ -318,17 +348,22 @@ def _least_max(objective, limits, seeds, budget, first=False):
     return best["cut"]
 
 
-def _ends(i, n, rest, lexicographic):
-    """The ends to try for a stage starting at layer ``i`` with ``rest`` stages after it: in increasing order
-    (the lexicographically first cut first), or nearest the even share of the layers left first (good cuts
-    early: the search ends sooner and, if ``max_nodes`` stops it, has found a balanced one)."""
+def _ends(i, n, rest, order, share):
+    """The ends to try for a stage starting at layer ``i`` with ``rest`` stages after it. ``order``:
+    ``"lexicographic"``, increasing (the lexicographically first cut first); else good cuts first (the search then
+    ends sooner and, if ``max_nodes`` stops it, has found a balanced one): ``"cost"``, nearest ``share`` = (the
+    objective's cost this stage would take if every owner still to receive stages ended level, prefix sums);
+    ``"layers"``, nearest an even share of the layers left."""
     if not rest:
         return (n,)
     ends = range(i + 1, n - rest + 1)
-    if lexicographic:
+    if order == "lexicographic":
         return ends
-    target = i + (n - i) / (rest + 1)
-    return sorted(ends, key=lambda e: (abs(e - target), e))
+    if order == "layers":
+        target = i + (n - i) / (rest + 1)
+        return sorted(ends, key=lambda e: (abs(e - target), e))
+    cost, P = share
+    return sorted(ends, key=lambda e: (abs(P[e] - P[i] - cost), e))
 
 
 class _Owners:
@@ -340,6 +375,8 @@ class _Owners:
         for s, r in enumerate(s2r):
             last[r] = s
         self.active = [[r for r in range(self.count) if last[r] > k] for k in range(len(s2r))]
+        self.holding = [[r for r in range(self.count) if last[r] >= k] for k in range(len(s2r))]
+        self.left = [sum(1 for t in range(k, len(s2r)) if s2r[t] == s2r[k]) for k in range(len(s2r))]
 
 
 def _sorted_suffixes(Q):

@@ -85,9 +85,12 @@ class Search:
 
     # ---- enumeration -------------------------------------------------------------------------------------
     def configs(self):
-        """Every configuration (memory aside), each with its bounds; in no particular order. Two balances per
+        """Every configuration (memory aside), each with its bounds; in no particular order. Balances per
         placement: :func:`~pipesched.partition.balance_by_time`'s and the even one (``Pipeline``'s default), so a
-        plan is never predicted slower than the default cut of a configuration it searched.
+        plan is never predicted slower than the default cut of a configuration it searched; with several stages
+        per rank also its cut with ties broken towards even stages (``ties="even"``) and the cut of least slowest
+        *stage* (the least per-rank load can come with a 1-layer stage next to a 20-layer one on the same rank,
+        which lengthens the fill and drain; or not: the simulation decides between them).
 
         Left out as dominated by construction: on one pipeline rank (pp = 1), v > 1 stages per rank (interleaved,
         V placements) when a searched schedule runs v = 1 there -- the same layers and microbatches on the same
@@ -108,10 +111,17 @@ class Search:
                     stage_to_rank, has_b, has_iw = shape
                     for m in self._microbatch_choices(dp, pp):
                         size = self.global_batch // (dp * m) if self.affine else None
-                        for balance in dict.fromkeys((self.balance(pp * v, stage_to_rank, size), even(L, pp * v))):
+                        for balance in self._balances(pp * v, stage_to_rank, size):
                             for split in self.split_choices if has_b and pp > 1 else (False,):
                                 yield self.make_config(name, pp, dp, m, v, split or has_iw, balance, stage_to_rank,
                                                    split)
+
+    def _balances(self, num_stages, stage_to_rank, size):
+        """The cuts to simulate for a placement (see :meth:`configs`), without repeats."""
+        several = len(set(stage_to_rank)) < num_stages
+        extra = (self.balance(num_stages, stage_to_rank, size, "even"), self.balance(num_stages, None, size))
+        return dict.fromkeys((self.balance(num_stages, stage_to_rank, size), *(extra if several else ()),
+                              even(self.profile.num_layers, num_stages)))
 
     def make_config(self, name, pp, dp, m, v, split_flag, balance, stage_to_rank, split) -> Config:
         """The :class:`Config` with its bounds (``split_flag``: the program has I/W, for the time bound)."""
@@ -144,11 +154,11 @@ class Search:
         ops = {i.op for stream in program.ranks for i in stream}
         return program.stage_to_rank, Op.B in ops, Op.I in ops
 
-    def _balance(self, num_stages, stage_to_rank, microbatch_size):
+    def _balance(self, num_stages, stage_to_rank, microbatch_size, ties="first"):
         """The time balance for microbatches of ``microbatch_size`` samples (``None``: the profile's own; the same
         cut whatever the size when every layer's time is proportional to it, i.e. no fixed parts)."""
         profile = self.profile if microbatch_size is None else self.profile.scaled(microbatch_size)
-        return tuple(self.balance_fn(profile.layer_seconds(), num_stages, stage_to_rank=stage_to_rank))
+        return tuple(self.balance_fn(profile.layer_seconds(), num_stages, stage_to_rank=stage_to_rank, ties=ties))
 
     def scaled_costs(self, balance, dp, m):
         """The :class:`~pipesched.CostModel` of one microbatch of ``global_batch / (dp * m)`` samples."""

@@ -3,9 +3,9 @@ global batch, the pipeline configurations that fit, ranked by simulated step tim
 
 Searched: pp x dp = world size (pp <= layers; dp dividing the global batch), every schedule asked for, the
 virtual stages each accepts, m with global_batch divisible by dp x m (microbatches of global_batch / (dp x m)
-samples, the profile scaled to them), split backward (for schedules with a fused B), the balance that minimises
-the slowest rank (:func:`pipesched.partition.balance_by_time` for the schedule's placement) and the least
-per-stage recompute that fits the budget. Left out as dominated by construction: v > 1 and split backward on one
+samples, the profile scaled to them), split backward (for schedules with a fused B), the balance (the cut that
+minimises the slowest rank, :func:`pipesched.partition.balance_by_time` for the schedule's placement; with several
+stages per rank also the one that minimises the slowest stage; the even one), and the least per-stage recompute that fits the budget. Left out as dominated by construction: v > 1 and split backward on one
 pipeline rank (pp = 1: the same work in more calls, no bubble to hide; :meth:`~pipesched.plan_search.Search.configs`).
 Time per microbatch: the profile scaled affinely (:meth:`~pipesched.profile.LayerProfile.scaled`: each layer's
 fixed seconds plus the rest in proportion to the samples). Memory per rank = parameters + gradients + optimizer state

@@ -11,6 +11,18 @@ from pipesched.partition import balance_by_time, rank_loads
 from pipesched.placement import looped, vshape
 
 
+def values(costs, balance, s2r=None, memory=None):
+    """What balance_by_time minimises, in order: (slowest rank's time, largest rank memory, slowest stage's time),
+    exact sums (Fractions)."""
+    costs = [Fraction(c) for c in costs]
+    mem = max(rank_loads([Fraction(m) for m in memory], balance, s2r)) if memory is not None else 0
+    return max(rank_loads(costs, balance, s2r)), mem, max(rank_loads(costs, balance))
+
+
+def several_per_rank(s2r):
+    return s2r is not None and len(set(s2r)) < len(s2r)
+
+
 def brute_force(costs, num_stages, s2r=None, memory=None, limit=None):
     """Every contiguous cut in lexicographic order; the first with the least (slowest rank's time, largest rank
     memory, slowest stage's time), exact sums (Fractions). None: no cut within ``limit``."""
@@ -52,8 +64,13 @@ def test_equals_brute_force(problem):
     if expected is None:
         with pytest.raises(ValueError, match=r"memory_limit=\d+: no cut .* the smallest largest per-rank memory"):
             balance_by_time(costs, num_stages, s2r, memory, limit)
-    else:
+    else:  # ties="first": the lexicographically first of the best; "even": the same three values
         assert balance_by_time(costs, num_stages, s2r, memory, limit) == expected
+        even = balance_by_time(costs, num_stages, s2r, memory, limit, ties="even")
+        assert values(costs, even, s2r, memory) == values(costs, expected, s2r, memory)
+        assert limit is None or max(rank_loads(memory, even, s2r)) <= limit
+        if not several_per_rank(s2r):
+            assert even == expected
 
 
 def test_hand_examples_one_stage_per_rank_looped_and_v():
@@ -94,6 +111,44 @@ def test_deterministic_and_float_exact():
     assert first == brute_force(costs, 4, looped(2, 2), [3.5] * 7)
 
 
+def test_ties_even_gives_even_stages_where_the_first_tie_does_not():
+    # 96 layers, 8 ranks x 4 looped stages: every per-rank cut of load 13 ties on time, memory (layers) and the
+    # slowest stage (the 4-unit last layer bounds it). The lexicographically first tie puts nine 1-layer stages
+    # first and 4-layer stages after, on the same ranks (simulated, interleaved-1f1b, F = layers, B = 2F, m = 8:
+    # 429 units); ties="even" gives even stages (387 units).
+    costs, s2r, memory = [3.0] + [1.0] * 94 + [4.0], looped(8, 4), [1.0] * 96
+    first = balance_by_time(costs, 32, s2r, memory=memory)
+    even = balance_by_time(costs, 32, s2r, memory=memory, ties="even")
+    assert first == (1,) * 9 + (2,) + (4,) * 21 + (1,)
+    assert even == (1,) + (3,) * 23 + (4, 4, 3, 4, 3, 4, 3, 1)
+    for balance in (first, even):
+        assert max(rank_loads(costs, balance, s2r)) == 13 and max(rank_loads(memory, balance, s2r)) == 13
+    # the other way round on a 6-layer model, 2 x 2 looped: two cuts that tie on all three values; the first
+    # (small first stage) fills faster (see the simulation below); the planner met it with ties="even" on seconds
+    small = [1, 4, 1, 1, 4, 1]
+    assert balance_by_time(small, 4, looped(2, 2)) == (1, 2, 2, 1)
+    assert values(small, (1, 2, 2, 1), looped(2, 2)) == values(small, (2, 1, 1, 2), looped(2, 2)) == (6, 0, 5)
+
+
+def test_the_ties_choice_changes_the_simulated_step():
+    import pipesched as ps
+
+    def step(costs, balance, p, v, m):
+        stage, start = [], 0
+        for count in balance:
+            stage.append(sum(costs[start:start + count]))
+            start += count
+        cost = ps.CostModel(forward=tuple(stage), backward=tuple(2 * x for x in stage))
+        return ps.simulate(ps.compile_program("interleaved-1f1b", p, m, virtual_stages=v), cost).makespan
+
+    costs = [3.0] + [1.0] * 94 + [4.0]
+    first = balance_by_time(costs, 32, looped(8, 4), memory=[1.0] * 96)
+    even = balance_by_time(costs, 32, looped(8, 4), memory=[1.0] * 96, ties="even")
+    assert (step(costs, first, 8, 4, 8), step(costs, even, 8, 4, 8)) == (429.0, 387.0)
+    small = [1.0, 4.0, 1.0, 1.0, 4.0, 1.0]
+    assert (step(small, (1, 2, 2, 1), 2, 2, 8), step(small, (2, 1, 1, 2), 2, 2, 8)) == (163.0, 171.0)
+
+
 @pytest.mark.parametrize("args, error, message", [
     (([1, 2], 3), ValueError, r"cannot cut 2 layers into num_stages=3 non-empty stages: valid num_stages is 1 \.\. 2"),
     (([1, 2], 0), ValueError, r"num_stages=0"),
@@ -109,6 +164,8 @@ def test_deterministic_and_float_exact():
     (([1, 2], 2, None, None, 5), ValueError, r"memory_limit=5 needs memory"),
     (([1, 2], 2, None, [1, 1], -1), ValueError, r"memory_limit must be a finite number of bytes >= 0, got -1"),
     (([1, 2], 2, None, None, None, 0), ValueError, r"max_nodes must be None or an int >= 1, got 0"),
+    (([1, 2], 2, None, None, None, 10, "lexicographic"), ValueError, r"ties must be 'first' or 'even', got "
+                                                                     r"'lexicographic'"),
 ])
 def test_bad_input_is_refused_naming_the_argument(args, error, message):
     with pytest.raises(error, match=message):
