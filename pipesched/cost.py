@@ -29,8 +29,10 @@ class CostModel:
     Attributes:
         forward: seconds of one F (one stage, one microbatch). Default 1.
         backward: seconds of one full B. Default 2 (the usual 2x forward).
-        input_grad: seconds of one I; default ``backward / 2``.
-        weight_grad: seconds of one W; default ``backward / 2``.
+        input_grad: seconds of one I; default ``backward - weight_grad`` when ``weight_grad`` is given, else
+            ``backward / 2``: the split backward does B's work once, in two halves.
+        weight_grad: seconds of one W; default ``backward - input_grad`` when ``input_grad`` is given, else
+            ``backward / 2``.
         recompute: seconds of one R; default ``forward``.
         latency: seconds added to every message (SEND to RECV) and every all-reduce. Default 0.
         bandwidth: bytes per second of a link; default infinite (free transfers).
@@ -55,7 +57,8 @@ class CostModel:
         CostError: (a ``ValueError`` whose ``field`` names the field) at construction, a cost that is negative,
             infinite, NaN or not a number (a string is not a sequence of costs), a bandwidth <= 0, or a
             ``recompute_bytes`` below ``input_bytes`` on some stage (both given); at use, a per-stage sequence of the
-            wrong length.
+            wrong length, or one of ``input_grad``/``weight_grad`` given above ``backward`` with the other left to
+            its default (``backward`` minus it).
     """
 
     forward: PerStage = 1.0
@@ -117,8 +120,18 @@ class CostModel:
         return tuple(float(v) for v in values)
 
     def _default(self, name: str, num_stages: int) -> tuple[float, ...]:
-        if name in ("input_grad", "weight_grad"):
-            return tuple(b / 2 for b in self.per_stage("backward", num_stages))
+        if name in ("input_grad", "weight_grad"):  # the other half of B when one is given, else half of B
+            other = "weight_grad" if name == "input_grad" else "input_grad"
+            backward = self.per_stage("backward", num_stages)
+            if getattr(self, other) is None:
+                return tuple(b / 2 for b in backward)
+            given = self.per_stage(other, num_stages)
+            for stage, (b, o) in enumerate(zip(backward, given)):
+                if o > b:
+                    raise CostError(other, f"cost {name} defaults to backward - {other}, but {other} ({o:g} for "
+                                          f"stage {stage}) exceeds backward ({b:g}): give {name} too, or a "
+                                          f"backward >= {other}")
+            return tuple(b - o for b, o in zip(backward, given))
         if name == "recompute":
             return self.per_stage("forward", num_stages)
         if name == "stash_bytes":

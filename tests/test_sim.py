@@ -135,3 +135,20 @@ def test_recompute_with_default_sizes_never_peaks_higher_than_without():
         assert plain is None or all(r <= q for r, q in zip(redone, plain))
 
     check()
+
+
+def test_one_half_of_the_split_backward_given_makes_the_other_the_rest_of_b():
+    # the split backward does B's work once: I + W = B whenever one half is left to its default
+    assert CostModel(backward=4, weight_grad=3).per_stage("input_grad", 2) == (1.0, 1.0)
+    assert CostModel(backward=[2, 4], input_grad=0.5).per_stage("weight_grad", 2) == (1.5, 3.5)
+    assert CostModel(backward=4).per_stage("input_grad", 1) == CostModel(backward=4).per_stage("weight_grad", 1) \
+        == (2.0,)
+    assert CostModel(backward=4, input_grad=1, weight_grad=1).per_stage("weight_grad", 1) == (1.0,)  # both given
+    with pytest.raises(ValueError, match=re.escape("cost input_grad defaults to backward - weight_grad, but "
+                                                   "weight_grad (3 for stage 0) exceeds backward (2): give "
+                                                   "input_grad too, or a backward >= weight_grad")) as info:
+        CostModel(weight_grad=3).per_stage("input_grad", 1)
+    assert info.value.field == "weight_grad"
+    # what the simulator then charges: zb-h1 on one rank, one microbatch runs F, I, W back to back
+    program = compile_program("zb-h1", 1, 1)
+    assert simulate(program, CostModel(forward=1, backward=4, weight_grad=3)).makespan == 1 + 1 + 3
