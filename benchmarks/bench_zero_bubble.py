@@ -12,7 +12,9 @@ machine noise:
            ScheduleDualPipeV
 
 Prints per row: median step ms (per step the max over ranks), ours / torch's same schedule, ours / torch's
-Schedule1F1B, CPU ms per step (user + system, ``resource.getrusage``: unlike the step time it leaves out waiting,
+Schedule1F1B (each followed by ``[q1-q3]``, the middle half of the per-round ratios: a ratio whose interval
+straddles 1 is not decided by the run; ``--block 1`` makes each round one pair of adjacent steps, the
+measurement least moved by load that drifts, e.g. ``--models narrow --rounds 40 --block 1``), CPU ms per step (user + system, ``resource.getrusage``: unlike the step time it leaves out waiting,
 for messages or for a core, so it is the least load-dependent cost; max over ranks, median) and minor page faults
 per step (``resource.getrusage``, max over ranks, mean over steps) of each side,
 and for ours the measured bubble (``Pipeline.gather_timeline()`` after each block, median) next to the simulated
@@ -259,8 +261,28 @@ def summarize(results, key) -> tuple[float, float, float]:
     return statistics.median(per_step[0]), statistics.fmean(per_step[1]), statistics.median(per_step[2])
 
 
-def table(results, label: str) -> list[str]:
-    """Rows of the markdown table of one config (results: one dict per rank)."""
+def round_ratios(results, ours_key, theirs_key, block: int) -> list[float]:
+    """Per round, the median step of ``ours_key`` over that of ``theirs_key`` in the same round (the blocks ran
+    back to back, so load that drifts between rounds cancels; with ``--block 1`` each ratio is one pair of
+    adjacent steps)."""
+    def rounds(key):
+        per_rank = [r[key]["steps"] for r in results]
+        steps = [max(s[i][0] for s in per_rank) for i in range(len(per_rank[0]))]
+        return [statistics.median(steps[k:k + block]) for k in range(0, len(steps), block)]
+    return [a / b for a, b in zip(rounds(ours_key), rounds(theirs_key))]
+
+
+def spread(ratios: list[float]) -> str:
+    """The middle half of the per-round ratios, ``[q1-q3]`` (one round: ``[-]``)."""
+    if len(ratios) < 2:
+        return "[-]"
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return f"[{q1:.2f}-{q3:.2f}]"
+
+
+def table(results, label: str, block: int = 1) -> list[str]:
+    """Rows of the markdown table of one config (results: one dict per rank); after each ratio, the middle half
+    of the per-round ratios (:func:`round_ratios`)."""
     lines = [f"\n{label}",
              "| schedule (torch's same) | ours ms | torch ms | ours/torch | ours/torch 1F1B | CPU ms ours / torch | "
              "faults/step ours / torch | bubble measured / simulated | in SEND calls |",
@@ -273,7 +295,10 @@ def table(results, label: str) -> list[str]:
         measured, simulated, sending = (statistics.median(b[k] for b in bub) for k in range(3))
         tt, ff, cc = summarize(results, ("torch", torch_name)) if torch_name else (None, None, None)
         theirs_ms, ratio = (f"{tt * 1e3:.1f}", f"{t / tt:.2f}") if tt else ("-", "-")
-        lines.append(f"| {row} ({torch_name or '-'}) | {t * 1e3:.1f} | {theirs_ms} | {ratio} | {t / ref:.2f} | "
+        if tt:
+            ratio += " " + spread(round_ratios(results, ("ours", row), ("torch", torch_name), block))
+        to_1f1b = f"{t / ref:.2f} " + spread(round_ratios(results, ("ours", row), ("torch", "Schedule1F1B"), block))
+        lines.append(f"| {row} ({torch_name or '-'}) | {t * 1e3:.1f} | {theirs_ms} | {ratio} | {to_1f1b} | "
                      f"{c * 1e3:.1f} / {'-' if cc is None else f'{cc * 1e3:.1f}'} | "
                      f"{f:.0f} / {'-' if ff is None else f'{ff:.0f}'} | {measured:.3f} / {simulated:.3f} | {sending:.3f} |")
         if row in AT_1F1B_MEMORY and (best is None or t < best[1]):
@@ -317,7 +342,7 @@ def run(args, launch) -> None:
           f"{load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f} after ({os.cpu_count()} cores)")
     for k, (width, rows, m) in enumerate(cfgs):
         label = f"w={width}, {rows} rows per microbatch, m={m}"
-        print("\n".join(table([r[k] for r in results], label)))
+        print("\n".join(table([r[k] for r in results], label, args.block)))
 
 
 if __name__ == "__main__":
