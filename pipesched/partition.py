@@ -73,9 +73,10 @@ def balance_by_time(layer_costs: Sequence[float], num_stages: int, stage_to_rank
     Exponential in the worst case, hence ``max_nodes``. Measured on this machine (``python
     benchmarks/bench_partition.py``: 96 layers, 94 blocks of cost 1 with 0 / 10 / 30% noise between a first of 3
     and a last of 4, activation bytes as memory; looped p x v = 4x2, 8x2, 8x4, 16x3, V p = 4, 8, 16; 3 seeds): the
-    slowest rank 4.2% over the lower bound max(total / p, largest layer) on average, 10.9% at most (the bound is
-    not always reachable: a rank's six layers on 16 ranks hold the 3-unit first layer whole), against 5.6% and 25%
-    for the previous version (even shares of layers first, one search); 0.33 s per call on average, 1 s at most;
+    slowest rank 4.0% over the lower bound max(total / p, largest layer) on average, 11.8% at most (the bound is
+    not always reachable: a rank's six layers on 16 ranks hold the 3-unit first layer whole; the V rows are the
+    exact optimum), against 5.6% and 25% for the previous version (even shares of layers first, one search, V
+    included); 0.46 s per call on average, 1.3 s at most (load average 1.6);
     the searches end at ``max_nodes`` in most noisy cases (best found, not proven optimal). With noise the least
     slowest rank can come with uneven stages on one rank (up to 1 : 22 layers at 4 x 2): the planner simulates the
     cut of least slowest stage next to it.
