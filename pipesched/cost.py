@@ -127,11 +127,11 @@ class CostModel:
                 return tuple(b / 2 for b in backward)
             given = self.per_stage(other, num_stages)
             for stage, (b, o) in enumerate(zip(backward, given)):
-                if o > b:
-                    raise CostError(other, f"cost {name} defaults to backward - {other}, but {other} ({o:g} for "
-                                          f"stage {stage}) exceeds backward ({b:g}): give {name} too, or a "
+                if o - b > 1e-9 * b:  # beyond float rounding (0.1 + 0.2 for 0.3 is 0.3: I or W of 0)
+                    raise CostError(other, f"cost {name} defaults to backward - {other}, but {other} ({o!r} for "
+                                          f"stage {stage}) exceeds backward ({b!r}): give {name} too, or a "
                                           f"backward >= {other}")
-            return tuple(b - o for b, o in zip(backward, given))
+            return tuple(max(0.0, b - o) for b, o in zip(backward, given))
         if name == "recompute":
             return self.per_stage("forward", num_stages)
         if name == "stash_bytes":

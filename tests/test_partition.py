@@ -120,7 +120,7 @@ def test_ties_even_gives_even_stages_where_the_first_tie_does_not():
     first = balance_by_time(costs, 32, s2r, memory=memory)
     even = balance_by_time(costs, 32, s2r, memory=memory, ties="even")
     assert first == (1,) * 9 + (2,) + (4,) * 21 + (1,)
-    assert even == (1,) + (3,) * 23 + (4, 4, 3, 4, 3, 4, 3, 1)
+    assert even == (1,) + (3,) * 23 + (4, 4, 4, 3, 4, 3, 3, 1)
     for balance in (first, even):
         assert max(rank_loads(costs, balance, s2r)) == 13 and max(rank_loads(memory, balance, s2r)) == 13
     # the other way round on a 6-layer model, 2 x 2 looped: two cuts that tie on all three values; the first
@@ -214,3 +214,10 @@ def test_v_at_96_layers_reaches_the_least_slowest_rank():
     assert max(rank_loads(costs, balance, vshape(8))) == max(rank_loads(costs, tuple(b - a for a, b in
                                                                                      zip(cut, cut[1:])), vshape(8)))
     assert least_v_load(C, 8, least - 1) is None  # one unit less (of the exact scale) is out of reach
+
+
+def test_costs_of_any_scale_are_compared_exactly_without_overflow():
+    # 1e-300 next to 1.0: the exact integers are ~2^1000 apart; the search's order works on ints, not floats
+    assert balance_by_time([1e-300, 1.0] * 5, 4, vshape(2)) == (2, 2, 3, 3)
+    assert max(rank_loads([1e-300, 1.0] * 5, balance_by_time([1e-300, 1.0] * 5, 4, looped(2, 2)), looped(2, 2))) \
+        == pytest.approx(3.0)

@@ -145,10 +145,12 @@ def test_one_half_of_the_split_backward_given_makes_the_other_the_rest_of_b():
         == (2.0,)
     assert CostModel(backward=4, input_grad=1, weight_grad=1).per_stage("weight_grad", 1) == (1.0,)  # both given
     with pytest.raises(ValueError, match=re.escape("cost input_grad defaults to backward - weight_grad, but "
-                                                   "weight_grad (3 for stage 0) exceeds backward (2): give "
+                                                   "weight_grad (3.0 for stage 0) exceeds backward (2.0): give "
                                                    "input_grad too, or a backward >= weight_grad")) as info:
         CostModel(weight_grad=3).per_stage("input_grad", 1)
     assert info.value.field == "weight_grad"
+    # one rounding step over B is B: 0.1 + 0.2 given for a B of 0.3 leaves a W of 0, not an error
+    assert CostModel(backward=0.3, input_grad=0.1 + 0.2).per_stage("weight_grad", 1) == (0.0,)
     # what the simulator then charges: zb-h1 on one rank, one microbatch runs F, I, W back to back
     program = compile_program("zb-h1", 1, 1)
     assert simulate(program, CostModel(forward=1, backward=4, weight_grad=3)).makespan == 1 + 1 + 3

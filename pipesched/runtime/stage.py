@@ -45,7 +45,8 @@ def resolve_balance(layers: Sequence[nn.Module], num_stages: int, balance=None, 
     Raises:
         ValueError: fewer layers than stages, or a balance of the wrong length, with a count < 1, or whose
             sum differs from the layer count (names the layer count and the sum); ``balance="time"`` without a
-            profile, or with a profile of another model (layer count or class names differ).
+            profile, or with a profile of another model (layer count or class names differ); a ``profile`` with
+            another ``balance`` (it would be ignored).
         TypeError: ``balance`` is of an unknown kind, ``profile`` not a LayerProfile.
     """
     n = len(layers)
@@ -55,6 +56,9 @@ def resolve_balance(layers: Sequence[nn.Module], num_stages: int, balance=None, 
                          f"least {num_stages} layers (split a layer in two, or add layers)"
                          + (f", or use fewer ranks or virtual stages, so that ranks x virtual_stages <= {n}"
                             if n else ""))
+    if profile is not None and balance != "time":
+        raise ValueError(f"profile= is used only with balance='time' (the cut it decides), got balance={balance!r}: "
+                         f"pass balance='time', or drop profile=")
     if balance is None:
         base, extra = divmod(n, num_stages)
         return tuple(base + 1 if i < extra else base for i in range(num_stages))

@@ -1,4 +1,6 @@
 """Pipeline(balance="time", profile=...) and profile_link on 2 ranks (one launch)."""
+import re
+
 import pytest
 
 from pipesched.partition import balance_by_time
@@ -45,3 +47,18 @@ def test_profile_link_is_positive_and_the_same_on_both_ranks(results):
     (lat0, bw0), (lat1, bw1) = results[0]["link"], results[1]["link"]
     assert lat0 > 0 and bw0 > 0
     assert (lat0, bw0) == (lat1, bw1)
+
+
+def test_a_profile_with_another_balance_is_refused_not_ignored():
+    from torch import nn
+
+    from pipesched.runtime.stage import resolve_balance
+    from rt_balance_time import hand_profile
+
+    layers = [nn.Linear(2, 2), nn.Tanh()] * 3
+    for balance in (None, "params", [3, 3]):
+        with pytest.raises(ValueError, match=re.escape(f"profile= is used only with balance='time' (the cut it "
+                                                       f"decides), got balance={balance!r}: pass balance='time', "
+                                                       f"or drop profile=")):
+            resolve_balance(layers, 2, balance, hand_profile())
+    assert resolve_balance(layers, 2, None) == (3, 3)
