@@ -2,12 +2,14 @@
 
 ``pipesched plan --profile FILE --world-size N --memory 16GiB --batch B [--top K] [--json] [--render FILE.png]
 [--schedules NAME ...]`` prints the ranked candidates (or their JSON form), draws the winner's simulated timeline,
-and exits 1 when no configuration fits the memory, naming the smallest memory that would.
+and exits 1 when no configuration fits the memory, naming the smallest memory that would (with ``--json`` also as
+``{"error": ..., "smallest_memory": bytes, "plan": {...}}`` on stdout).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 
@@ -50,7 +52,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                         help="optimizer state bytes per parameter byte (default 2: AdamW)")
     parser.add_argument("--max-microbatches", type=int, default=None, metavar="M",
                         help="largest m tried (default max(8, 4 x pp), at most 256)")
-    parser.add_argument("--json", action="store_true", help="print {\"candidates\": [...]} instead of the table")
+    parser.add_argument("--json", action="store_true",
+                        help="print {\"candidates\": [...]} instead of the table (nothing fits: {\"error\", "
+                             "\"smallest_memory\": bytes, \"plan\": the candidate that needs them}, exit 1)")
     parser.add_argument("--render", metavar="FILE.png", default=None, help="draw the winner's simulated timeline")
     parser.set_defaults(func=run_plan)
     return parser
@@ -71,7 +75,11 @@ def run_plan(args: argparse.Namespace) -> int:
         result = plan(profile, args.world_size, memory, args.batch, schedules=args.schedules, top=args.top,
                       optimizer_states=args.optimizer_states, max_microbatches=args.max_microbatches)
     except PlanError as exc:
-        print(f"error: {_as_option(str(exc))}", file=sys.stderr)
+        message = _as_option(str(exc))
+        print(f"error: {message}", file=sys.stderr)
+        if args.json:  # still one JSON object on stdout for a script: the error and what would fit
+            print(json.dumps({"error": message, "smallest_memory": int(math.ceil(exc.smallest)),
+                              "plan": exc.candidate.to_json()}))
         return 1
     except ValueError as exc:
         raise ValueError(_as_option(str(exc))) from None

@@ -24,19 +24,17 @@ per choice, no simulation); m is capped (``max_microbatches``). Programs are com
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from .checks import check_positive
 from .gcpause import paused_gc
 from .partition import balance_by_time
+from .plan_args import check_args, check_model, nothing_runs, schedule_names, virtual_stage_choices
 from .plan_search import Evaluated, Search, best_first, even, smallest_fit
-from .errors import UnknownScheduleError
+from .errors import ScheduleArgumentError, UnknownScheduleError
 from .registry import get_schedule
-from .schedules import SCHEDULES
 
-#: schedules searched when ``schedules`` is None: the built-ins but ``zb-auto`` (its builder itself searches
-#: with the simulator, ~10x slower to build; name it to include it)
-DEFAULT_SCHEDULES = tuple(name for name in SCHEDULES if name != "zb-auto")
 
 
 @dataclass(frozen=True)
@@ -55,6 +53,11 @@ class Candidate:
             optimizer state and the peak activation bytes.
         microbatch_size: samples per microbatch (global batch / (dp x m)).
         timeline: the simulated :class:`~pipesched.Timeline` (not compared, not in the JSON form).
+        layer_names: the profiled model's layer class names (``()``: unknown; not compared), so that
+            ``Pipeline.from_plan`` refuses a model of other layer classes given a Candidate as given a Plan.
+
+    Raises:
+        ValueError: a field of the wrong type or size (names it, its value and what is valid).
     """
 
     schedule: str
@@ -70,33 +73,48 @@ class Candidate:
     peak_memory: tuple[float, ...]
     microbatch_size: int
     timeline: object = field(default=None, compare=False, repr=False)
+    layer_names: tuple[str, ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_candidate(self)
 
     def to_json(self) -> dict:
         """The JSON form (``pipesched plan --json``): ``schedule, pp, dp, num_microbatches, virtual_stages,
         balance, recompute, split_backward, microbatch_size, step_time, bubble_fraction, peak_memory`` (bytes per
-        pipeline rank); :meth:`from_json` reads it back."""
-        return {"schedule": self.schedule, "pp": self.pp, "dp": self.dp, "num_microbatches": self.num_microbatches,
+        pipeline rank), and ``layer_names`` when the profile has them; :meth:`from_json` reads it back."""
+        data = {"schedule": self.schedule, "pp": self.pp, "dp": self.dp, "num_microbatches": self.num_microbatches,
                 "virtual_stages": self.virtual_stages, "balance": list(self.balance),
                 "recompute": list(self.recompute), "split_backward": self.split_backward,
                 "microbatch_size": self.microbatch_size, "step_time": self.step_time,
                 "bubble_fraction": self.bubble_fraction, "peak_memory": [int(math.ceil(b)) for b in self.peak_memory]}
+        if self.layer_names:
+            data["layer_names"] = list(self.layer_names)
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> "Candidate":
         """A candidate from its :meth:`to_json` form (e.g. one entry of ``pipesched plan --json``'s
         ``"candidates"``), for :meth:`pipesched.runtime.Pipeline.from_plan` in a training script (no timeline).
 
+        ``layer_names`` may be absent (JSON of an older pipesched: the model is then checked by layer count only).
+
         Raises:
-            ValueError: a key is missing (names it).
+            ValueError: a key is missing, or a value has the wrong type or size (names the key, its value and what
+                is valid).
         """
+        if not isinstance(data, dict):
+            raise ValueError(f"a planned candidate is a JSON object (dict), got {type(data).__name__}")
         names = ("schedule", "pp", "dp", "num_microbatches", "virtual_stages", "balance", "recompute",
                  "split_backward", "microbatch_size", "step_time", "bubble_fraction", "peak_memory")
         missing = [n for n in names if n not in data]
         if missing:
             raise ValueError(f"a planned candidate needs the keys {list(names)}; missing {missing}")
-        values = {n: data[n] for n in names}
-        for n in ("balance", "recompute", "peak_memory"):
-            values[n] = tuple(values[n])
+        values = {n: data[n] for n in names + ("layer_names",) if n in data}
+        for n in ("balance", "recompute", "peak_memory", "layer_names"):
+            if n in values:
+                if not isinstance(values[n], (list, tuple)):
+                    raise ValueError(f"candidate field {n!r} must be a list, got {values[n]!r}")
+                values[n] = tuple(values[n])
         return cls(**values)
 
     def describe(self) -> str:
@@ -162,7 +180,7 @@ class PlanError(ValueError):
 
 @paused_gc()
 def plan(profile, world_size: int, memory_per_rank: float, global_batch: int, schedules=None, top: int = 5,
-         optimizer_states: float = 2.0, max_microbatches: int | None = None, virtual_stages=(2, 4),
+         optimizer_states: float = 2.0, max_microbatches: int | None = None, virtual_stages=None,
          split_backward: bool | None = None, num_layers: int | None = None, layer_names=None) -> Plan:
     """Plan a pipeline for ``profile``'s model: the ``top`` fastest configurations that fit (see the module).
 
@@ -171,39 +189,41 @@ def plan(profile, world_size: int, memory_per_rank: float, global_batch: int, sc
         world_size: ranks in all, pp x dp, >= 1.
         memory_per_rank: bytes each rank may hold (parameters, gradients, optimizer state, activations), > 0.
         global_batch: samples per optimizer step over all replicas; dp x m must divide it.
-        schedules: names to search (registered ones too); ``None``: :data:`DEFAULT_SCHEDULES`.
+        schedules: names to search (registered ones too); ``None``: :data:`pipesched.plan_args.DEFAULT_SCHEDULES`.
         top: candidates to return, >= 1.
         optimizer_states: optimizer state bytes per parameter byte (AdamW: 2, its two moments; SGD with momentum:
             1; SGD: 0).
         max_microbatches: the largest m tried; ``None``: max(8, 4 x pp), at most 256.
-        virtual_stages: the v tried for schedules that take any (interleaved); fixed ones use theirs.
+        virtual_stages: the v tried for schedules that take any (interleaved): an integer >= 1 or a sequence of
+            them; ``None``: (2, 4). Fixed ones use theirs; v = 1 is the other schedules' (with only v = 1 and
+            ``schedules=None``, interleaved ones are left out).
         split_backward: ``None`` tries both for schedules with a fused backward; True/False only that.
-        num_layers, layer_names: the model's, when known: a profile of another model is refused.
+        num_layers, layer_names: the model's, when known (either or both; ``layer_names`` alone gives the count):
+            a profile of another model is refused.
     Returns:
         A :class:`Plan`, deterministic for a given profile and arguments.
     Raises:
-        ValueError: a bad argument (names it, its value and what is valid): world_size < 1, a global_batch no
-            dp x m divides (none of pp x dp = world_size has dp dividing it), an unknown or empty ``schedules``,
-            a profile of another model (``num_layers`` or ``layer_names`` differ).
+        ValueError: a bad argument (names it, its value and what is valid; ``argument``: its name): world_size
+            < 1, a global_batch no dp x m divides (none of pp x dp = world_size has dp dividing it), an unknown or
+            empty ``schedules``, a bad ``virtual_stages`` (not integers >= 1, only v = 1 for a schedule that runs
+            v >= 2, v above the layer count), a profile of another model (``num_layers`` or ``layer_names``
+            differ).
         PlanError: no configuration fits ``memory_per_rank`` (names the smallest budget that fits and its plan).
     """
-    _check(profile, world_size, memory_per_rank, global_batch, top, optimizer_states, max_microbatches)
-    if num_layers is not None:
-        profile.check_model(num_layers, layer_names)
-    names = _schedules(schedules)
-    search = Search(profile, world_size, global_batch, names, optimizer_states, max_microbatches, virtual_stages,
+    check_args(profile, world_size, memory_per_rank, global_batch, top, optimizer_states, max_microbatches)
+    check_model(profile, num_layers, layer_names)
+    names = schedule_names(schedules)
+    names, vs = virtual_stage_choices(virtual_stages, names, schedules is None, profile.num_layers)
+    search = Search(profile, world_size, global_batch, names, optimizer_states, max_microbatches, vs,
                     split_backward, balance_by_time)
     configs = list(search.configs())
     if not configs:
-        raise ValueError(f"global_batch={global_batch}: no dp x m divides it for world_size={world_size} "
-                         f"(pp x dp = world_size with pp <= {profile.num_layers} layers, dp dividing global_batch "
-                         f"and schedules {list(names)} running pp): give a global batch divisible by "
-                         f"{_smallest_dp(world_size, profile.num_layers)}")
+        nothing_runs(search, names, vs)
     ranked = [search.confirm(e) for e in best_first(search, configs, float(memory_per_rank), top)]
     ranked = sorted((e for e in ranked if max(e.peak_memory) <= memory_per_rank), key=lambda e: e.rank_key)
     if not ranked:
         _no_fit(search, configs, memory_per_rank)
-    candidates = tuple(_candidate(e, global_batch) for e in ranked)
+    candidates = tuple(_candidate(e, global_batch, profile.layer_names) for e in ranked)
     return Plan(candidates, _reason(candidates, search), world_size, float(memory_per_rank), global_batch,
                 profile.num_layers, tuple(profile.layer_names), search.simulated, search.considered)
 
@@ -216,23 +236,42 @@ def predict(profile, global_batch: int, schedule: str, pp: int, dp: int = 1, num
     one per stage.
 
     Raises:
-        ValueError (ScheduleArgumentError): sizes the schedule cannot run, a global_batch dp x m does not divide.
+        ValueError (ScheduleArgumentError, ``argument`` names it): sizes that are not integers >= 1, more stages
+            (pp x v) than the profile's layers, sizes the schedule cannot run, a global_batch dp x m does not
+            divide, a ``balance`` or ``recompute`` not of pp x v stages, an unknown schedule.
     """
-    v = get_schedule(schedule).default_virtual_stages if virtual_stages is None else virtual_stages
+    check_args(profile, 1, 1.0, global_batch, 1, optimizer_states, None)
+    for name, value in (("pp", pp), ("dp", dp), ("num_microbatches", num_microbatches)):
+        check_positive(name, value)
+    try:
+        info = get_schedule(schedule)
+    except UnknownScheduleError as exc:
+        raise ScheduleArgumentError(f"schedule: {exc.args[0]}", argument="schedule") from None
+    v = info.default_virtual_stages if virtual_stages is None else check_positive("virtual_stages", virtual_stages)
+    L, S = profile.num_layers, pp * v
+    if S > L:
+        raise ScheduleArgumentError(f"pp={pp} x virtual_stages={v} = {S} stages but the profile has {L} layers "
+                                    f"(each stage needs one): give pp x virtual_stages <= {L}", argument="pp")
     if global_batch % (dp * num_microbatches):
-        raise ValueError(f"global_batch={global_batch} is not divisible by dp x num_microbatches = "
-                         f"{dp * num_microbatches}")
+        raise ScheduleArgumentError(f"global_batch={global_batch} is not divisible by dp x num_microbatches = "
+                                    f"{dp * num_microbatches}", argument="global_batch")
     search = Search(profile, pp * dp, global_batch, (schedule,), optimizer_states, num_microbatches, (v,),
                     split_backward, balance_by_time)
     shape = search.shape(schedule, pp, v)
     if shape is None:
-        raise ValueError(f"schedule {schedule!r} cannot run pp={pp} with virtual_stages={v}")
-    S = pp * v
-    balance = tuple(even(profile.num_layers, S) if balance is None else balance)
+        raise ScheduleArgumentError(f"schedule {schedule!r} cannot run pp={pp} with virtual_stages={v}",
+                                    argument="virtual_stages" if virtual_stages is not None else "pp")
+    balance = tuple(even(L, S) if balance is None else balance)
+    if len(balance) != S or sum(balance) != L:
+        raise ScheduleArgumentError(f"balance={list(balance)} must be pp x virtual_stages = {pp} x {v} = {S} layer "
+                                    f"counts summing to the profile's {L} layers", argument="balance")
+    flags = (bool(recompute),) * S if isinstance(recompute, bool) else tuple(recompute)
+    if len(flags) != S:
+        raise ScheduleArgumentError(f"recompute={list(flags)} has {len(flags)} flags but there are {S} stages: give "
+                                    f"a bool or one per stage", argument="recompute")
     config = search.make_config(schedule, pp, dp, num_microbatches, v, split_backward or shape[2], balance, shape[0],
                             split_backward)
-    flags = (bool(recompute),) * S if isinstance(recompute, bool) else tuple(recompute)
-    return _candidate(search.confirm(search.evaluate(config, math.inf, flags)), global_batch)
+    return _candidate(search.confirm(search.evaluate(config, math.inf, flags)), global_batch, profile.layer_names)
 
 
 def pipeline_kwargs(plan_or_candidate, num_layers: int, world_size: int, layer_names=None, extra=None) -> dict:
@@ -255,14 +294,18 @@ def pipeline_kwargs(plan_or_candidate, num_layers: int, world_size: int, layer_n
 
 def _planned_kwargs(plan_or_candidate, num_layers: int, world_size: int, layer_names=None) -> dict:
     if isinstance(plan_or_candidate, Plan):
-        candidate, names = plan_or_candidate.best, plan_or_candidate.layer_names
+        candidate = plan_or_candidate.best
+        names = plan_or_candidate.layer_names or candidate.layer_names
     elif isinstance(plan_or_candidate, Candidate):
-        candidate, names = plan_or_candidate, ()
+        candidate, names = plan_or_candidate, plan_or_candidate.layer_names
     else:
         raise TypeError(f"plan must be a pipesched.Plan or Candidate, got {type(plan_or_candidate).__name__}")
     if sum(candidate.balance) != num_layers:
         raise ValueError(f"the plan is for a model of {sum(candidate.balance)} layers but this model has "
                          f"{num_layers}: plan with a profile of this model (pipesched.runtime.profile_layers)")
+    if layer_names is not None and len(layer_names) != num_layers:
+        raise ValueError(f"layer_names has {len(layer_names)} names but num_layers={num_layers}: give one class "
+                         f"name per layer")
     if names and layer_names and tuple(layer_names) != tuple(names):
         i = next(i for i, (a, b) in enumerate(zip(layer_names, names)) if a != b)
         raise ValueError(f"the plan's layer {i} is a {names[i]} but the model's is a {layer_names[i]}: the plan is "
@@ -277,11 +320,46 @@ def _planned_kwargs(plan_or_candidate, num_layers: int, world_size: int, layer_n
             "split_backward": candidate.split_backward, "dp_size": candidate.dp}
 
 
-def _candidate(e: Evaluated, global_batch: int) -> Candidate:
+def _candidate(e: Evaluated, global_batch: int, layer_names=()) -> Candidate:
     c = e.config
     return Candidate(c.schedule, c.pp, c.dp, c.num_microbatches, c.virtual_stages, c.balance, e.recompute,
                      c.split_backward, e.step_time, e.bubble_fraction, e.peak_memory,
-                     global_batch // (c.dp * c.num_microbatches), e.timeline)
+                     global_batch // (c.dp * c.num_microbatches), e.timeline, tuple(layer_names))
+
+
+def _check_candidate(c: Candidate) -> None:
+    """Each field's type and the sizes that must agree (a hand-edited or foreign JSON form, ``"pp": "2"``)."""
+    def bad(name, what):
+        raise ValueError(f"candidate field {name!r} must be {what}, got {getattr(c, name)!r}")
+
+    def integer(x, least):
+        return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= least
+
+    def number(x):
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and 0 <= x < math.inf
+
+    if not isinstance(c.schedule, str) or not c.schedule:
+        bad("schedule", "a schedule name (a string)")
+    for name in ("pp", "dp", "num_microbatches", "virtual_stages", "microbatch_size"):
+        if not integer(getattr(c, name), 1):
+            bad(name, "an integer >= 1")
+    if not isinstance(c.split_backward, bool):
+        bad("split_backward", "true or false")
+    for name in ("step_time", "bubble_fraction"):
+        if not number(getattr(c, name)):
+            bad(name, "a number >= 0")
+    S = c.pp * c.virtual_stages
+    if not isinstance(c.balance, (tuple, list)) or len(c.balance) != S or not all(integer(b, 1) for b in c.balance):
+        bad("balance", f"a list of pp x virtual_stages = {S} layer counts >= 1")
+    if not isinstance(c.recompute, (tuple, list)) or len(c.recompute) != S \
+            or not all(isinstance(r, bool) for r in c.recompute):
+        bad("recompute", f"a list of {S} true/false (one per stage)")
+    if not isinstance(c.peak_memory, (tuple, list)) or len(c.peak_memory) != c.pp \
+            or not all(number(b) for b in c.peak_memory):
+        bad("peak_memory", f"a list of pp = {c.pp} byte counts >= 0")
+    if not isinstance(c.layer_names, (tuple, list)) or len(c.layer_names) not in (0, sum(c.balance)) \
+            or not all(isinstance(n, str) for n in c.layer_names):
+        bad("layer_names", f"a list of {sum(c.balance)} layer class names (or empty: unknown)")
 
 
 def _reason(candidates, search: Search) -> str:
@@ -290,9 +368,33 @@ def _reason(candidates, search: Search) -> str:
             f"peak {max(win.peak_memory) / 2**30:.3g} GiB) of {search.simulated} configurations simulated "
             f"({search.considered} bounded)")
     if len(candidates) > 1:
-        gap = candidates[1].step_time / win.step_time - 1 if win.step_time > 0 else 0.0
-        line += f"; {gap:.1%} ahead of {candidates[1].describe()}"
+        line += "; " + _versus(win, candidates[1])
     return line
+
+
+def _versus(win: Candidate, other: Candidate) -> str:
+    """``"1.2% ahead of <other>"`` or, equal to float rounding (as ranked: 9 significant digits), ``"ties with
+    <other>"`` and what broke the tie; then what tells them apart when their descriptions read the same."""
+    a, b = win.step_time, other.step_time
+    tie = abs(b - a) <= 1e-9 * max(abs(a), abs(b)) or float(f"{a:.9g}") == float(f"{b:.9g}")
+    if tie:
+        text = f"ties with {other.describe()}"
+    else:
+        gap = b / a - 1 if a > 0 else math.inf
+        text = f"{gap:.1%}" if gap >= 1e-3 else f"{gap * 100:.2g}%"
+        text += f" ahead of {other.describe()}"
+    differs = []
+    if win.describe() == other.describe():
+        if win.balance != other.balance:
+            differs.append(f"balance {','.join(map(str, other.balance))} against the winner's "
+                           f"{','.join(map(str, win.balance))}")
+        if win.recompute != other.recompute:
+            differs.append(f"recompute stages {[s for s, r in enumerate(other.recompute) if r]} against the "
+                           f"winner's {[s for s, r in enumerate(win.recompute) if r]}")
+    if tie and max(other.peak_memory) != max(win.peak_memory):
+        differs.append(f"peak {format_bytes(max(other.peak_memory))} against the winner's "
+                       f"{format_bytes(max(win.peak_memory))}")
+    return text + (f" ({'; '.join(differs)})" if differs else "")
 
 
 def _no_fit(search: Search, configs, memory_per_rank) -> None:
@@ -300,7 +402,7 @@ def _no_fit(search: Search, configs, memory_per_rank) -> None:
     S = len(config.stage_to_rank)
     flags = tuple(True for _ in range(S))
     e = search.confirm(search.evaluate(config, math.inf, flags))
-    candidate = _candidate(e, search.global_batch)
+    candidate = _candidate(e, search.global_batch, search.profile.layer_names)
     raise PlanError(f"memory_per_rank={format_bytes(memory_per_rank)}: no configuration fits; the smallest memory "
                     f"per rank that fits is {format_bytes(need)} ({int(math.ceil(need))} bytes), with "
                     f"{candidate.describe()} (every stage recomputed)", need, candidate)
@@ -312,40 +414,3 @@ def format_bytes(n: float) -> str:
         if n >= size:
             return f"{n / size:.3g} {unit}"
     return f"{n:.0f} B"
-
-
-def _check(profile, world_size, memory_per_rank, global_batch, top, optimizer_states, max_microbatches) -> None:
-    from .profile import LayerProfile
-
-    if not isinstance(profile, LayerProfile):
-        raise TypeError(f"profile must be a pipesched.LayerProfile, got {type(profile).__name__}")
-    check_positive("world_size", world_size)
-    check_positive("global_batch", global_batch)
-    check_positive("top", top)
-    if max_microbatches is not None:
-        check_positive("max_microbatches", max_microbatches)
-    if isinstance(memory_per_rank, bool) or not isinstance(memory_per_rank, (int, float)) \
-            or not 0 < memory_per_rank < math.inf:
-        raise ValueError(f"memory_per_rank must be a number of bytes > 0, got {memory_per_rank!r}")
-    if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, (int, float)) \
-            or not 0 <= optimizer_states < math.inf:
-        raise ValueError(f"optimizer_states must be a number >= 0 (optimizer state bytes per parameter byte; "
-                         f"AdamW: 2), got {optimizer_states!r}")
-
-
-def _schedules(schedules) -> tuple[str, ...]:
-    if schedules is None:
-        return DEFAULT_SCHEDULES
-    names = (schedules,) if isinstance(schedules, str) else tuple(schedules)
-    if not names:
-        raise ValueError("schedules must name at least one schedule (None: the built-ins but zb-auto)")
-    for name in names:
-        try:
-            get_schedule(name)
-        except UnknownScheduleError as exc:
-            raise ValueError(f"schedules: {exc.args[0]}") from None
-    return tuple(dict.fromkeys(names))
-
-
-def _smallest_dp(world_size: int, num_layers: int) -> int:
-    return min(world_size // pp for pp in range(1, min(world_size, num_layers) + 1) if world_size % pp == 0)
