@@ -43,11 +43,22 @@ class LayerProfile:
             every op's dispatch, kernel launches), as :func:`~pipesched.runtime.profile_layers` fits them from two
             microbatch sizes; ``()`` (the default, and profiles saved before these fields) reads as all 0
             (time proportional to the samples). :meth:`scaled` uses them.
+        boundary_saves: the tensors that pass between layers (the model's input, a layer's output) and that some
+            layer saves for backward, as ``(first, last, ((layer, bytes), ...))`` per tensor: it is the input of
+            layers ``first`` .. ``last`` (a layer returning its input, or a view of it at the same address, passes
+            it on), and each listed layer's ``activation_bytes`` holds ``bytes`` of it (layer ``first - 1``: it
+            saves its output). In one stage such a tensor counts once (the most any of the stage's layers saves of
+            it), as ``stage_activation_bytes`` counts it: a Tanh's output that the next Linear saves as its input
+            is not stashed twice. :func:`~pipesched.runtime.profile_layers` records them; ``None`` (the default,
+            and profiles saved before this field): unknown, so :meth:`costs` sums the layers' bytes and takes a
+            stage's first layer to save its input.
 
     Raises:
         ValueError: at construction, per-layer fields of different lengths or empty, a value that is negative,
             NaN or infinite, a ``microbatch_size`` < 1 or a bandwidth <= 0, a fixed part outside
-            ``[0, its time]``; the message names the field.
+            ``[0, its time]``, a ``boundary_saves`` entry that is malformed, names a layer outside
+            ``first - 1`` .. ``last`` or out of order, or more bytes than the layer's ``activation_bytes``; the
+            message names the field.
     """
 
     forward: tuple[float, ...]
@@ -65,6 +76,7 @@ class LayerProfile:
     forward_fixed: tuple[float, ...] = ()
     input_grad_fixed: tuple[float, ...] = ()
     weight_grad_fixed: tuple[float, ...] = ()
+    boundary_saves: tuple[tuple[int, int, tuple[tuple[int, float], ...]], ...] | None = None
 
     def __post_init__(self) -> None:
         for name in _PER_LAYER:
@@ -90,6 +102,8 @@ class LayerProfile:
             raise ValueError(f"LayerProfile.bandwidth must be bytes/s > 0 (inf: free), got {self.bandwidth!r}")
         for name, fixed_name in zip(_TIMES, _FIXED):
             self._check_fixed(name, fixed_name)
+        if self.boundary_saves is not None:
+            object.__setattr__(self, "boundary_saves", _checked_saves(self.boundary_saves, self.activation_bytes))
 
     def _check_fixed(self, name: str, fixed_name: str) -> None:
         """Normalise ``<name>_fixed`` (``()``: zeros) and check 0 <= fixed <= time per layer."""
@@ -117,8 +131,8 @@ class LayerProfile:
         """This profile for microbatches of ``microbatch_size`` samples (``k``): per layer and time, the fixed part
         plus the rest in proportion, ``fixed + (t - fixed) x k / microbatch_size`` seconds (an affine model: a
         small microbatch still pays every op's dispatch; with the fixed parts 0, plain proportion); activation,
-        output and input bytes in proportion (exact); parameter bytes and the fixed parts unchanged (so scaling
-        twice is scaling once).
+        output and input bytes in proportion (exact; ``boundary_saves``' bytes too); parameter bytes and the fixed
+        parts unchanged (so scaling twice is scaling once).
 
         Raises:
             ValueError: ``microbatch_size`` < 1.
@@ -130,6 +144,9 @@ class LayerProfile:
         k = microbatch_size / self.microbatch_size
         scale = {name: tuple(v * k for v in getattr(self, name))
                  for name in ("activation_bytes", "output_bytes")}
+        if self.boundary_saves is not None:
+            scale["boundary_saves"] = tuple((first, last, tuple((layer, b * k) for layer, b in saves))
+                                            for first, last, saves in self.boundary_saves)
         for name, fixed_name in zip(_TIMES, _FIXED):
             scale[name] = tuple(f + (t - f) * k for t, f in zip(getattr(self, name), getattr(self, fixed_name)))
         return replace(self, microbatch_size=microbatch_size, input_bytes=self.input_bytes * k, **scale)
@@ -137,9 +154,13 @@ class LayerProfile:
     def costs(self, balance, recompute_seconds: bool = True) -> CostModel:
         """The :class:`~pipesched.CostModel` (seconds, bytes) of stages made of consecutive layers, ``balance[s]``
         layers in stage ``s``: per stage the sums of its layers' F, I, W (B = I + W; R = F when
-        ``recompute_seconds``), the stash (sum of saved bytes), the message (its last layer's output), its input
-        (the previous stage's message; stage 0: the model's input) and its gradients (its parameter bytes);
-        the link's latency and bandwidth.
+        ``recompute_seconds``), the stash (sum of saved bytes, a tensor that several of its layers save counted
+        once: :attr:`boundary_saves`), the message (its last layer's output), its input (the previous stage's
+        message; stage 0: the model's input), what it holds after a recompute (its input and the stash, the
+        saved bytes of the input counted once) and its gradients (its parameter bytes); the link's latency and
+        bandwidth. With :attr:`boundary_saves` these are the bytes ``stage_activation_bytes`` measures for the
+        same cut; without (``None``), the layers' bytes are summed and a stage's first layer is taken to save its
+        input (input bytes at most the stash; held after a recompute: the larger of the two).
 
         Raises:
             ValueError: ``balance`` is not a sequence of ints >= 1 summing to :attr:`num_layers`.
@@ -154,12 +175,32 @@ class LayerProfile:
         outputs = tuple(float(self.output_bytes[b - 1]) for _, b in spans)
         inputs = (float(self.input_bytes),) + outputs[:-1]
         stash = per_stage("activation_bytes")
+        if self.boundary_saves is None:  # unknown: the first layer is taken to save the input
+            held, inputs = None, tuple(min(i, s) if s else i for i, s in zip(inputs, stash))
+        else:
+            stash, held = self._stage_bytes(spans, stash, inputs)
         I, W = per_stage("input_grad"), per_stage("weight_grad")
         return CostModel(forward=per_stage("forward"), backward=tuple(i + w for i, w in zip(I, W)), input_grad=I,
                          weight_grad=W, recompute=per_stage("forward") if recompute_seconds else None,
-                         activation_bytes=outputs, stash_bytes=stash,
-                         input_bytes=tuple(min(i, s) if s else i for i, s in zip(inputs, stash)),
+                         activation_bytes=outputs, stash_bytes=stash, input_bytes=inputs, recompute_bytes=held,
                          grad_bytes=per_stage("param_bytes"), latency=self.latency, bandwidth=self.bandwidth)
+
+    def _stage_bytes(self, spans, sums, inputs):
+        """Per stage ``[a, b)``, the stash (``sums``, each tensor of :attr:`boundary_saves` counted once: the most
+        one of the stage's layers saves of it) and what a recompute holds (the input plus the stash less what the
+        stage saves of its input, which the input already holds)."""
+        stash, held = [], []
+        for (a, b), total, nbytes in zip(spans, sums, inputs):
+            of_input = 0.0
+            for first, last, saves in self.boundary_saves:
+                inside = [v for layer, v in saves if a <= layer < b]
+                if inside:
+                    total -= sum(inside) - max(inside)
+                    if first <= a <= last:  # a tensor of the stage's input
+                        of_input += max(inside)
+            stash.append(max(total, 0.0))
+            held.append(max(nbytes + total - of_input, nbytes))
+        return tuple(stash), tuple(held)
 
     def check_model(self, num_layers: int, layer_names=None) -> None:
         """Refuse a profile of another model.
@@ -196,7 +237,7 @@ class LayerProfile:
             raise ValueError(f"LayerProfile JSON: unknown fields {sorted(unknown)}, missing {sorted(missing)}")
         if body.get("bandwidth", 0) is None:
             body["bandwidth"] = math.inf
-        return cls(**body)
+        return cls(**body)  # boundary_saves: absent or null -> None (unknown)
 
     def save(self, path) -> None:
         """Write the profile as JSON to ``path``."""
@@ -219,6 +260,36 @@ class LayerProfile:
 def _check_value(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"LayerProfile.{name} must be a finite number >= 0 (seconds or bytes), got {value!r}")
+
+
+def _checked_saves(saves, activation_bytes) -> tuple:
+    """``boundary_saves`` as tuples (JSON gives lists), checked against the layers' ``activation_bytes``."""
+    n, result = len(activation_bytes), []
+    try:
+        for k, (first, last, entries) in enumerate(saves):
+            where = f"LayerProfile.boundary_saves[{k}]"
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in (first, last)) \
+                    or not 0 <= first <= last < n:
+                raise ValueError(f"{where}: first, last = {first!r}, {last!r} must be layers with 0 <= first <= last "
+                                 f"< {n}")
+            entries = tuple((layer, nbytes) for layer, nbytes in entries)
+            layers = [layer for layer, _ in entries]
+            if not entries or not all(isinstance(i, int) and not isinstance(i, bool) and first - 1 <= i <= last
+                                      for i in layers) or layers != sorted(set(layers)):
+                raise ValueError(f"{where}: layers {layers} must be distinct, increasing and in {first - 1} .. {last} "
+                                 f"(the tensor's producer and the layers it is the input of), at least one")
+            for layer, nbytes in entries:
+                _check_value(f"boundary_saves[{k}] bytes of layer {layer}", nbytes)
+                if nbytes > activation_bytes[layer]:
+                    raise ValueError(f"{where}: layer {layer} saves {nbytes!r} bytes of it, more than its "
+                                     f"activation_bytes {activation_bytes[layer]!r}")
+            result.append((first, last, entries))
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ValueError) and str(exc).startswith("LayerProfile."):
+            raise
+        raise ValueError(f"LayerProfile.boundary_saves must be (first, last, ((layer, bytes), ...)) per tensor, "
+                         f"got {saves!r}") from None
+    return tuple(result)
 
 
 def _starts(balance, num_layers: int) -> list[int]:

@@ -58,8 +58,10 @@ def profile_layers(model, sample_input, target=None, loss_fn=None, repeat: int =
         A :class:`~pipesched.profile.LayerProfile` with ``microbatch_size`` the sample's dim 0, its times those
         of the whole sample, the fixed parts, bytes (``activation_bytes``: tensors saved for backward, counted as
         the runtime counts them, parameters excluded; ``output_bytes``: numel x itemsize of the output tensors;
-        ``param_bytes``; ``input_bytes``), the layers' class names and the device; no link (``latency`` 0,
-        ``bandwidth`` inf: see :func:`profile_link`).
+        ``param_bytes``; ``input_bytes``: all the sample's tensors), ``boundary_saves`` (which layers save each
+        tensor passed between layers, by address: one tensor saved by several layers of a stage counts once in
+        :meth:`~pipesched.profile.LayerProfile.costs`, as ``stage_activation_bytes`` counts it), the layers' class
+        names and the device; no link (``latency`` 0, ``bandwidth`` inf: see :func:`profile_link`).
     Raises:
         TypeError: ``model`` is not an ``nn.Sequential``/list of modules, ``sample_input`` not a tensor or tuple
             of tensors, ``loss_fn`` not callable. ValueError: ``repeat`` < 1 or ``warmup`` < 0; ``sizes`` not
@@ -86,7 +88,7 @@ def profile_layers(model, sample_input, target=None, loss_fn=None, repeat: int =
         for p in params:
             p.grad = None
         with torch.random.fork_rng(devices=cuda), scratch_buffers(torch.nn.ModuleList(layers)), torch.enable_grad():
-            rows = _run_layers(layers, inputs, is_tuple, loss_fn, target, repeat, warmup, device)
+            rows, boundary_saves = _run_layers(layers, inputs, is_tuple, loss_fn, target, repeat, warmup, device)
             timings = {n: [row[:3] for row in rows]}
             for size in smaller:
                 cut = tuple(t[:size] for t in inputs)
@@ -94,7 +96,7 @@ def profile_layers(model, sample_input, target=None, loss_fn=None, repeat: int =
                     and target.shape[0] == n else target
                 try:
                     timings[size] = [row[:3] for row in _run_layers(layers, cut, is_tuple, loss_fn, cut_target,
-                                                                    repeat, warmup, device)]
+                                                                    repeat, warmup, device)[0]]
                 except (RuntimeError, ValueError) as exc:
                     if sizes is not None:
                         raise
@@ -107,7 +109,7 @@ def profile_layers(model, sample_input, target=None, loss_fn=None, repeat: int =
     fixed = _fixed_parts(timings, n)
     return LayerProfile(forward=columns[0], input_grad=columns[1], weight_grad=columns[2],
                         activation_bytes=columns[3], output_bytes=columns[4], param_bytes=columns[5],
-                        microbatch_size=n, input_bytes=float(tensor_bytes(inputs[0])),
+                        microbatch_size=n, input_bytes=float(tensor_bytes(inputs)), boundary_saves=boundary_saves,
                         layer_names=tuple(type(layer).__name__ for layer in layers), device=str(device),
                         forward_fixed=fixed[0], input_grad_fixed=fixed[1], weight_grad_fixed=fixed[2])
 
@@ -122,17 +124,44 @@ def _smaller_sizes(sizes, n: int) -> tuple[int, ...]:
     return tuple(sorted(set(sizes) - {n}))
 
 
-def _run_layers(layers, inputs, is_tuple, loss_fn, target, repeat, warmup, device) -> list[tuple]:
-    """Per layer, ``_measure``'s row, each layer fed the previous one's output."""
+def _run_layers(layers, inputs, is_tuple, loss_fn, target, repeat, warmup, device) -> tuple[list[tuple], tuple]:
+    """``(rows, boundary_saves)``: per layer, ``_measure``'s row, each layer fed the previous one's output (the
+    output of its counted run, so that the tensors passed keep their addresses); and the
+    :attr:`~pipesched.profile.LayerProfile.boundary_saves` of the layers: which layers save each tensor that passes
+    between layers (found by address, as :class:`~pipesched.runtime.accounting.SavedBytes` tells tensors apart:
+    in a stage, one tensor that two layers save counts once)."""
     rows = []
+    groups = []  # per tensor that passes between layers: [first receiver, last receiver, {layer: bytes}]
+    current = {t.data_ptr(): _new_group(groups, 0) for t in inputs}  # address -> group, of this layer's inputs
     for i, layer in enumerate(layers):
         last = i == len(layers) - 1
-        row, out = _measure(layer, inputs, is_tuple, (loss_fn, target) if last else None, repeat, warmup, device)
+        row, out, seen = _measure(layer, inputs, is_tuple, (loss_fn, target) if last else None, repeat, warmup,
+                                  device)
         rows.append(row)
+        for ptr, group in current.items():
+            groups[group][1] = i
+            if ptr in seen:
+                groups[group][2][i] = seen[ptr]
         if not last:
             inputs, is_tuple = stage_output(out, i)
-            inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
-    return rows
+            passed = {}
+            for t in inputs:  # the same address as an input: passed on (nn.Identity, a view); else a new tensor
+                ptr = t.data_ptr()
+                if ptr not in passed:
+                    passed[ptr] = current[ptr] if ptr in current else _new_group(groups, i + 1)
+                    if ptr not in current and ptr in seen:  # the layer saves its output
+                        groups[passed[ptr]][2][i] = seen[ptr]
+            current = passed
+            inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in inputs)  # as the next stage gets it
+            del out  # the counted run's graph, never run backward: free its saved tensors now
+    boundary_saves = tuple((first, last_receiver, tuple((layer, float(nbytes)) for layer, nbytes in sorted(
+        saves.items()))) for first, last_receiver, saves in groups if saves)
+    return rows, boundary_saves
+
+
+def _new_group(groups: list, first: int) -> int:
+    groups.append([first, first, {}])
+    return len(groups) - 1
 
 
 def _fixed_parts(timings: dict, n: int) -> tuple[tuple[float, ...], ...]:
@@ -158,20 +187,35 @@ def _intercept(points) -> float:
 
 
 def _measure(layer, inputs, is_tuple, loss, repeat, warmup, device):
-    """``((forward, I, W seconds, saved, output, parameter bytes), output)`` of one layer."""
+    """``((forward, I, W seconds, saved, output, parameter bytes), output, {address: bytes saved})`` of one layer;
+    the output and the saved bytes per address are those of the same (counted) run."""
     params = [p for p in layer.parameters() if p.requires_grad]
     counter = SavedBytes(layer.parameters())
     arg = inputs if is_tuple else inputs[0]
 
+    fresh = [False]  # a layer that works in place on its input gets a copy (see below)
+
     def forward():
-        out = layer(arg)
+        out = layer(_copied(arg) if fresh[0] else arg)
         root = out
         if loss is not None and loss[0] is not None:
             root = loss[0](out, loss[1]) if loss[1] is not None else loss[0](out)
         return out, root
 
-    with counter.track():
-        out, root = forward()
+    try:
+        with counter.track():
+            counted, root = forward()
+    except RuntimeError as exc:
+        # e.g. nn.ReLU(inplace=True): alone, its input is a leaf that needs a gradient, which autograd does not let
+        # change in place; inside a stage it gets the previous layer's output, which it may. Time it on a copy
+        # (one memcpy more), as Pipeline runs it anywhere but first in a stage.
+        if "in-place operation" not in str(exc) or "leaf" not in str(exc):
+            raise
+        fresh[0] = True
+        counter = SavedBytes(layer.parameters())
+        with counter.track():
+            counted, root = forward()
+    by_address = dict(counter._seen)  # what take() sums: per address, the bytes saved there
     saved = counter.take()
     f_times, i_times, w_times = [], [], []
     for run in range(warmup + repeat):
@@ -188,7 +232,14 @@ def _measure(layer, inputs, is_tuple, loss, repeat, warmup, device):
     outputs = as_tuple(out)[0] if isinstance(out, (torch.Tensor, tuple, list)) else ()
     output_bytes = tensor_bytes(t for t in outputs if isinstance(t, torch.Tensor))
     return (statistics.median(f_times), statistics.median(i_times), statistics.median(w_times) if params else 0.0,
-            float(saved), float(output_bytes), float(tensor_bytes(layer.parameters()))), out
+            float(saved), float(output_bytes), float(tensor_bytes(layer.parameters()))), counted, by_address
+
+
+def _copied(arg):
+    """A copy of a layer's argument (each tensor of a tuple) that is not a leaf: what an in-place layer may change."""
+    if isinstance(arg, tuple):
+        return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in arg)
+    return arg.clone()
 
 
 def _timed(fn, device):
