@@ -34,6 +34,11 @@ class SavedBytes:
         self._excluded = sum(self._seen.values())
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _identity)
 
+    def by_address(self) -> dict:
+        """Since the last :meth:`track`: ``{data address: bytes}`` of the tensors counted (what :meth:`take` sums,
+        before the excluded ones are taken off), without resetting."""
+        return dict(self._seen)
+
     def take(self) -> int:
         """Bytes counted since the last :meth:`track`, and reset."""
         total = sum(self._seen.values()) - self._excluded

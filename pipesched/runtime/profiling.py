@@ -215,7 +215,7 @@ def _measure(layer, inputs, is_tuple, loss, repeat, warmup, device):
         counter = SavedBytes(layer.parameters())
         with counter.track():
             counted, root = forward()
-    by_address = dict(counter._seen)  # what take() sums: per address, the bytes saved there
+    by_address = counter.by_address()  # what take() sums: per address, the bytes saved there
     saved = counter.take()
     f_times, i_times, w_times = [], [], []
     for run in range(warmup + repeat):
