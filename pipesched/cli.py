@@ -8,7 +8,8 @@ import sys
 from . import interop_cli, plan_cli, program_io
 from .api import build, compile_program
 from .lower import add_recompute, add_tie_reduce, forward_only, split_backward
-from .cost import CostError, CostModel
+from .cli_costs import add_cost_args, cost_from_args, given_costs, named_cost_error, show_value
+from .cost import CostError
 from .engine import has_comm
 from .errors import DeadlockError, ScheduleArgumentError, ScheduleError, render_grid
 from .ir import Op
@@ -21,7 +22,7 @@ from .ties import one_rank_ties
 def schedule_parent(optional_name: bool = False) -> argparse.ArgumentParser:
     """The argparse parent of every command that compiles a schedule by name (show, simulate, render: pass it as
     ``parents=[schedule_parent()]``): SCHEDULE, the sizes and passes (:func:`add_schedule_args`), ``--memory-limit``
-    and the cost options (:func:`add_cost_args`), which ``zb-auto`` is built for in every one of them (and which
+    and the cost options (:func:`~pipesched.cli_costs.add_cost_args`), which ``zb-auto`` is built for in every one of them (and which
     simulate and render also simulate with). ``optional_name``: SCHEDULE may be left out (render --trace)."""
     parent = argparse.ArgumentParser(add_help=False)
     add_schedule_args(parent, optional_name)
@@ -78,86 +79,6 @@ def _limit(text: str):
     return values[0] if len(values) == 1 else values
 
 
-def _per_stage(text: str):
-    """A number, or a comma list of numbers (one per stage), for a cost option."""
-    try:
-        values = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a number or a comma list of numbers, one per stage (e.g. 1.5 or 1,2,1,2), got {text!r}"
-        ) from None
-    return values[0] if len(values) == 1 else values
-
-
-#: the command-line option of each :class:`~pipesched.cost.CostModel` field (errors name the option)
-COST_FLAGS = {"forward": "--forward", "backward": "--backward", "input_grad": "--input-grad",
-               "weight_grad": "--weight-grad", "recompute": "--recompute-cost", "latency": "--latency",
-               "bandwidth": "--bandwidth", "activation_bytes": "--activation-bytes", "stash_bytes": "--stash-bytes",
-               "input_bytes": "--input-bytes", "recompute_bytes": "--recompute-bytes", "grad_bytes": "--grad-bytes",
-               "tie_bytes": "--tie-bytes"}
-
-
-def add_cost_args(parser: argparse.ArgumentParser) -> None:
-    """Cost-model options (seconds, bytes); a per-stage option takes one number or a comma list per stage. The
-    costs ``zb-auto`` is built for (every command of :func:`schedule_parent`), and those simulate and render use."""
-    group = parser.add_argument_group("cost model (seconds and bytes; per-stage values as a comma list; "
-                                      "zb-auto is built for them)")
-    group.add_argument("--forward", type=_per_stage, default=1.0, help="seconds per F (default 1)")
-    group.add_argument("--backward", type=_per_stage, default=2.0, help="seconds per B (default 2)")
-    group.add_argument("--input-grad", type=_per_stage, default=None,
-                       help="seconds per I, for programs with a split backward (default B/2)")
-    group.add_argument("--weight-grad", type=_per_stage, default=None,
-                       help="seconds per W, for programs with a split backward (default B/2)")
-    group.add_argument("--recompute-cost", type=_per_stage, default=None, help="seconds per R (default F)")
-    group.add_argument("--latency", type=float, default=0.0, help="seconds per message (default 0)")
-    group.add_argument("--bandwidth", type=float, default=float("inf"), help="bytes/s per link (default inf)")
-    group.add_argument("--activation-bytes", type=_per_stage, default=0.0,
-                       help="bytes of one microbatch's stage output (message size; default 0)")
-    group.add_argument("--stash-bytes", type=_per_stage, default=None,
-                       help="bytes held per in-flight microbatch for backward (default: activation bytes)")
-    group.add_argument("--input-bytes", type=_per_stage, default=None,
-                       help="with --recompute: bytes of a stage's input, kept per in-flight microbatch instead of the "
-                            "stash (default: the previous stage's activation bytes, at most the stash bytes)")
-    group.add_argument("--recompute-bytes", type=_per_stage, default=None,
-                       help="with --recompute: bytes a stage holds for one microbatch after its R, input and re-saved "
-                            "activations (default: the larger of stash and input bytes)")
-    group.add_argument("--grad-bytes", type=_per_stage, default=0.0, help="bytes of a stage's gradients (all-reduce)")
-    group.add_argument("--tie-bytes", type=_per_stage, default=0.0,
-                       help="bytes of the tied gradients the TIE_REDUCE naming a stage sums (with --ties)")
-
-
-def given_costs(args: argparse.Namespace) -> list[str]:
-    """The cost options of ``args`` set to something other than their default, as ``--option value``."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_cost_args(parser)
-    defaults = vars(parser.parse_args([]))
-    return [f"--{dest.replace('_', '-')} {_show(getattr(args, dest))}" for dest, default in defaults.items()
-            if getattr(args, dest, default) != default]
-
-
-def cost_from_args(args: argparse.Namespace) -> CostModel:
-    """The :class:`CostModel` the cost options describe.
-
-    Raises:
-        ValueError: a bad cost, named by its command-line option.
-    """
-    try:
-        return CostModel(
-            forward=args.forward, backward=args.backward, input_grad=args.input_grad,
-            weight_grad=args.weight_grad, recompute=args.recompute_cost, latency=args.latency,
-            bandwidth=args.bandwidth, activation_bytes=args.activation_bytes, stash_bytes=args.stash_bytes,
-            input_bytes=args.input_bytes, recompute_bytes=args.recompute_bytes, grad_bytes=args.grad_bytes,
-            tie_bytes=args.tie_bytes,
-        )
-    except CostError as exc:
-        raise _named_cost_error(exc) from None
-
-
-def _named_cost_error(exc: CostError) -> ValueError:
-    """``exc`` prefixed with the command-line option of the cost field it names (``--input-grad: cost ...``)."""
-    return ValueError(f"{COST_FLAGS[exc.field]}: {exc}")
-
-
 _SIZE_FLAGS = {"num_ranks": ("--ranks", "ranks"), "num_microbatches": ("--microbatches", "microbatches"),
                "virtual_stages": ("--virtual-stages", "virtual_stages"), "dp_size": ("--dp", "dp"),
                "ties": ("--ties", "ties"), "memory_limit": ("--memory-limit", "memory_limit")}
@@ -185,7 +106,7 @@ def program_from_args(args: argparse.Namespace):
         shown = " ".join(",".join(map(str, t)) for t in value) if attr == "ties" else shown
         raise ScheduleArgumentError(f"{flag} {shown}: {exc}", argument=exc.argument) from None
     except CostError as exc:  # zb-auto is built from the costs: a per-stage cost of the wrong length
-        raise _named_cost_error(exc) from None
+        raise named_cost_error(exc) from None
 
 
 def note_one_rank_ties(ties, program) -> None:
@@ -218,7 +139,7 @@ def simulate_from_args(args: argparse.Namespace):
                               ("--input-bytes", args.input_bytes, "what a recomputing stage keeps per microbatch"),
                               ("--recompute-bytes", args.recompute_bytes, "what a stage holds after its R")):
         if value is not None and not args.recompute:
-            raise ValueError(f"{flag} {_show(value)} sets {what}, but this program recomputes nothing; add "
+            raise ValueError(f"{flag} {show_value(value)} sets {what}, but this program recomputes nothing; add "
                              f"--recompute, or drop {flag}")
     split = any(i.op in (Op.I, Op.W) for stream in program.ranks for i in stream)
     for flag, value in (("--input-grad", args.input_grad), ("--weight-grad", args.weight_grad)):
@@ -230,18 +151,13 @@ def simulate_from_args(args: argparse.Namespace):
     if args.tie_bytes and not program.ties:
         hint = ("its --ties are each on one rank (no TIE_REDUCE):" if args.ties else
                 f"add --ties (e.g. --ties 0,{program.num_stages - 1}), or")
-        raise ValueError(f"--tie-bytes {_show(args.tie_bytes)} sets the size of the tied gradients, but this program "
+        raise ValueError(f"--tie-bytes {show_value(args.tie_bytes)} sets the size of the tied gradients, but this program "
                          f"has no ties to reduce; {hint} drop --tie-bytes")
     cost = cost_from_args(args)
     try:
         return program, simulate(program, cost, check=False)
     except CostError as exc:  # a per-stage cost of the wrong length, found against the program
-        raise _named_cost_error(exc) from None
-
-
-def _show(value) -> str:
-    """A cost option's value as typed: ``0.5``, ``1e+06`` or ``1,2``."""
-    return ",".join(f"{v:g}" for v in value) if isinstance(value, list) else f"{value:g}"
+        raise named_cost_error(exc) from None
 
 
 def _version() -> str:

@@ -191,7 +191,7 @@ def test_every_cost_field_has_an_option_and_errors_carry_their_field():
     import dataclasses
     import pickle
 
-    from pipesched.cli import COST_FLAGS
+    from pipesched.cli_costs import COST_FLAGS
     from pipesched.cost import CostError, CostModel
 
     assert set(COST_FLAGS) == {f.name for f in dataclasses.fields(CostModel)}
@@ -208,13 +208,14 @@ def test_every_cost_field_has_an_option_and_errors_carry_their_field():
 def test_the_cli_names_the_option_from_the_errors_field_not_its_text(capsys, monkeypatch):
     # the messages here name no field at all: the option can only come from the attributes
     import pipesched.cli as cli
+    import pipesched.cli_costs as cli_costs
     from pipesched.cost import CostError
     from pipesched.errors import ScheduleArgumentError
 
     def bad_cost(**_):
         raise CostError("grad_bytes", "too many bytes")
 
-    monkeypatch.setattr(cli, "CostModel", bad_cost)
+    monkeypatch.setattr(cli_costs, "CostModel", bad_cost)
     code, _, err = run(capsys, "simulate", "1f1b", "-p", "2", "-m", "2")
     assert code == 2 and "error: --grad-bytes: too many bytes" in err
 
