@@ -14,10 +14,10 @@ power-of-two denominator (every float is a binary fraction), so there is no roun
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 from collections.abc import Sequence
 from fractions import Fraction
 
+from .partition_search import evaluate, least_max
 from .partition_v import least_v_load
 from .placement import vshape
 
@@ -242,174 +242,28 @@ def _branch_and_bound(C, M, s2r, limit, max_nodes, ties):
     """Cut positions for several stages per rank, or None when ``limit`` cannot be met. Searches in turn: the
     least per-rank time T (within the limit), the least per-rank memory within T, the least stage time within
     both, then the first cut within all three: lexicographically (``ties="first"``) or in the even-share order
-    (``"even"``, :func:`_ends`)."""
+    (``"even"``, :func:`pipesched.partition_search._ends`)."""
     n, S = len(C) - 1, len(s2r)
     stages = tuple(range(S))
     limits = [] if limit is None else [(M, s2r, limit)]
     seeds = [cut for cut in (_even_cut(n, S), _one_stage_per_rank(C, M, S, None))
-             if all(_evaluate(Q, owners, cut) <= cap for Q, owners, cap in limits)]
+             if all(evaluate(Q, owners, cut) <= cap for Q, owners, cap in limits)]
     p = max(s2r) + 1
     if limit is None and p >= 2 and tuple(s2r) == vshape(p):  # exact in polynomial time (partition_v)
-        cut = least_v_load(C, p, min(_evaluate(C, s2r, c) for c in seeds))[1]
+        cut = least_v_load(C, p, min(evaluate(C, s2r, c) for c in seeds))[1]
     else:
         budget = [max_nodes]
-        cut = _least_max((C, s2r), limits, seeds, budget)
+        cut = least_max((C, s2r), limits, seeds, budget)
         if cut is not None and budget[0] is not None and budget[0] <= 0:  # not proven: another order, from it
-            cut = _least_max((C, s2r), limits, [cut], [max_nodes], order="layers")
+            cut = least_max((C, s2r), limits, [cut], [max_nodes], order="layers")
     if cut is None:
         return None
-    limits = [(C, s2r, _evaluate(C, s2r, cut))] + limits
+    limits = [(C, s2r, evaluate(C, s2r, cut))] + limits
     for objective in ([(M, s2r)] if M[n] else []) + [(C, stages)]:
-        cut = _least_max(objective, limits, [cut], [max_nodes])
-        limits.append((*objective, _evaluate(*objective, cut)))
-    return _least_max((C, s2r), limits, [], [max_nodes], first=True,
+        cut = least_max(objective, limits, [cut], [max_nodes])
+        limits.append((*objective, evaluate(*objective, cut)))
+    return least_max((C, s2r), limits, [], [max_nodes], first=True,
                       order="lexicographic" if ties == "first" else "cost") or cut
-
-
-def _least_max(objective, limits, seeds, budget, first=False, order="cost"):
-    """The cut (positions 0 .. n) whose largest per-owner sum of the objective is least, among cuts whose
-    per-owner sums of each ``(prefix sums, owner of each stage, cap)`` in ``limits`` are <= cap; None if none.
-    ``objective``: ``(prefix sums, owner of each stage)``; ``seeds``: cuts known to meet the limits (the best is
-    the bound to beat); ``first``: the first cut found meeting the limits instead; ``budget``:
-    ``[nodes left]`` (None: no limit); once spent, the best cut found so far; ``order``: :func:`_ends`'s.
-
-    Depth-first over the cut positions, each stage's ends in :func:`_ends`'s order; a partial cut is dropped when an owner exceeds a
-    cap (the objective's cap: the best found minus one, as all numbers are ints), when the owners still to receive
-    stages cannot hold the rest within their caps (by sum, and by count: each holds at most as many of the
-    remaining layers as its cap fits of the smallest ones, and the last stage's owner holds the last layer), or
-    when the same (stage, position, per-owner sums) already failed."""
-    P, s2r_objective = objective
-    quantities = [(P, s2r_objective, None)] + list(limits)
-    n, S = len(P) - 1, len(s2r_objective)
-    caps = [cap for _, _, cap in quantities]
-    best = {"cut": None}
-    for cut in seeds:
-        value = _evaluate(P, s2r_objective, cut)
-        if caps[0] is None or value - 1 < caps[0]:
-            caps[0], best["cut"] = value - 1, list(cut)
-    if first:
-        caps[0] = None
-    owners = [_Owners(s2r) for _, s2r, _ in quantities]
-    items = [_sorted_suffixes(Q) for Q, _, _ in quantities]
-    sums = [[0] * o.count for o in owners]
-    cut, failed = [0], set()
-
-    def fits(k, e) -> bool:
-        for q, (Q, s2r, _) in enumerate(quantities):
-            cap = caps[q]
-            if cap is None:
-                continue
-            active = owners[q].active[k]
-            room = [cap - sums[q][r] for r in active]
-            if Q[n] - Q[e] > sum(room):
-                return False
-            last = active.index(s2r[-1])
-            room[last] -= Q[n] - Q[n - 1]
-            if room[last] < 0:
-                return False
-            if sum(bisect_right(items[q][e], x) - 1 for x in room) < n - 1 - e:
-                return False
-        return True
-
-    def share(k, i):
-        """The objective's cost this stage would take if every owner still to receive stages ended equal."""
-        here, r = owners[0].holding[k], s2r_objective[k]
-        level = P[n] - P[i] + sum(sums[0][o] for o in here)  # x len(here); ints: no float overflow at any scale
-        den = len(here) * owners[0].left[k]
-        return (2 * (level - len(here) * sums[0][r]) + den) // (2 * den), P  # rounded to the nearest int
-
-    def dfs(k, i) -> bool:
-        """True: stop (the first cut found in ``first`` mode, or the budget spent)."""
-        if budget[0] is not None:
-            if budget[0] <= 0:
-                return True
-            budget[0] -= 1
-        key = (k, i, tuple(map(tuple, sums)))
-        if key in failed:
-            return False
-        found, rest = best["cut"], S - k - 1
-        for e in _ends(i, n, rest, order, share(k, i)):
-            new = [sums[q][s2r[k]] + Q[e] - Q[i] for q, (Q, s2r, _) in enumerate(quantities)]
-            if any(cap is not None and x > cap for x, cap in zip(new, caps)):
-                if order == "lexicographic":
-                    break  # a longer stage only adds
-                continue
-            if rest == 0:
-                best["cut"] = cut + [n]
-                if first:
-                    return True
-                caps[0] = _evaluate(P, s2r_objective, best["cut"]) - 1
-                break
-            old = [sums[q][s2r[k]] for q, (_, s2r, _) in enumerate(quantities)]
-            for q, (_, s2r, _) in enumerate(quantities):
-                sums[q][s2r[k]] = new[q]
-            ok = fits(k, e)
-            if ok:
-                cut.append(e)
-                stop = dfs(k + 1, e)
-                cut.pop()
-            for q, (_, s2r, _) in enumerate(quantities):
-                sums[q][s2r[k]] = old[q]
-            if ok and stop:
-                return True
-        if best["cut"] is found:
-            failed.add(key)
-        return False
-
-    dfs(0, 0)
-    return best["cut"]
-
-
-def _ends(i, n, rest, order, share):
-    """The ends to try for a stage starting at layer ``i`` with ``rest`` stages after it. ``order``:
-    ``"lexicographic"``, increasing (the lexicographically first cut first); else good cuts first (the search then
-    ends sooner and, if ``max_nodes`` stops it, has found a balanced one): ``"cost"``, nearest ``share`` = (the
-    objective's cost this stage would take if every owner still to receive stages ended level, prefix sums);
-    ``"layers"``, nearest an even share of the layers left."""
-    if not rest:
-        return (n,)
-    ends = range(i + 1, n - rest + 1)
-    if order == "lexicographic":
-        return ends
-    if order == "layers":
-        target = i + (n - i) / (rest + 1)
-        return sorted(ends, key=lambda e: (abs(e - target), e))
-    cost, P = share
-    return sorted(ends, key=lambda e: (abs(P[e] - P[i] - cost), e))
-
-
-class _Owners:
-    """For a stage-to-owner map: the owner count and, after each stage, the owners that receive a later stage."""
-
-    def __init__(self, s2r):
-        self.count = max(s2r) + 1
-        last = [-1] * self.count
-        for s, r in enumerate(s2r):
-            last[r] = s
-        self.active = [[r for r in range(self.count) if last[r] > k] for k in range(len(s2r))]
-        self.holding = [[r for r in range(self.count) if last[r] >= k] for k in range(len(s2r))]
-        self.left = [sum(1 for t in range(k, len(s2r)) if s2r[t] == s2r[k]) for k in range(len(s2r))]
-
-
-def _sorted_suffixes(Q):
-    """For each start e, the prefix sums of the layers e .. n-2 sorted ascending (the last layer is placed)."""
-    n = len(Q) - 1
-    out = []
-    for e in range(n + 1):
-        values = sorted(Q[j + 1] - Q[j] for j in range(e, n - 1))
-        sums = [0]
-        for v in values:
-            sums.append(sums[-1] + v)
-        out.append(sums)
-    return out
-
-
-def _evaluate(Q, s2r, cut):
-    """The largest per-owner sum of ``Q`` (prefix sums) for the cut positions ``cut``."""
-    loads = [0] * (max(s2r) + 1)
-    for s, (a, b) in enumerate(zip(cut, cut[1:])):
-        loads[s2r[s]] += Q[b] - Q[a]
-    return max(loads)
 
 
 def _even_cut(n, S):
