@@ -212,8 +212,8 @@ def _instr(leaf: TorchAction, cell: _Cell, s2r, dp_size: int, path) -> Instr | N
 
 def torch_rows(program: Program, comms: bool | None = None) -> list[list[str]]:
     """The CSV rows (one list of action strings per rank) :func:`to_torch_csv` writes; see there."""
-    if comms is None:
-        comms = has_comm(program)
+    if comms is None:  # a program on one rank needs no messages: lowered or not, it is what torch runs
+        comms = has_comm(program) or len(set(program.stage_to_rank)) == 1
     if any(i.op is Op.TIE_REDUCE for st in program.ranks for i in st):
         raise ValueError("to_torch_csv: the program has TIE_REDUCE (tied parameters across ranks), which torch's "
                          "pipelining schedules cannot express; write a program without ties")
@@ -265,7 +265,9 @@ def to_torch_csv(program: Program, path, comms: bool | None = None) -> None:
         comms: ``True``: the compute_comms form (F, B, I, W, SEND/RECV, and a REDUCE_GRAD for each stage after
             its last backward: the program's ALL_REDUCE, or where torch's own lowering puts it when
             ``dp_size = 1``); ``False``: the compute_only form (F, B, I, W only); default: compute_comms for a
-            lowered program, compute_only for a compute-only one. The groups in ``meta[OVERLAP_META]`` whose
+            lowered program and for any program on one rank (it has no messages either way, and torch scales the
+            gradients by 1/m only at REDUCE_GRAD: without it, loaded as compute_comms, they come out m times
+            too large), compute_only for a compute-only program on several ranks. The groups in ``meta[OVERLAP_META]`` whose
             instructions are still adjacent are written as ``(..;..)OVERLAP_F_B``.
 
     Warns:

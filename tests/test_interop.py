@@ -179,3 +179,16 @@ def test_cli_show_torch_csv_to_a_path_it_cannot_write_names_the_option(tmp_path,
     assert code == 2 and f"error: --torch-csv {tmp_path / 'no' / 'x.csv'}: cannot write it (No such file" in err
     code, _, err = run(capsys, "show", "1f1b", "-p", "2", "-m", "2", "--torch-csv", tmp_path)
     assert code == 2 and f"error: --torch-csv {tmp_path}: cannot write it (Is a directory)" in err
+
+
+def test_a_program_on_one_rank_is_written_with_its_reduce_grad_by_default(tmp_path):
+    # torch scales the gradients by 1/m only at REDUCE_GRAD: a one-rank file without it, loaded as compute_comms,
+    # trains with m times the gradients. The API's default now writes what the CLI writes
+    for program in (ps.compile_program("1f1b", 1, 3), ps.compile_program("interleaved-1f1b", 1, 2, 2)):
+        rows = torch_rows(program)
+        assert len(rows) == 1 and rows[0][-1] == "0REDUCE_GRAD"
+    assert torch_rows(ps.compile_program("1f1b", 1, 3)) == [["0F0", "0B0", "0F1", "0B1", "0F2", "0B2",
+                                                              "0REDUCE_GRAD"]]
+    assert torch_rows(ps.compile_program("1f1b", 1, 3), comms=False) == [["0F0", "0B0", "0F1", "0B1", "0F2", "0B2"]]
+    # several ranks, compute-only (built, not lowered): still the compute_only form
+    assert "SEND" not in " ".join(torch_rows(ps.build("1f1b", 2, 2))[0])
