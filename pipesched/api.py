@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 from .checks import check_positive
 from .cost import CostModel
-from .errors import ScheduleArgumentError
+from .errors import ScheduleArgumentError, ScheduleError
 from .gcpause import paused_gc
 from .ir import Program
 from .protocol import check_step
@@ -124,7 +124,7 @@ def compile_program(
         program = lower.split_backward(program, _flags("split_backward", split_backward, program.num_stages))
     if recompute is not False:
         program = lower.add_recompute(program, _flags("recompute", recompute, program.num_stages))
-    program = lower.add_all_reduce(lower.add_send_recv(program, check=False), dp_size)  # validated as a whole below
+    program = lower.add_all_reduce(_lowered(program), dp_size)  # validated as a whole below
     if ties:
         try:
             program = lower.add_tie_reduce(program, ties)
@@ -133,6 +133,17 @@ def compile_program(
     if forward_only:
         program = lower.forward_only(program)
     return validate(lower.post_receives_early(program, early_receives))
+
+
+def _lowered(program: Program) -> Program:
+    """:func:`~pipesched.lower.add_send_recv` without validating first (the lowered program is validated); when it
+    fails, the builder's program is validated to name its own fault (a missing or misordered instruction of a
+    user's schedule), not the deadlock the timing ran into."""
+    try:
+        return lower.add_send_recv(program, check=False)
+    except ScheduleError:
+        validate(program)
+        raise
 
 
 class Backend(NamedTuple):

@@ -50,6 +50,11 @@ class ScheduleArgumentError(ScheduleError, ValueError):
         return (type(self), (self.reason, self.argument))
 
 
+class BuilderResultError(ScheduleError, TypeError):
+    """A schedule's builder returned something other than a :class:`~pipesched.ir.Program` (a ``TypeError``, and a
+    ``ScheduleError`` so that front ends report it as one line)."""
+
+
 class InvalidProgramError(ScheduleError):
     """An instruction is malformed for its program: bad stage, wrong rank, wrong peer, missing or duplicated work."""
 

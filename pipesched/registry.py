@@ -31,7 +31,7 @@ from typing import Callable, Mapping
 
 from .checks import check_positive
 from .engine import has_comm
-from .errors import ScheduleArgumentError, UnknownScheduleError
+from .errors import BuilderResultError, ScheduleArgumentError, UnknownScheduleError
 from .ir import Program
 from .schedules import SCHEDULES, ScheduleInfo
 
@@ -46,7 +46,7 @@ def build_checked(name: str, builder: Callable, num_ranks, num_microbatches, vir
 
     Raises:
         ScheduleArgumentError: a size is not a positive integer (names it), or the builder's own.
-        TypeError: the builder returned something other than a :class:`~pipesched.ir.Program`.
+        BuilderResultError (a TypeError): the builder returned something other than a :class:`~pipesched.ir.Program`.
         ScheduleArgumentError: the program has another number of ranks or microbatches than asked for, or
             already has SEND/RECV (a builder returns the compute-only program).
     """
@@ -55,8 +55,9 @@ def build_checked(name: str, builder: Callable, num_ranks, num_microbatches, vir
     v = check_positive("virtual_stages", virtual_stages)
     program = builder(p, m, v)
     if not isinstance(program, Program):
-        raise TypeError(f"schedule {name!r}: its builder {_qualname(builder)} returned {type(program).__name__}, "
-                        f"not a pipesched.Program (it must return the compute-only program)")
+        raise BuilderResultError(f"schedule {name!r}: its builder {_qualname(builder)} returned "
+                                 f"{type(program).__name__}, not a pipesched.Program (it must return the compute-only "
+                                 f"program)")
     sizes = (("num_ranks", program.num_ranks, p), ("num_microbatches", program.num_microbatches, m),
              ("virtual_stages", program.num_stages // max(program.num_ranks, 1), v))
     for what, got, want in sizes:

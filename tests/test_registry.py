@@ -312,3 +312,22 @@ def test_step_programs_of_a_loaded_program_equal_those_of_the_compiled_one(backe
     assert handwritten.learn_train == ps.load(HANDWRITTEN)  # a learning step runs the program as written
     assert handwritten.forward == ps.validate(ps.post_receives_early(ps.forward_only(ps.load(HANDWRITTEN)),
                                                                      handwritten.early_receives))
+
+
+def test_a_users_faulty_builder_is_named_by_the_validator_not_a_deadlock(clean_registry, capsys):
+    from pipesched import Instr, Op, Program
+
+    def missing_last_b(p, m, v):  # the last rank forgets its last backward
+        streams = [[i for mb in range(m) for i in (Instr(Op.F, r, mb), Instr(Op.B, r, mb))] for r in range(p)]
+        streams[-1] = streams[-1][:-1]
+        return Program(streams, stage_to_rank=tuple(range(p)), num_microbatches=m)
+
+    ps.register_schedule("forgets-a-b", missing_last_b, "d")
+    with pytest.raises(ps.ScheduleError, match=r"^rank 1, B1\.1: stage 1, microbatch 1: its backward is missing"):
+        ps.compile_program("forgets-a-b", 2, 2)
+    ps.register_schedule("returns-a-list", lambda p, m, v: [], "d")
+    assert main(["show", "returns-a-list", "-p", "2", "-m", "2"]) == 2  # one line, no traceback
+    assert capsys.readouterr().err == ("error: schedule 'returns-a-list': its builder test_registry.test_a_users_"
+                                       "faulty_builder_is_named_by_the_validator_not_a_deadlock.<locals>.<lambda> "
+                                       "returned list, not a pipesched.Program (it must return the compute-only "
+                                       "program)\n")
