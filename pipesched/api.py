@@ -235,7 +235,14 @@ def step_programs(program: Program, backend: str = "gloo", early_receives: bool 
         done = validate(lower.post_receives_early(part, window))
         return check_step(done, learning=learning, early=window > 0, same_pair_order=pair_order)
 
-    return StepPrograms(train=proven(train, window, False), forward=proven(forward, window, False),
-                        learn_train=proven(train, learn_window, True),
-                        learn_forward=proven(forward, learn_window, True),
-                        early_receives=window)
+    steady = proven(train, window, False), proven(forward, window, False)
+    try:  # only the learning step's receives block (on their shape headers): a failure here is about them
+        learning = proven(train, learn_window, True), proven(forward, learn_window, True)
+    except ScheduleError as exc:
+        raise ScheduleError(
+            f"{exc}. The program is valid, but a step that learns the message shapes waits for each activation's "
+            f"shape header where its receive is posted, and this program posts a receive before a send its peer "
+            f"needs first (e.g. compiled with compile_program(..., early_receives=N)): pass it in program order, "
+            f"without early_receives; the pipeline posts receives early itself once the shapes are known "
+            f"(gloo)") from exc
+    return StepPrograms(*steady, *learning, early_receives=window)

@@ -254,3 +254,13 @@ def test_nccl_needs_one_message_order_per_pair():
     check_step(program, learning=False, early=False, same_pair_order=True)
     with pytest.raises(PairingError, match="ranks 0 and 1 post their messages to each other in different orders"):
         check_step(ps.validate(post_receives_early(program)), learning=False, early=True, same_pair_order=True)
+
+
+def test_a_program_with_early_receives_is_refused_with_what_to_pass_instead():
+    # valid as compiled, but a learning step blocks where each activation receive is posted
+    program = ps.compile_program("1f1b", 2, 4, early_receives=16)
+    with pytest.raises(ps.ScheduleError, match=r"pass it in program order, without early_receives; the pipeline "
+                                               r"posts receives early itself") as info:
+        ps.step_programs(program, "gloo")
+    assert isinstance(info.value.__cause__, ps.DeadlockError)
+    assert ps.step_programs(ps.compile_program("1f1b", 2, 4), "gloo").early_receives > 0  # program order: accepted
