@@ -141,6 +141,8 @@ class Executor:
         loss_post = self.loss_post[key] if inputs.train and self.last not in self.local else None
         if loss_post == -1:
             self._post_loss()
+        if inputs.train and self.ties is not None:
+            self.ties.begin()  # earlier steps' tied gradient counted once per replica (TieReducer.begin)
         parts = inputs.parts if inputs.train else None
         if parts is not None:  # the receives of the other ranks' norm parts, where the protocol puts them
             parts.begin(self.ran.ranks[self.pp_rank], self.programs.early_receives > 0 and not inputs.learning)

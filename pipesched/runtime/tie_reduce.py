@@ -19,12 +19,27 @@ class TieReducer:
             (:func:`~pipesched.runtime.ties.tied_params`).
         groups: {tie number: its process group} for the same ties.
         dp_size: data-parallel replicas (the sum is divided by it).
+        keeps: the tie numbers whose gradient from earlier steps this rank's copies carry into the sum: those where
+            it is the tie's first pipeline rank (so each replica counts it once; see :meth:`begin`).
     """
 
-    def __init__(self, params: dict, groups: dict, dp_size: int) -> None:
+    def __init__(self, params: dict, groups: dict, dp_size: int, keeps=()) -> None:
         self.params, self.groups, self.dp_size = params, groups, dp_size
+        self.keeps = frozenset(keeps)
         self.tied = {id(p) for ps in params.values() for p in ps}
         self.pending: list = []
+
+    def begin(self) -> None:
+        """At a training step's start, before any backward: gradients accumulate across steps (``step()`` twice
+        without ``zero_grad``), and every copy holds the same ``.grad`` G0 from the last sum. The sum must count G0
+        once per replica, not once per copy, so every copy but the tie's first pipeline rank's zeroes its G0 in
+        place (keeping ``.grad`` a tensor: it had a gradient); after the sum every copy holds G0 + this step's sum,
+        as the unsplit model's one parameter would."""
+        for k, params in self.params.items():
+            if k not in self.keeps:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.zero_()
 
     def untied(self, params: dict) -> dict:
         """``params`` ({stage: [parameters]}) without the tied ones (what the data-parallel ALL_REDUCE averages)."""

@@ -172,4 +172,5 @@ def start_ties(layers, ties: Sequence[TiedParameter], program, grid, timeout: fl
     groups = make_tie_groups(program.ties, program.stage_to_rank, grid, timeout, backend_for(device))
     if not groups:
         return groups, None
-    return groups, TieReducer(tied_params(layers, ties, program.ties, grid.pp_rank), groups, grid.dp_size)
+    keeps = {k for k in groups if grid.pp_rank == min(program.stage_to_rank[s] for s in program.ties[k])}
+    return groups, TieReducer(tied_params(layers, ties, program.ties, grid.pp_rank), groups, grid.dp_size, keeps)
