@@ -275,7 +275,7 @@ def _check_save(path, pipe, optimizer, step, extra, rank: int) -> str:
 
 
 def _state_to_save(pipe, optimizer, step, extra, rank: int) -> dict:
-    state: dict = {"model": saved_state(pipe), "rng": {str(rank): rng_state.capture(pipe.device)}}
+    state: dict = {"model": _replica_state(pipe), "rng": {str(rank): rng_state.capture(pipe.device)}}
     if optimizer is not None:
         state["optim"] = flat_state(optimizer, parameter_names(pipe))
     if rank == 0:
@@ -286,6 +286,18 @@ def _state_to_save(pipe, optimizer, step, extra, rank: int) -> dict:
         if tensors:
             state["extra"] = tensors
     return state
+
+
+def _replica_state(pipe) -> dict:
+    """:func:`saved_state`, less the buffers on a replica other than the first: with ``dp_size > 1`` buffers such as
+    BatchNorm's running statistics are each replica's own (its data's), and DCP writes a name several ranks save
+    once, from any of them: a mean from one replica and a variance from another would belong to none. So the
+    checkpoint holds replica 0's buffers, together."""
+    state = saved_state(pipe)
+    if pipe.grid.dp_rank == 0:
+        return state
+    buffers = {b.data_ptr() for module in pipe.stages.values() for b in module.buffers() if b.numel()}
+    return {name: t for name, t in state.items() if not (t.numel() and t.data_ptr() in buffers)}
 
 
 def _commit(temp: str, target: str) -> None:
