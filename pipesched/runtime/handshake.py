@@ -27,6 +27,10 @@ HEAD = 7  # int64 words of a row before the signature
 VERDICT_LEN = SIG_LEN  # int64 words of the verdict on the target (the room for its text it had as a message)
 ROW_LEN = HEAD + SIG_LEN + VERDICT_LEN  # int64 words of each rank's row in the opening all-gather (and clip's)
 OPENING_MARK, CLIP_MARK = 0x5354_4550, 0x434C_4950  # the first word of a step's row, of a clip's row
+TIMELINE_MARK = 0x5449_4D45  # the first word of gather_timeline()'s row (its all-gather of rows before the events)
+#: the call each mark stands for, in errors about ranks in different calls
+CALLS = {OPENING_MARK: "opened the next step (step() or forward())", CLIP_MARK: "are in clip_grad_norm_'s collective",
+         TIMELINE_MARK: "are in gather_timeline()"}
 
 
 def check_rows_meet(heads: list[list[int]], mark: int) -> None:
@@ -39,16 +43,24 @@ def check_rows_meet(heads: list[list[int]], mark: int) -> None:
             calls by rank; every rank that took part sees the same rows, so each raises the same error (the
             Pipeline ends every rank with a ``PipelineError``: some ranks may have clipped their gradients).
     """
+    kinds = sorted({head[0] for head in heads}, key=lambda k: [h[0] for h in heads].index(k))
+    if len(kinds) > 1 and set(kinds) != {OPENING_MARK, CLIP_MARK}:
+        by = "; ".join(f"pipeline ranks {[r for r, h in enumerate(heads) if h[0] == k]} "
+                       f"{CALLS.get(k, 'are in another collective call')}" for k in kinds)
+        raise RuntimeError(f"the pipeline ranks made different collective calls: {by}; every rank of a pipeline "
+                           f"must make the same calls (step, forward, clip_grad_norm_, gather_timeline, checkpoints) "
+                           f"in the same order")
     opening = [r for r, head in enumerate(heads) if head[0] == OPENING_MARK]
     clipping = [r for r, head in enumerate(heads) if head[0] == CLIP_MARK]
     if len(opening) not in (0, len(heads)):
         raise RuntimeError(
             f"clip_grad_norm_: pipeline ranks {clipping} are in clip_grad_norm_'s collective while ranks {opening} "
-            f"opened the next step: the ranks' clip_grad_norm_ calls differed. After a step that anticipated the "
-            f"call (the ranks' norm parts sent at the step's end), a rank whose call differed from the anticipated "
-            f"one (another max_norm or norm_type, or gradients changed since the step, on that rank only) took the "
-            f"collective while the others did not; pass the same arguments on every rank and change gradients "
-            f"between step() and clip_grad_norm_() on every rank alike, or set pipe.anticipate_clip = False")
+            f"opened the next step: the ranks' clip_grad_norm_ calls differed. Call it on every rank alike, after "
+            f"the same step, with the same max_norm and norm_type. With pipe.anticipate_clip = True, a rank whose "
+            f"call differed from the one its last step anticipated (another max_norm or norm_type, or gradients "
+            f"changed since the step on that rank only) also takes the collective while the others do not: change "
+            f"gradients between step() and clip_grad_norm_() on every rank alike, or set "
+            f"pipe.anticipate_clip = False")
     counts = [head[1] for head in heads]
     if len(set(counts)) > 1:
         raise RuntimeError(f"clip_grad_norm_: the pipeline ranks made different numbers of clip_grad_norm_ calls "

@@ -4,11 +4,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from ..ir import Instr
 from ..timeline import Event, Timeline, peak_inflight
 from .failure import CommError
+from .handshake import ROW_LEN, TIMELINE_MARK, check_rows_meet
 
 
 @dataclass
@@ -58,20 +60,24 @@ def local_timeline(record: StepRecord, program, pp_rank: int) -> Timeline:
                     _inflight(program, record.train), peaks, ranks=(pp_rank,))
 
 
-def gather_timeline(record: StepRecord, program, pp_rank: int, group) -> Timeline:
+def gather_timeline(record: StepRecord, program, pp_rank: int, group, device=None) -> Timeline:
     """Every pipeline rank's events of the last step in one timeline (collective over the pipeline group).
 
     Clocks are aligned with each rank's wall-clock time at its step start (exact on one host; across
     hosts as good as their clock synchronisation): time 0 is the earliest rank's start.
 
+    ``device``: where the row of :func:`_meet` goes (the pipeline's device; None: CPU).
+
     Raises:
         CommError: the all-gather failed (a peer is gone, or the timeout passed); the Pipeline turns it into a
             ``PipelineError`` naming the rank that failed first or was lost.
+        RuntimeError: some pipeline ranks are in another collective call (:func:`_meet`).
     """
     mine = (pp_rank, record.wall0, [(str(i), s, e) for i, s, e in record.seconds()], record.peak,
             _message_bytes(record))
     gathered = [None] * program.num_ranks
     try:
+        _meet(group, program.num_ranks, device)  # every rank in gather_timeline(), or an error naming them
         dist.all_gather_object(gathered, mine, group=group)
     except RuntimeError as exc:
         raise CommError("the all-gather of gather_timeline over the pipeline group", exc) from None
@@ -84,6 +90,18 @@ def gather_timeline(record: StepRecord, program, pp_rank: int, group) -> Timelin
         peaks[rank] = float(peak)
     return Timeline(tuple(events), program.num_ranks, "measured", dict(_meta(record, program), message_bytes=sent),
                     _inflight(program, record.train), tuple(peaks))
+
+
+def _meet(group, size: int, device) -> None:
+    """A row shaped as the step opening's and clip's (``ROW_LEN`` int64 words, ``TIMELINE_MARK`` first), so that a
+    rank that is in another pipeline collective meanwhile meets it in an all-gather of the same size and every rank
+    raises one error naming the calls (:func:`~pipesched.runtime.handshake.check_rows_meet`), instead of gloo
+    aborting on two gathers of different sizes."""
+    words = torch.zeros(ROW_LEN, dtype=torch.int64, device=device)
+    words[0] = TIMELINE_MARK
+    rows = [torch.empty_like(words) for _ in range(size)]
+    dist.all_gather(rows, words, group=group)
+    check_rows_meet([row[:2].tolist() for row in rows], TIMELINE_MARK)
 
 
 def _meta(record: StepRecord, program) -> dict:

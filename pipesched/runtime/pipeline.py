@@ -367,7 +367,8 @@ class Pipeline:
         record = self._record(kind)
         if record is None:
             raise RuntimeError(f"gather_timeline(kind={kind!r}) needs a finished {kind}()")
-        return self.run_collective(lambda pp_group, _: gather_timeline(record, self.program, self.pp_rank, pp_group))
+        return self.run_collective(lambda pp_group, _: gather_timeline(record, self.program, self.pp_rank, pp_group,
+                                                                       self.device))
 
     def close(self) -> None:
         """Destroy this pipeline's process groups (collective: call it on every rank); the Pipeline is
