@@ -198,13 +198,27 @@ def load_rank_state_dict(pipe, state_dict, strict: bool = True) -> IncompatibleK
                              needed_by(pipe))
     if problem:
         raise ValueError(problem[1])
+    last = _last_given(state_dict, tie_aliases(pipe), pipe.state_spec)
     with torch.no_grad():
         for name, tensors in plan.items():
             for tensor in tensors:
-                if name in state_dict:
-                    tensor.copy_(state_dict[name])
+                if name in last:
+                    tensor.copy_(state_dict[last[name]])
     return IncompatibleKeys([n for n in plan if n not in state_dict],
                             [n for n in state_dict if n not in pipe.state_spec])
+
+
+def _last_given(state_dict, aliases: dict, spec) -> dict:
+    """Stored name -> the name whose value to load: of a tied parameter's names in ``state_dict``, the last in the
+    model's order (what ``nn.Module.load_state_dict`` leaves in a parameter listed under several names, when a
+    state dict from an untied source gives them different values); else the name itself."""
+    position = {name: i for i, name in enumerate(spec)}
+    chosen = {name: name for name in state_dict}
+    for alias, stored in aliases.items():
+        if alias in state_dict and (stored not in state_dict or
+                                    position.get(alias, -1) >= position.get(chosen.get(stored, stored), -1)):
+            chosen[stored] = alias
+    return chosen
 
 
 def _sample(spec) -> str:
