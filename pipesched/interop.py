@@ -214,6 +214,9 @@ def torch_rows(program: Program, comms: bool | None = None) -> list[list[str]]:
     """The CSV rows (one list of action strings per rank) :func:`to_torch_csv` writes; see there."""
     if comms is None:  # a program on one rank needs no messages: lowered or not, it is what torch runs
         comms = has_comm(program) or len(set(program.stage_to_rank)) == 1
+    if program.forward_only:
+        raise ValueError("to_torch_csv: the program is forward-only; torch's schedule files describe training steps "
+                         "(its reader expects every forward's backward): write the training program")
     if any(i.op is Op.TIE_REDUCE for st in program.ranks for i in st):
         raise ValueError("to_torch_csv: the program has TIE_REDUCE (tied parameters across ranks), which torch's "
                          "pipelining schedules cannot express; write a program without ties")
@@ -274,7 +277,8 @@ def to_torch_csv(program: Program, path, comms: bool | None = None) -> None:
         TorchCsvWarning: ``R`` instructions were dropped (torch has no recompute action).
 
     Raises:
-        ValueError: the program has TIE_REDUCE, or ``comms=True`` for a compute-only program on several ranks.
+        ValueError: the program is forward-only or has TIE_REDUCE, or ``comms=True`` for a compute-only program on
+            several ranks.
         OSError: the file cannot be written.
     """
     rows = torch_rows(program, comms)

@@ -192,3 +192,11 @@ def test_a_program_on_one_rank_is_written_with_its_reduce_grad_by_default(tmp_pa
     assert torch_rows(ps.compile_program("1f1b", 1, 3), comms=False) == [["0F0", "0B0", "0F1", "0B1", "0F2", "0B2"]]
     # several ranks, compute-only (built, not lowered): still the compute_only form
     assert "SEND" not in " ".join(torch_rows(ps.build("1f1b", 2, 2))[0])
+
+
+def test_a_forward_only_program_is_refused_not_written_unloadable(tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"^to_torch_csv: the program is forward-only; torch's schedule files"):
+        to_torch_csv(ps.compile_program("1f1b", 2, 2, forward_only=True), tmp_path / "f.csv")
+    assert not (tmp_path / "f.csv").exists()
+    code = main(["show", "1f1b", "-p", "2", "-m", "2", "--forward-only", "--torch-csv", str(tmp_path / "g.csv")])
+    assert code == 2 and "the program is forward-only" in capsys.readouterr().err

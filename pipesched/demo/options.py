@@ -16,7 +16,9 @@ DESCRIPTION = "Train a small GPT (byte level) across pipeline ranks with pipesch
 def options(argv=None, prog: str | None = None) -> argparse.Namespace:
     """Parse and check the command line; a bad option exits 2 with a message naming it and what is valid."""
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
-    parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved-1f1b (default 1f1b)")
+    parser.add_argument("--schedule", default="1f1b",
+                        help="any schedule name (`pipesched list`: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv, "
+                             "dualpipev, zb-auto, registered ones; default 1f1b)")
     parser.add_argument("--ranks", type=int, default=4, help="pipeline ranks (pipesched demo only; torchrun: "
                         "world size / dp)")
     parser.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default 4)")
