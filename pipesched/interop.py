@@ -212,8 +212,10 @@ def _instr(leaf: TorchAction, cell: _Cell, s2r, dp_size: int, path) -> Instr | N
 
 def torch_rows(program: Program, comms: bool | None = None) -> list[list[str]]:
     """The CSV rows (one list of action strings per rank) :func:`to_torch_csv` writes; see there."""
-    if comms is None:  # a program on one rank needs no messages: lowered or not, it is what torch runs
-        comms = has_comm(program) or len(set(program.stage_to_rank)) == 1
+    if comms is None:  # a program on one rank needs no messages: lowered or not, it is what torch runs, unless it
+        # came from a compute_only file (torch's lowering adds the REDUCE_GRAD when that is loaded)
+        read_as = program.meta.get(TORCH_META, {}).get("form")
+        comms = has_comm(program) or (len(set(program.stage_to_rank)) == 1 and read_as != "compute_only")
     if program.forward_only:
         raise ValueError("to_torch_csv: the program is forward-only; torch's schedule files describe training steps "
                          "(its reader expects every forward's backward): write the training program")
@@ -270,7 +272,8 @@ def to_torch_csv(program: Program, path, comms: bool | None = None) -> None:
             ``dp_size = 1``); ``False``: the compute_only form (F, B, I, W only); default: compute_comms for a
             lowered program and for any program on one rank (it has no messages either way, and torch scales the
             gradients by 1/m only at REDUCE_GRAD: without it, loaded as compute_comms, they come out m times
-            too large), compute_only for a compute-only program on several ranks. The groups in ``meta[OVERLAP_META]`` whose
+            too large) but one read from a compute_only file, compute_only for a compute-only program on several
+            ranks. The groups in ``meta[OVERLAP_META]`` whose
             instructions are still adjacent are written as ``(..;..)OVERLAP_F_B``.
 
     Warns:

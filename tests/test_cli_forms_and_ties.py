@@ -196,8 +196,12 @@ def test_a_torch_overlap_group_survives_our_text_form_back_to_torch(tmp_path):
         program = from_torch_csv(path)
     loaded = ps.loads(ps.to_text(program))
     assert loaded.meta[OVERLAP_META] == ((Instr(Op.F, 0, 1), Instr(Op.B, 1, 0)),)
-    to_torch_csv(loaded, tmp_path / "back.csv")
+    # the text form keeps the overlap group, not where the program was read from: a program on one rank is written
+    # compute_comms (with its REDUCE_GRAD) unless asked otherwise
+    to_torch_csv(loaded, tmp_path / "back.csv", comms=False)
     assert (tmp_path / "back.csv").read_bytes() == path.read_bytes()
+    to_torch_csv(program, tmp_path / "direct.csv")  # read from a compute_only file: written back as one
+    assert (tmp_path / "direct.csv").read_bytes() == path.read_bytes()
 
 
 # ---- 5. a tie on one rank ------------------------------------------------------------------------------------------
