@@ -132,7 +132,8 @@ def simulate_from_args(args: argparse.Namespace):
     Raises:
         ValueError: a bad option; or ``--input-grad``/``--weight-grad`` for a program without I and W, or
             ``--recompute-cost``, ``--input-bytes`` or ``--recompute-bytes`` without ``--recompute``, or
-            ``--tie-bytes`` without ``--ties`` (they would be ignored).
+            ``--tie-bytes`` without ``--ties``, or ``--recompute``/``--grad-bytes`` with ``--forward-only`` (they
+            would be ignored).
     """
     program = program_from_args(args)
     for flag, value, what in (("--recompute-cost", args.recompute_cost, "the cost of R"),
@@ -148,6 +149,12 @@ def simulate_from_args(args: argparse.Namespace):
                     "this program has none" if args.split_backward else "add --split-backward, or drop " + flag)
             raise ValueError(f"{flag} {value} sets the cost of I/W, but this program runs fused B backwards "
                              f"(no I or W); {hint}")
+    if args.forward_only:  # no backward, so no recompute and no gradients to reduce: those options would be ignored
+        given = [flag for flag, value in (("--recompute", args.recompute), ("--grad-bytes", args.grad_bytes))
+                 if value]
+        if given:
+            raise ValueError(f"{' and '.join(given)} with --forward-only: a forward-only program has no backward, "
+                             f"so no recompute and no gradient all-reduce; drop {' and '.join(given)}")
     if args.tie_bytes and not program.ties:
         hint = ("its --ties are each on one rank (no TIE_REDUCE):" if args.ties else
                 f"add --ties (e.g. --ties 0,{program.num_stages - 1}), or")

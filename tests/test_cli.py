@@ -257,3 +257,14 @@ def test_the_cost_line_of_a_picture_names_the_byte_costs_given():
     assert CostModel().describe() == "F=1 B=2"
     line = CostModel(activation_bytes=[100, 0], recompute=0.5, input_bytes=4, latency=0.1).describe()
     assert line == "F=1 B=2 R=0.5 act=[100,0]B input=4B latency=0.1s"
+
+
+def test_options_a_forward_only_program_would_ignore_are_refused(capsys):
+    code, _, err = run(capsys, "simulate", "1f1b", "-p", "2", "-m", "2", "--forward-only", "--dp", "2",
+                       "--grad-bytes", "100")
+    assert code == 2 and err.strip() == ("error: --grad-bytes with --forward-only: a forward-only program has no "
+                                         "backward, so no recompute and no gradient all-reduce; drop --grad-bytes")
+    code, _, err = run(capsys, "simulate", "1f1b", "-p", "2", "-m", "2", "--forward-only", "--recompute")
+    assert code == 2 and "--recompute with --forward-only" in err
+    code, out, _ = run(capsys, "simulate", "1f1b", "-p", "2", "-m", "2", "--forward-only", "--dp", "2")
+    assert code == 0 and "peak in-flight 0" in out
