@@ -58,7 +58,7 @@ def least_max(objective, limits, seeds, budget, first=False, order="cost"):
         here, r = owners[0].holding[k], s2r_objective[k]
         level = P[n] - P[i] + sum(sums[0][o] for o in here)  # x len(here); ints: no float overflow at any scale
         den = len(here) * owners[0].left[k]
-        return (2 * (level - len(here) * sums[0][r]) + den) // (2 * den), P  # rounded to the nearest int
+        return (2 * (level - len(here) * sums[0][r]) + den) // (2 * den)  # rounded to the nearest int
 
     def dfs(k, i) -> bool:
         """True: stop (the first cut found in ``first`` mode, or the budget spent)."""
@@ -70,7 +70,7 @@ def least_max(objective, limits, seeds, budget, first=False, order="cost"):
         if key in failed:
             return False
         found, rest = best["cut"], S - k - 1
-        for e in _ends(i, n, rest, order, share(k, i)):
+        for e in _ends(i, n, rest, order, P, share(k, i) if order == "cost" and rest else None):
             new = [sums[q][s2r[k]] + Q[e] - Q[i] for q, (Q, s2r, _) in enumerate(quantities)]
             if any(cap is not None and x > cap for x, cap in zip(new, caps)):
                 if order == "lexicographic":
@@ -102,11 +102,11 @@ def least_max(objective, limits, seeds, budget, first=False, order="cost"):
     return best["cut"]
 
 
-def _ends(i, n, rest, order, share):
+def _ends(i, n, rest, order, P, share):
     """The ends to try for a stage starting at layer ``i`` with ``rest`` stages after it. ``order``:
     ``"lexicographic"``, increasing (the lexicographically first cut first); else good cuts first (the search then
-    ends sooner and, if ``max_nodes`` stops it, has found a balanced one): ``"cost"``, nearest ``share`` = (the
-    objective's cost this stage would take if every owner still to receive stages ended level, prefix sums);
+    ends sooner and, if ``max_nodes`` stops it, has found a balanced one): ``"cost"``, the stage's cost (prefix
+    sums ``P``) nearest ``share``, what it would take if every owner still to receive stages ended level;
     ``"layers"``, nearest an even share of the layers left."""
     if not rest:
         return (n,)
@@ -116,8 +116,7 @@ def _ends(i, n, rest, order, share):
     if order == "layers":
         target = i + (n - i) / (rest + 1)
         return sorted(ends, key=lambda e: (abs(e - target), e))
-    cost, P = share
-    return sorted(ends, key=lambda e: (abs(P[e] - P[i] - cost), e))
+    return sorted(ends, key=lambda e: (abs(P[e] - P[i] - share), e))
 
 
 class _Owners:

@@ -43,7 +43,7 @@ def check_rows_meet(heads: list[list[int]], mark: int) -> None:
             calls by rank; every rank that took part sees the same rows, so each raises the same error (the
             Pipeline ends every rank with a ``PipelineError``: some ranks may have clipped their gradients).
     """
-    kinds = sorted({head[0] for head in heads}, key=lambda k: [h[0] for h in heads].index(k))
+    kinds = list(dict.fromkeys(head[0] for head in heads))  # the calls, in the order of their first rank
     if len(kinds) > 1 and set(kinds) != {OPENING_MARK, CLIP_MARK}:
         by = "; ".join(f"pipeline ranks {[r for r, h in enumerate(heads) if h[0] == k]} "
                        f"{CALLS.get(k, 'are in another collective call')}" for k in kinds)

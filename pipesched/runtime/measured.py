@@ -11,6 +11,7 @@ from ..ir import Instr
 from ..timeline import Event, Timeline, peak_inflight
 from .failure import CommError
 from .handshake import ROW_LEN, TIMELINE_MARK, check_rows_meet
+from .transport import gather_rows
 
 
 @dataclass
@@ -76,8 +77,8 @@ def gather_timeline(record: StepRecord, program, pp_rank: int, group, device=Non
     mine = (pp_rank, record.wall0, [(str(i), s, e) for i, s, e in record.seconds()], record.peak,
             _message_bytes(record))
     gathered = [None] * program.num_ranks
+    _meet(group, program.num_ranks, device)  # every rank in gather_timeline(), or an error naming them
     try:
-        _meet(group, program.num_ranks, device)  # every rank in gather_timeline(), or an error naming them
         dist.all_gather_object(gathered, mine, group=group)
     except RuntimeError as exc:
         raise CommError("the all-gather of gather_timeline over the pipeline group", exc) from None
@@ -97,11 +98,9 @@ def _meet(group, size: int, device) -> None:
     rank that is in another pipeline collective meanwhile meets it in an all-gather of the same size and every rank
     raises one error naming the calls (:func:`~pipesched.runtime.handshake.check_rows_meet`), instead of gloo
     aborting on two gathers of different sizes."""
-    words = torch.zeros(ROW_LEN, dtype=torch.int64, device=device)
-    words[0] = TIMELINE_MARK
-    rows = [torch.empty_like(words) for _ in range(size)]
-    dist.all_gather(rows, words, group=group)
-    check_rows_meet([row[:2].tolist() for row in rows], TIMELINE_MARK)
+    rows = gather_rows([TIMELINE_MARK] + [0] * (ROW_LEN - 1), group, size, torch.int64, device,
+                       "the all-gather of gather_timeline over the pipeline group")
+    check_rows_meet([row[:2] for row in rows], TIMELINE_MARK)
 
 
 def _meta(record: StepRecord, program) -> dict:

@@ -215,8 +215,7 @@ def _last_given(state_dict, aliases: dict, spec) -> dict:
     position = {name: i for i, name in enumerate(spec)}
     chosen = {name: name for name in state_dict}
     for alias, stored in aliases.items():
-        if alias in state_dict and (stored not in state_dict or
-                                    position.get(alias, -1) >= position.get(chosen.get(stored, stored), -1)):
+        if alias in state_dict and position.get(alias, -1) >= position.get(chosen.get(stored), -1):
             chosen[stored] = alias
     return chosen
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..lower import add_tie_reduce
+from ..ties import tie_ranks
 from ..validate import validate
 from .comm import backend_for
 from .stage import layer_starts
@@ -172,5 +173,5 @@ def start_ties(layers, ties: Sequence[TiedParameter], program, grid, timeout: fl
     groups = make_tie_groups(program.ties, program.stage_to_rank, grid, timeout, backend_for(device))
     if not groups:
         return groups, None
-    keeps = {k for k in groups if grid.pp_rank == min(program.stage_to_rank[s] for s in program.ties[k])}
+    keeps = {k for k in groups if grid.pp_rank == tie_ranks(program, k)[0]}  # TieReducer.begin
     return groups, TieReducer(tied_params(layers, ties, program.ties, grid.pp_rank), groups, grid.dp_size, keeps)
