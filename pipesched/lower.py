@@ -11,11 +11,12 @@ from collections import deque
 from operator import itemgetter
 from typing import NamedTuple
 
+from .checks import as_int
 from .cost import CostModel
 from .deps import ENDS_BACKWARD, route
 from .engine import has_comm
 from .gcpause import paused_gc
-from .ir import BACKWARD_OPS, COMM_OPS, FORWARD_OPS, RECV_OPS, SEND_OPS, Instr, Op, Program
+from .ir import BACKWARD_OPS, COMM_OPS, COMPUTE_OPS, FORWARD_OPS, RECV_OPS, SEND_OPS, Instr, Op, Program
 from .timeline import timeline_order
 from .timing import COST_FIELD, time_instructions
 from . import ties as _ties
@@ -212,8 +213,9 @@ def add_all_reduce(program: Program, dp_size: int) -> Program:
     Raises:
         ValueError: ``dp_size`` is not an integer >= 1, or the program already has ALL_REDUCE.
     """
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise ValueError(f"dp_size must be an integer >= 1, got {dp_size!r}")
+    given, dp_size = dp_size, as_int(dp_size)  # a numpy integer as a plain int; a bool refused
+    if dp_size is None or dp_size < 1:
+        raise ValueError(f"dp_size must be an integer >= 1, got {given!r}")
     if any(i.op is Op.ALL_REDUCE for st in program.ranks for i in st):
         raise ValueError("the program already has ALL_REDUCE instructions")
     if dp_size == 1:
@@ -303,7 +305,9 @@ def post_receives_early(program: Program, window: int = EARLY_RECEIVE_WINDOW) ->
     """Post each receive up to ``window`` instructions earlier, so its transfer overlaps the compute before it.
 
     On each rank, a RECV at position ``i`` moves to just before the instruction at position ``i - window``
-    (to the start of the stream when ``i < window``); the receives keep their order. Where that puts it inside
+    (to the start of the stream when ``i < window``, but never before a first instruction that computes: stage
+    0's rank runs its first forward while the step's opening all-gather is in flight, before any receive may be
+    posted, :mod:`pipesched.runtime.lead`); the receives keep their order. Where that puts it inside
     a run of sends and receives, the run's sends that came before it in ``program`` stay ahead of it: a send
     is on a peer's critical path, a posted receive is not. Nothing but receives moves, and none moves later.
 
@@ -323,8 +327,9 @@ def post_receives_early(program: Program, window: int = EARLY_RECEIVE_WINDOW) ->
     Raises:
         ValueError: ``window`` is not an integer >= 0.
     """
-    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-        raise ValueError(f"window must be an integer >= 0 (instructions a receive moves up), got {window!r}")
+    given, window = window, as_int(window)  # a numpy integer as a plain int; a bool refused
+    if window is None or window < 0:
+        raise ValueError(f"window must be an integer >= 0 (instructions a receive moves up), got {given!r}")
     if window == 0:
         return program
     return program.replace(_receives_early(stream, window) for stream in program.ranks)
@@ -332,8 +337,10 @@ def post_receives_early(program: Program, window: int = EARLY_RECEIVE_WINDOW) ->
 
 def _receives_early(stream, window: int) -> tuple:
     """One rank's stream in :func:`post_receives_early`'s order."""
+    earliest = 1 if stream and stream[0].op in COMPUTE_OPS else 0  # the first computation stays first
+
     def key(pos: int) -> tuple[int, int, int]:
-        return (pos - window, 0, pos) if stream[pos].op in RECV_OPS else (pos, 1, pos)
+        return (max(pos - window, earliest), 0, pos) if stream[pos].op in RECV_OPS else (pos, 1, pos)
 
     out, run = [], []  # run: positions of the current run of sends and receives
     for pos in sorted(range(len(stream)), key=key) + [None]:

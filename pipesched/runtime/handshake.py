@@ -20,7 +20,7 @@ import torch
 
 from .comm import DTYPE_CODE
 from .microbatch import batch_size, split
-from .transport import gather_rows
+from .transport import Gathering, start_gather_rows
 
 SIG_LEN = 64  # int64 words of a step signature
 HEAD = 7  # int64 words of a row before the signature
@@ -130,6 +130,17 @@ class Handshake:
             RuntimeError: some ranks are in ``clip_grad_norm_``'s collective, or made other numbers of clip calls
                 (:func:`check_rows_meet`), on every rank.
         """
+        return self.settle(self.open(x, train, to_device, settings, clip, verdict))
+
+    def open(self, x, train: bool, to_device, settings: int, clip=(0, 0, 0),
+             verdict: TargetVerdict | None = None) -> Opening:
+        """:meth:`signature`'s first half: check and split ``x`` (on stage 0's rank) and post the all-gather of
+        this rank's row; returns at once. Until :meth:`settle` the rank may only compute what it can undo
+        (:meth:`~pipesched.runtime.executor.Executor.lead`): no message of the step may leave before it.
+
+        Raises:
+            CommError: the all-gather could not be posted.
+        """
         first = self.program.stage_to_rank[0]
         m = self.program.num_microbatches
         words, micro, is_tuple = [0] * SIG_LEN, None, False
@@ -141,9 +152,18 @@ class Handshake:
                 micro, is_tuple = split(to_device(x), m, "x")
                 words = encode_signature(train, m, micro, is_tuple)
             except (TypeError, ValueError) as exc:
-                words = encode_text([1, int(train), m], str(exc))
-        rows = self._gather([OPENING_MARK, settings, int(train), int(train and not torch.is_grad_enabled()),
-                             *clip] + words + verdict_words(verdict if train else None))
+                micro, words = None, encode_text([1, int(train), m], str(exc))
+        row = [OPENING_MARK, settings, int(train), int(train and not torch.is_grad_enabled()),
+               *clip] + words + verdict_words(verdict if train else None)
+        gathering = start_gather_rows(row, self.transport.group, self.program.num_ranks, torch.int64, self.device,
+                                      "the step signature")
+        return Opening(gathering, train, micro, is_tuple, verdict)
+
+    def settle(self, opening: Opening):
+        """:meth:`signature`'s second half: wait for :meth:`open`'s all-gather and decide from every row, alike
+        on every rank. Returns and raises as :meth:`signature`."""
+        first = self.program.stage_to_rank[0]
+        rows = opening.gathering.rows()
         check_rows_meet([row[:1] + row[4:5] for row in rows], OPENING_MARK)
         self.clip_words = [row[4:HEAD] for row in rows]
         last_verdict = rows[self.program.stage_to_rank[-1]][HEAD + SIG_LEN:]
@@ -162,14 +182,21 @@ class Handshake:
             raise Rejected(f"step() trains, but pipeline ranks {no_grad} called it with gradients disabled "
                            f"(inside torch.no_grad() or torch.inference_mode()); call step() outside it, or use "
                            f"forward() for evaluation")
-        if train:
-            judge_target(last_verdict, words[3], self.program.stage_to_rank[-1], self.pp_rank, verdict)
-        return StepKey(tuple(words[1:]), tuple(row[0] for row in rows)), micro, is_tuple
+        if opening.train:
+            judge_target(last_verdict, words[3], self.program.stage_to_rank[-1], self.pp_rank, opening.verdict)
+        return StepKey(tuple(words[1:]), tuple(row[0] for row in rows)), opening.micro, opening.is_tuple
 
-    def _gather(self, words: list[int]) -> list[list[int]]:
-        """All-gather one row of int64 ``words`` from every pipeline rank; returns the rows by rank."""
-        return gather_rows(words, self.transport.group, self.program.num_ranks, torch.int64, self.device,
-                           "the step signature")
+
+class Opening(NamedTuple):
+    """A step's opening in flight (:meth:`Handshake.open`): the all-gather of the rows, and what this rank
+    knows already: the kind of call, its microbatches of ``x`` (stage 0's rank, ``None`` elsewhere and where
+    ``x`` was refused) and its verdict on the target."""
+
+    gathering: Gathering
+    train: bool
+    micro: list | None
+    is_tuple: bool
+    verdict: TargetVerdict | None
 
 
 def check_target(target, missing: str, move) -> TargetVerdict:

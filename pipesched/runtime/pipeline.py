@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gc
-import time
 import traceback
 from collections import OrderedDict
 
@@ -423,9 +422,17 @@ class Pipeline:
 
     def _run(self, x, target, train: bool, scale=None):
         verdict = self._targets(target) if train and self.pp_rank == self.program.stage_to_rank[-1] else None
-        key, micro, is_tuple = self._handshake.signature(x, train, lambda batch: _to(batch, self.device),
-                                                         fingerprint(self.stages, self.device, self.autocast),
-                                                         self._norm_parts.opening_words(), verdict)
+        base = cuda_memory_base(self.device)
+        opening = self._handshake.open(x, train, lambda batch: _to(batch, self.device),
+                                       fingerprint(self.stages, self.device, self.autocast),
+                                       self._norm_parts.opening_words(), verdict)
+        lead = None if opening.micro is None else self._executor.lead(train, opening.micro, opening.is_tuple)
+        try:
+            key, micro, is_tuple = self._handshake.settle(opening)
+        except BaseException:
+            if lead is not None:
+                self._executor.undo(lead)  # a refused step leaves no trace of its lead
+            raise
         self._norm_parts.agree(self._handshake.clip_words, train)  # does this step send its norm parts?
         m, total = self.program.num_microbatches, key.batch_size
         sizes = split_sizes(total, m)
@@ -435,14 +442,12 @@ class Pipeline:
         inputs = StepInputs(train, micro, is_tuple, targets, [n / total for n in sizes],
                             {} if learning else metas, learning, scale,
                             self._norm_parts if self._norm_parts.agreed else None)
-        base = cuda_memory_base(self.device)
-        wall0 = time.time()
-        loss, outputs, peak = self._executor.run(inputs)
+        loss, outputs, peak = self._executor.run(inputs, lead)
         self._remember(key, inputs.metas)
         self._learned += learning
         ex = self._executor
         self._records["step" if train else "forward"] = StepRecord(
-            events=ex.events, origin=ex.origin, clock=ex.clock, wall0=wall0, peak=peak,
+            events=ex.events, origin=ex.origin, clock=ex.clock, wall0=ex.wall0, peak=peak,
             allocated=cuda_peak_since(self.device, base), train=train, dp_rank=self.grid.dp_rank, sent=ex.sent)
         if train and self._plan is not None:  # zb-auto without costs=: this first step measured them
             self._adopt_measured_costs()
