@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 from .checks import check_positive
 from .cost import CostModel
-from .errors import ScheduleArgumentError, ScheduleError
+from .errors import PairingError, ScheduleArgumentError, ScheduleError
 from .gcpause import paused_gc
 from .ir import Program
 from .protocol import check_step
@@ -117,8 +117,8 @@ def compile_program(
             ill-formed ``ties`` (``argument="ties"``).
         ScheduleError: the compiled program fails validation (a bug in a schedule or a pass; please report it).
     """
-    check_positive("dp_size", dp_size)
-    check_positive("early_receives", early_receives, 0)
+    dp_size = check_positive("dp_size", dp_size)  # plain ints from here on (a numpy integer is accepted)
+    early_receives = check_positive("early_receives", early_receives, 0)
     program = build(schedule, num_ranks, num_microbatches, virtual_stages, costs=costs, memory_limit=memory_limit)
     if split_backward is not False:
         program = lower.split_backward(program, _flags("split_backward", split_backward, program.num_stages))
@@ -215,7 +215,8 @@ def step_programs(program: Program, backend: str = "gloo", early_receives: bool 
         ValueError: an unknown backend; ``early_receives`` not None or a bool, or ``True`` on a backend that keeps
             program order (``nccl``); ``program`` is forward-only.
         ScheduleError: a program or its step protocol fails its proof (a bug in a schedule or a pass; please
-            report it).
+            report it); a program given with early receives says to pass it in program order instead (gloo: its
+            learning step blocks; nccl: a ``PairingError``, the pair's messages in other orders).
     """
     window = passes_for(backend)["early_receives"]
     if not isinstance(early_receives, (bool, type(None))):
@@ -235,7 +236,17 @@ def step_programs(program: Program, backend: str = "gloo", early_receives: bool 
         done = validate(lower.post_receives_early(part, window))
         return check_step(done, learning=learning, early=window > 0, same_pair_order=pair_order)
 
-    steady = proven(train, window, False), proven(forward, window, False)
+    try:
+        steady = proven(train, window, False), proven(forward, window, False)
+    except PairingError as exc:
+        if not pair_order:
+            raise
+        # on a backend that keeps program order, a receive posted early meets its peer's messages in another order
+        raise type(exc)(
+            f"{exc.reason}. On backend {backend!r} both ranks of a pair post their messages to each other in one "
+            f"order, and this program posts a receive ahead of a message its peer sends first (e.g. compiled with "
+            f"compile_program(..., early_receives=N)): pass it in program order, without early_receives; "
+            f"{backend!r} keeps every message at its program position", exc.rank, exc.instr, exc.grid) from exc
     try:  # only the learning step's receives block (on their shape headers): a failure here is about them
         learning = proven(train, learn_window, True), proven(forward, learn_window, True)
     except ScheduleError as exc:

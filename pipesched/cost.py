@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -91,6 +92,18 @@ class CostModel:
             raise CostError("bandwidth", f"cost bandwidth must be a number of bytes/s > 0 (inf: free transfers), "
                                          f"got {self.bandwidth!r}")
         self._check_recompute_holds_input()
+        self._hold_plain_numbers()
+
+    def _hold_plain_numbers(self) -> None:
+        """A numpy number given (``np.int64(4)``, an array of them) is held as a plain int or float (a sequence
+        holding one as a tuple of them), so that none reaches a timeline, JSON or torch."""
+        for name in _PER_STAGE + ("latency", "bandwidth"):
+            value = getattr(self, name)
+            if _is_number(value):
+                if type(value) not in (int, float):
+                    object.__setattr__(self, name, _plain(value))
+            elif value is not None and any(type(v) not in (int, float) for v in value):
+                object.__setattr__(self, name, tuple(_plain(v) for v in value))
 
     def _check_recompute_holds_input(self) -> None:
         """``recompute_bytes`` includes the stage input, so it cannot be below ``input_bytes`` (both given)."""
@@ -173,7 +186,13 @@ _PER_STAGE = ("forward", "backward", "input_grad", "weight_grad", "recompute", "
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """An int or float, numpy's too (any ``numbers.Integral``), but not a bool."""
+    return isinstance(value, (numbers.Integral, float)) and not isinstance(value, bool)
+
+
+def _plain(value):
+    """A number as a plain ``int`` (an integer) or ``float``."""
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 def _check_finite(name: str, value) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from .checks import check_positive
+from .checks import as_int, check_positive
 from .errors import ScheduleArgumentError, UnknownScheduleError
 from .plan_search import Search
 from .registry import get_schedule
@@ -18,16 +18,19 @@ DEFAULT_SCHEDULES = tuple(name for name in SCHEDULES if name != "zb-auto")
 DEFAULT_VIRTUAL_STAGES = (2, 4)
 
 
-def check_args(profile, world_size, memory_per_rank, global_batch, top, optimizer_states, max_microbatches) -> None:
+def check_args(profile, world_size, memory_per_rank, global_batch, top, optimizer_states, max_microbatches):
+    """``(world_size, memory_per_rank, global_batch, top, optimizer_states, max_microbatches)`` checked, as plain
+    ints and numbers (numpy's are accepted: none reaches a plan or its JSON); the callers use these."""
     from .profile import LayerProfile
 
     if not isinstance(profile, LayerProfile):
         raise TypeError(f"profile must be a pipesched.LayerProfile, got {type(profile).__name__}")
-    check_positive("world_size", world_size)
-    check_positive("global_batch", global_batch)
-    check_positive("top", top)
+    world_size = check_positive("world_size", world_size)
+    global_batch = check_positive("global_batch", global_batch)
+    top = check_positive("top", top)
     if max_microbatches is not None:
-        check_positive("max_microbatches", max_microbatches)
+        max_microbatches = check_positive("max_microbatches", max_microbatches)
+    memory_per_rank, optimizer_states = _plain_number(memory_per_rank), _plain_number(optimizer_states)
     if isinstance(memory_per_rank, bool) or not isinstance(memory_per_rank, (int, float)) \
             or not 0 < memory_per_rank < math.inf:
         raise ScheduleArgumentError(f"memory_per_rank must be a number of bytes > 0, got {memory_per_rank!r}",
@@ -36,6 +39,15 @@ def check_args(profile, world_size, memory_per_rank, global_batch, top, optimize
             or not 0 <= optimizer_states < math.inf:
         raise ScheduleArgumentError(f"optimizer_states must be a number >= 0 (optimizer state bytes per parameter "
                                     f"byte; AdamW: 2), got {optimizer_states!r}", argument="optimizer_states")
+    return world_size, memory_per_rank, global_batch, top, optimizer_states, max_microbatches
+
+
+def _plain_number(value):
+    """A numpy integer as a plain int, a numpy float as a plain float; anything else as it is (checked after)."""
+    number = as_int(value)
+    if number is not None:
+        return number
+    return float(value) if isinstance(value, float) else value
 
 
 def schedule_names(schedules) -> tuple[str, ...]:
@@ -81,11 +93,13 @@ def virtual_stage_choices(value, names: tuple[str, ...], by_default: bool, num_l
     whose pp x v exceeds the layers for every pp (v > layers: pp = 1 is the least)."""
     if value is None:
         return names, DEFAULT_VIRTUAL_STAGES
-    values = (value,) if isinstance(value, int) else value
+    values = (value,) if as_int(value) is not None else value
     try:
         values = tuple(values)
     except TypeError:
         values = ()
+    if not isinstance(value, (str, bytes)) and all(as_int(v) is not None for v in values):
+        values = tuple(map(as_int, values))  # plain ints (numpy's accepted)
     if isinstance(value, (str, bytes)) or not values \
             or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
         raise ScheduleArgumentError(f"virtual_stages must be an integer >= 1 or a non-empty sequence of them "

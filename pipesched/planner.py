@@ -27,7 +27,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-from .checks import check_positive
+from .checks import as_int, check_positive
 from .gcpause import paused_gc
 from .partition import balance_by_time
 from .plan_args import check_args, check_model, nothing_runs, schedule_names, virtual_stage_choices
@@ -210,7 +210,8 @@ def plan(profile, world_size: int, memory_per_rank: float, global_batch: int, sc
             differ).
         PlanError: no configuration fits ``memory_per_rank`` (names the smallest budget that fits and its plan).
     """
-    check_args(profile, world_size, memory_per_rank, global_batch, top, optimizer_states, max_microbatches)
+    world_size, memory_per_rank, global_batch, top, optimizer_states, max_microbatches = check_args(
+        profile, world_size, memory_per_rank, global_batch, top, optimizer_states, max_microbatches)
     check_model(profile, num_layers, layer_names)
     names = schedule_names(schedules)
     names, vs = virtual_stage_choices(virtual_stages, names, schedules is None, profile.num_layers)
@@ -240,9 +241,9 @@ def predict(profile, global_batch: int, schedule: str, pp: int, dp: int = 1, num
             (pp x v) than the profile's layers, sizes the schedule cannot run, a global_batch dp x m does not
             divide, a ``balance`` or ``recompute`` not of pp x v stages, an unknown schedule.
     """
-    check_args(profile, 1, 1.0, global_batch, 1, optimizer_states, None)
-    for name, value in (("pp", pp), ("dp", dp), ("num_microbatches", num_microbatches)):
-        check_positive(name, value)
+    _, _, global_batch, _, optimizer_states, _ = check_args(profile, 1, 1.0, global_batch, 1, optimizer_states, None)
+    pp, dp, num_microbatches = (check_positive(name, value) for name, value in
+                                (("pp", pp), ("dp", dp), ("num_microbatches", num_microbatches)))
     try:
         info = get_schedule(schedule)
     except UnknownScheduleError as exc:
@@ -261,7 +262,7 @@ def predict(profile, global_batch: int, schedule: str, pp: int, dp: int = 1, num
     if shape is None:
         raise ScheduleArgumentError(f"schedule {schedule!r} cannot run pp={pp} with virtual_stages={v}",
                                     argument="virtual_stages" if virtual_stages is not None else "pp")
-    balance = tuple(even(L, S) if balance is None else balance)
+    balance = tuple(b if as_int(b) is None else as_int(b) for b in (even(L, S) if balance is None else balance))
     if len(balance) != S or sum(balance) != L:
         raise ScheduleArgumentError(f"balance={list(balance)} must be pp x virtual_stages = {pp} x {v} = {S} layer "
                                     f"counts summing to the profile's {L} layers", argument="balance")

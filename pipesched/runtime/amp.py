@@ -128,30 +128,74 @@ class GradScaler(torch.amp.GradScaler):
         """torch's unscale and inf/NaN check of this rank's gradients, then the verdict agreed (MAX) over every
         rank of the job, written back into every per-device flag torch reads in ``step`` and ``update``.
 
+        Each rank's count of ``pipe.step(..., scaler=...)`` calls and its scaler's settings ride in the same
+        all-reduce, one slot per world rank, so an error names the ranks.
+
         Raises:
-            ValueError (on every rank): ranks counted different numbers of ``pipe.step(..., scaler=...)`` calls,
-                or none passed this scaler (the gradients were never scaled).
+            ValueError (on every rank): ranks counted different numbers of ``pipe.step(..., scaler=...)`` calls
+                (names the ranks with each count: those that passed it, those that did not), their scalers differ
+                in scale, ``growth_factor``, ``backoff_factor`` or ``growth_interval`` (names the ranks with each
+                value), or none passed this scaler (the gradients were never scaled).
             PipelineError: a rank failed or timed out in the agreement, or torch's own check failed on some rank
                 (e.g. float16 parameters: "Attempting to unscale FP16 gradients"): on every rank, naming that rank,
                 instead of the others waiting for it until the timeout.
         """
         unscale = super()._unscale_grads_
+        grid = self.pipe.grid
+        mine = (self.scaled_steps, self.get_scale(), self._growth_factor, self._backoff_factor, self._growth_interval)
 
         def agree(pp_group, dp_group):  # torch's local check inside: its error ends every rank, not this one only
             per_device = unscale(optimizer, inv_scale, found_inf, allow_fp16)
             local = sum(float(t) for t in per_device.values())  # one flag per device holding gradients (CPU: one)
-            verdict = torch.tensor([local, self.scaled_steps, -self.scaled_steps], dtype=torch.float64,
-                                   device=found_inf.device)
+            verdict = torch.zeros(1 + grid.world_size * len(mine), dtype=torch.float64, device=found_inf.device)
+            verdict[0] = local
+            start = 1 + grid.world_rank * len(mine)  # this rank's slot; the others' stay 0 (MAX keeps each rank's)
+            verdict[start:start + len(mine)] = torch.tensor(mine, dtype=torch.float64)
             return per_device, all_reduce_over(verdict, "max", (pp_group, dp_group))
 
         per_device, verdict = self.pipe.run_collective(agree)
-        found, most, fewest = float(verdict[0]), int(verdict[1]), -int(verdict[2])
-        if most != fewest:
-            raise ValueError(f"scaler: pipe.step(..., scaler=...) got this GradScaler in {fewest} steps on some ranks "
-                             f"of the job and {most} on others; pass it to pipe.step on every rank in every step")
+        found, rows = float(verdict[0]), verdict[1:].view(grid.world_size, len(mine)).tolist()
+        steps = [int(row[0]) for row in rows]
+        if len(set(steps)) > 1:
+            raise ValueError(f"scaler: the ranks passed this GradScaler to pipe.step(..., scaler=...) in different "
+                             f"numbers of steps: {_by_value(steps, grid, _steps)}; pass it to pipe.step on every "
+                             f"rank in every step")
+        for column, (name, fmt) in enumerate(_SETTINGS, start=1):
+            values = [row[column] for row in rows]
+            if len(set(values)) > 1:
+                raise ValueError(f"scaler: the ranks' GradScalers differ in {name}: "
+                                 f"{_by_value(values, grid, fmt)}; build it with the same arguments on every rank"
+                                 + (" and call its update() on every rank after each step" if name == "scale" else ""))
+        most = steps[0]
         if most == 0:
             raise ValueError("scaler: no pipe.step() got this GradScaler, so the gradients were never scaled; call "
                              "pipe.step(x, target=y, scaler=scaler) before scaler.unscale_/step")
         for flag in per_device.values():
             flag.fill_(found)
         return per_device or {found_inf.device: found_inf.fill_(found)}  # a rank without gradients steps alike
+
+
+#: the scaler settings every rank must share, after the step count: (name, how a value is written)
+_SETTINGS = (("scale", "{:g}".format), ("growth_factor", "{:g}".format), ("backoff_factor", "{:g}".format),
+             ("growth_interval", lambda x: str(int(x))))
+
+
+def _steps(count) -> str:
+    return "in no step (scaler=None)" if count == 0 else f"in {count} step{'s' if count != 1 else ''}"
+
+
+def _by_value(values, grid, fmt) -> str:
+    """``values`` (one per world rank) grouped by value, each group's ranks named: by pipeline rank, with the
+    replica when there is data parallelism; e.g. ``in 1 step on pipeline rank 0, in no step (scaler=None) on
+    pipeline rank 1``."""
+    groups: dict = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+
+    def where(ranks) -> str:
+        if grid.dp_size == 1:
+            return f"pipeline rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks)}"
+        return ", ".join(f"pipeline rank {r % grid.pp_size} of replica {r // grid.pp_size} (world rank {r})"
+                         for r in ranks)
+
+    return ", ".join(f"{fmt(value)} on {where(ranks)}" for value, ranks in groups.items())

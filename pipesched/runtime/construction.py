@@ -57,10 +57,10 @@ def local_setup(model, schedule, num_microbatches, loss_fn, virtual_stages, bala
     Raises:
         ValueError, TypeError: as ``Pipeline`` documents, naming the argument.
     """
-    check_positive("num_microbatches", num_microbatches, 1)
-    check_positive("dp_size", dp_size, 1)
+    num_microbatches = check_positive("num_microbatches", num_microbatches, 1)  # plain ints from here on
+    dp_size = check_positive("dp_size", dp_size, 1)
     if virtual_stages is not None:
-        check_positive("virtual_stages", virtual_stages, 1)
+        virtual_stages = check_positive("virtual_stages", virtual_stages, 1)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
     if loss_fn is not None and not callable(loss_fn):

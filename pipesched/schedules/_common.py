@@ -23,7 +23,7 @@ def check_fixed_sizes(name: str, num_ranks, num_microbatches, virtual_stages, pe
     """
     p = check_positive("num_ranks", num_ranks)
     m = check_positive("num_microbatches", num_microbatches)
-    if virtual_stages != per_rank:
+    if isinstance(virtual_stages, bool) or virtual_stages != per_rank:  # True == 1: a bool is not a count
         layout, other = ("one stage per rank", "v > 1") if per_rank == 1 else \
             ("exactly two stages per rank in a V", "other counts")
         raise ScheduleArgumentError(

@@ -110,8 +110,9 @@ def test_a_scaler_must_reach_pipe_step_on_every_rank(results):
                                         "GradScaler(pipe)")
         assert misuse["not a pipe"] == "TypeError: pipe must be a pipesched.runtime.Pipeline, got Sequential"
         assert misuse["one rank"] == (
-            "scaler: pipe.step(..., scaler=...) got this GradScaler in 0 steps on some ranks of the job and 1 on "
-            "others; pass it to pipe.step on every rank in every step")
+            "scaler: the ranks passed this GradScaler to pipe.step(..., scaler=...) in different numbers of steps: "
+            "in 1 step on pipeline rank 0, in no step (scaler=None) on pipeline rank 1; pass it to pipe.step on every "
+            "rank in every step")
         assert misuse["never"] == (
             "scaler: no pipe.step() got this GradScaler, so the gradients were never scaled; call "
             "pipe.step(x, target=y, scaler=scaler) before scaler.unscale_/step")
