@@ -4,7 +4,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipesched.runtime import Pipeline
@@ -12,16 +11,6 @@ from pipesched.runtime import Pipeline
 from rt_cases import mlp
 
 np = pytest.importorskip("numpy")
-
-
-@pytest.fixture
-def no_launcher(monkeypatch):
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    assert not dist.is_initialized()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def test_numpy_sizes_build_the_int_pipeline(no_launcher):

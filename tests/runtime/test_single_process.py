@@ -15,16 +15,6 @@ from pipesched.runtime import Pipeline, SingleProcessWarning
 from rt_cases import mlp
 
 
-@pytest.fixture
-def no_launcher(monkeypatch):
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    assert not dist.is_initialized()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _build():
     return Pipeline(mlp(num_layers=4), schedule="1f1b", num_microbatches=2, loss_fn=F.mse_loss)
 
