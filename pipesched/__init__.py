@@ -5,6 +5,7 @@ This package (everything outside ``pipesched.runtime``) is torch-free and import
 from .api import StepPrograms, build, compile_program, passes_for, step_programs
 from .cost import CostError, CostModel
 from .errors import (
+    BuilderError,
     DeadlockError,
     DependencyError,
     InvalidProgramError,
@@ -30,7 +31,7 @@ from .profile import LayerProfile
 __version__ = "0.1.0"
 
 __all__ = [
-    "CostError", "CostModel", "DeadlockError", "DependencyError", "Event", "Instr", "InvalidProgramError", "Op",
+    "BuilderError", "CostError", "CostModel", "DeadlockError", "DependencyError", "Event", "Instr", "InvalidProgramError", "Op",
     "PairingError", "Program", "ProgramFormatError", "SCHEDULES", "ScheduleArgumentError", "ScheduleError",
     "StepPrograms", "Timeline", "UnknownScheduleError", "add_all_reduce", "add_recompute", "add_send_recv",
     "add_tie_reduce", "build", "REGISTRY", "Registry", "register_schedule", "unregister_schedule",

@@ -11,7 +11,7 @@ from .lower import add_recompute, add_tie_reduce, forward_only, split_backward
 from .cli_costs import add_cost_args, cost_from_args, given_costs, named_cost_error, show_value
 from .cost import CostError
 from .engine import has_comm
-from .errors import DeadlockError, ScheduleArgumentError, ScheduleError, render_grid
+from .errors import DeadlockError, ProgramFormatError, ScheduleArgumentError, ScheduleError, render_grid
 from .ir import Op
 from .registry import REGISTRY
 from .schedules import SCHEDULES
@@ -247,7 +247,13 @@ def _cmd_simulate(args) -> int:
 
 def _cmd_validate(args) -> int:
     try:
-        program = interop_cli.load_for_validate(args)
+        try:
+            program = interop_cli.load_for_validate(args)
+        except UnicodeDecodeError as exc:  # a binary file given as the text or JSON form
+            from .interop import not_text
+
+            raise ProgramFormatError(f"{args.file}: {not_text(exc)}; validate reads pipesched's text or JSON form "
+                                     f"(or a torch CSV with --torch-csv)") from None
         from .validate import validate
 
         validate(program)
@@ -256,7 +262,10 @@ def _cmd_validate(args) -> int:
     except ScheduleError as exc:
         return _report_invalid(args, exc, type(exc).__name__)
     except OSError as exc:
+        decided(2)
         print(f"error: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"error": f"cannot read {args.file}: {exc.strerror}", "exit_status": 2}))
         return 2
     timeline = simulate(program, check=False)
     if args.json:
@@ -284,6 +293,7 @@ def _count(n: int, noun: str) -> str:
 
 
 def _report_invalid(args, exc: ScheduleError, cause: str) -> int:
+    decided(1)
     if args.json:
         print(json.dumps({"valid": False, "cause": cause, "error": type(exc).__name__, "rank": exc.rank,
                           "instruction": None if exc.instr is None else str(exc.instr), "reason": exc.reason}))
@@ -336,25 +346,51 @@ def _add_optional_commands(sub) -> None:
         add_demo_parser(sub)
 
 
+_VERDICT = [0]  # the exit status the running command has decided (see decided)
+
+
+def decided(status: int) -> int:
+    """Record ``status`` as the exit status of the running command before it prints its report, and return it: if
+    the reader of the output goes away meanwhile (``pipesched validate BAD | head -1``: ``BrokenPipeError``),
+    :func:`main` still exits with it, not 0."""
+    _VERDICT[0] = status
+    return status
+
+
 def main(argv=None) -> int:
     parser = make_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "passes_options", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
+    _VERDICT[0] = 0
     try:
-        _import_schedule_modules(getattr(args, "global_schedule_modules", []) + getattr(args, "schedule_modules", []))
-        return args.func(args)
-    except ScheduleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # e.g. `pipesched show ... | head`
-        return 0
+        try:
+            _import_schedule_modules(getattr(args, "global_schedule_modules", []) +
+                                     getattr(args, "schedule_modules", []))
+            return args.func(args)
+        except (ScheduleError, ValueError) as exc:
+            decided(2)
+            print(f"error: {exc}", file=sys.stderr)
+            if getattr(args, "json", False):  # --json: a script reading stdout gets one JSON object either way
+                print(json.dumps({"error": str(exc), "exit_status": 2}))
+            return 2
+    except BrokenPipeError:  # e.g. `pipesched show ... | head`: the verdict already decided, else 0
+        _quiet_broken_pipe()
+        return _VERDICT[0]
     except KeyboardInterrupt:  # Ctrl-C: launch already said "interrupted: stopping N ranks" and stopped them
         return 130
+
+
+def _quiet_broken_pipe() -> None:
+    """Point stdout and stderr at /dev/null, so that flushing them at exit raises no second BrokenPipeError."""
+    import os
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+        except (OSError, ValueError, AttributeError):  # not a real file (captured by a test, closed)
+            pass
 
 
 def _import_schedule_modules(modules) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -162,6 +163,34 @@ class CostModel:
         """Latency plus transfer time of one message of ``nbytes`` bytes."""
         return self.latency + (0.0 if math.isinf(self.bandwidth) else nbytes / self.bandwidth)
 
+    def overflow_error(self, num_stages: int, count: int, seconds: bool = True) -> CostError:
+        """The :class:`CostError` for a simulation whose times (``seconds``) or held bytes (``not seconds``) summed
+        past the largest float: every cost itself finite, ``count`` of them (instructions, or microbatches held)
+        add up to infinity. Names the fields large enough to do that (each value at least ``float max / count``;
+        else the largest), the largest as ``field``."""
+        big = sys.float_info.max
+        given = [n for n in (_SECONDS + ("latency",) if seconds else _HELD) if getattr(self, n) is not None]
+        if seconds and not math.isinf(self.bandwidth):  # a message's seconds: its bytes / bandwidth
+            given += ["activation_bytes", "grad_bytes", "tie_bytes"]
+        if not seconds and self.stash_bytes is None:  # the default stash (and input) is the activation bytes
+            given.append("activation_bytes")
+        largest = {n: max(self.per_stage(n, num_stages), default=0.0) if n != "latency" else float(self.latency)
+                   for n in given}
+        values = {n: v / self.bandwidth if seconds and n.endswith("_bytes") else v for n, v in largest.items()}
+        ranked = sorted(values, key=values.__getitem__, reverse=True)
+        culprits = [n for n in ranked if values[n] * max(count, 1) >= big] or ranked[:1]
+
+        def shown(name: str) -> str:
+            if seconds and name.endswith("_bytes"):
+                return f"{name} = {largest[name]:.3g} B at bandwidth = {self.bandwidth:.3g} B/s"
+            return f"{name} = {values[name]:.3g}" + (" s" if seconds else " B")
+
+        what = "the step's seconds" if seconds else "the activation bytes a rank holds"
+        unit = "instructions" if seconds else "microbatches"
+        return CostError(culprits[0], f"cost {', '.join(culprits)} too large: {what} add up past the largest float "
+                                      f"({big:.3g}) over {count} {unit} ({'; '.join(map(shown, culprits))}); give "
+                                      f"the costs in larger units (the bubble fraction does not depend on the unit)")
+
     def describe(self) -> str:
         """A one-line summary for plot titles: the assumptions a timeline depends on (seconds; bytes given, as
         ``act=...B``)."""
@@ -181,13 +210,16 @@ class CostModel:
         return " ".join(parts)
 
 
+_SECONDS = ("forward", "backward", "input_grad", "weight_grad", "recompute")
+_HELD = ("stash_bytes", "input_bytes", "recompute_bytes")
 _PER_STAGE = ("forward", "backward", "input_grad", "weight_grad", "recompute", "activation_bytes", "grad_bytes",
               "stash_bytes", "input_bytes", "recompute_bytes", "tie_bytes")
 
 
 def _is_number(value) -> bool:
-    """An int or float, numpy's too (any ``numbers.Integral``), but not a bool."""
-    return isinstance(value, (numbers.Integral, float)) and not isinstance(value, bool)
+    """A real number: an int or float, numpy's too (``np.int64``, ``np.float32``: any ``numbers.Real``), but not a
+    bool (held as a plain ``int`` or ``float``, :meth:`CostModel._hold_plain_numbers`)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy's bool_ is no numbers.Real
 
 
 def _plain(value):

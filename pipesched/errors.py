@@ -55,6 +55,11 @@ class BuilderResultError(ScheduleError, TypeError):
     ``ScheduleError`` so that front ends report it as one line)."""
 
 
+class BuilderError(ScheduleError):
+    """A schedule's builder raised (a ``KeyError``, an ``IndexError``, ...): the message names the schedule, the
+    builder and the sizes asked for; the builder's own exception is chained (``__cause__``)."""
+
+
 class InvalidProgramError(ScheduleError):
     """An instruction is malformed for its program: bad stage, wrong rank, wrong peer, missing or duplicated work."""
 
@@ -125,3 +130,9 @@ def _rows_to_show(depth: int, marked, window: int) -> list[int]:
     for pos in marked:
         keep.update(range(max(0, pos - window), min(depth, pos + window + 1)))
     return sorted(keep)
+
+
+def failure_at(cls, program, rank: int, pos: int, reason: str):
+    """A ``cls`` error (a :class:`ScheduleError` subclass) about the instruction at ``pos`` of ``rank``'s stream of
+    ``program``, with the grid and that spot marked."""
+    return cls(reason, rank, program.ranks[rank][pos], render_grid(program.ranks, {rank: pos}))

@@ -30,6 +30,7 @@ from .engine import has_comm
 from .errors import ProgramFormatError
 from .ir import COMM_OPS, OVERLAP_PAIRS, Instr, Op, Program
 from .lower import add_all_reduce
+from .interop_order import torch_runnable
 from .torch_action import COMM_KINDS, COMPUTE_KINDS, FSDP_KINDS, OVERLAP_F_B, REDUCE_GRAD, TorchAction, parse_action
 
 #: ``program.meta`` key of the adjacent instruction groups torch runs as one OVERLAP_F_B: :data:`pipesched.ir.OVERLAP_PAIRS`
@@ -132,6 +133,18 @@ def _dropped_messages(path, dropped: Counter) -> list[str]:
 
 
 def _read_rows(path) -> list[list[_Cell]]:
+    try:
+        return _decode_rows(path)
+    except UnicodeDecodeError as exc:
+        raise ProgramFormatError(f"{path}: {not_text(exc)}; a torch schedule CSV is UTF-8 text") from None
+
+
+def not_text(exc: UnicodeDecodeError) -> str:
+    """What a file that fails to decode is, for a message naming it (``not UTF-8 text: byte 0x8a at offset 0``)."""
+    return f"not UTF-8 text: byte {exc.object[exc.start]:#04x} at offset {exc.start}"
+
+
+def _decode_rows(path) -> list[list[_Cell]]:
     rows = []
     with open(path, newline="") as f:
         reader = csv.reader(f)
@@ -230,6 +243,10 @@ def torch_rows(program: Program, comms: bool | None = None) -> list[list[str]]:
         warnings.warn(f"to_torch_csv: dropped {recomputes} R (recompute) instructions: torch's schedules have no "
                       f"recompute action (a torch stage recomputes inside its module, e.g. torch.utils.checkpoint)",
                       TorchCsvWarning, stacklevel=3)
+    if comms and has_comm(program):
+        program, note = torch_runnable(program)
+        if note is not None:
+            warnings.warn(note, TorchCsvWarning, stacklevel=3)
     streams = program.ranks
     if comms and program.dp_size == 1 and not program.forward_only:
         streams = add_all_reduce(program, 2).ranks  # REDUCE_GRAD where torch's lowering adds it, as ALL_REDUCE
@@ -277,11 +294,14 @@ def to_torch_csv(program: Program, path, comms: bool | None = None) -> None:
             instructions are still adjacent are written as ``(..;..)OVERLAP_F_B``.
 
     Warns:
-        TorchCsvWarning: ``R`` instructions were dropped (torch has no recompute action).
+        TorchCsvWarning: ``R`` instructions were dropped (torch has no recompute action); receives posted early
+            (``compile_program(..., early_receives=N)``), where torch's blocking receives would stall its dry run,
+            were written just before the compute that uses them.
 
     Raises:
         ValueError: the program is forward-only or has TIE_REDUCE, or ``comms=True`` for a compute-only program on
-            several ranks.
+            several ranks, or torch's dry run (a receive blocks where it is posted) stalls on it even with each
+            receive just before its use.
         OSError: the file cannot be written.
     """
     rows = torch_rows(program, comms)

@@ -76,7 +76,10 @@ def load_for_validate(args: argparse.Namespace):
             if args.stage_to_rank is None or "stage_to_rank" not in str(exc):
                 raise
             shown = ",".join(map(str, args.stage_to_rank))
-            raise ValueError(f"--stage-to-rank {shown}: {exc}") from None
+            message = str(exc).replace("from_torch_csv: ", "").replace(  # the API's hint names no option of ours
+                "; pass num_ranks for more", ": one row of actions per rank, so --stage-to-rank names ranks of "
+                                             "those rows only")
+            raise ValueError(f"--stage-to-rank {shown}: {message}") from None
     for warning in caught:
         print(f"note: {warning.message}", file=sys.stderr)
     return program

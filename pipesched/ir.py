@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import numbers
 import re
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -12,7 +13,11 @@ from typing import NamedTuple
 PROOF_ATTR = "_proof"
 #: ``Program.meta`` key of the overlapped pairs: a tuple of ``(F, B)`` instruction pairs (the backward may be an
 #: ``I``), adjacent in their rank's compute-only stream, F first, that an executor may overlap (DualPipe-V; torch's
-#: ``OVERLAP_F_B``); pipesched's executor runs them one after the other. The text and JSON forms carry them
+#: ``OVERLAP_F_B``); pipesched's executor runs them one after the other. The two are of different microbatches (a
+#: backward needs its own microbatch's forward); only messages, collectives and the backward's own ``R`` may sit
+#: between them; an instruction is in at most one pair. :func:`pipesched.validate.validate` refuses a pair that is
+#: not one; the passes of :mod:`pipesched.lower` carry the pairs (a split ``B`` becomes its ``I``; a forward-only
+#: program has none). The text and JSON forms carry them
 #: (:mod:`pipesched.program_io`, header ``overlap_pairs:``); they are not compared (``meta`` is not).
 OVERLAP_PAIRS = "overlap_pairs"
 
@@ -71,7 +76,20 @@ BACKWARD_OPS = frozenset({Op.B, Op.I})  # the ops that consume the output gradie
 FORWARD_OPS = frozenset({Op.F, Op.SEND_F, Op.RECV_F})  # the only kinds a forward-only program runs
 COLLECTIVE_OPS = frozenset({Op.ALL_REDUCE, Op.TIE_REDUCE})  # asynchronous collectives: no microbatch, no peer
 
-_TOKEN = re.compile(r"^(?P<op>[A-Z_]+?)(?P<stage>\d+)(?:\.(?P<mb>\d+))?(?:(?P<dir>[<>])(?P<peer>\d+))?$")
+_TOKEN = re.compile(r"^(?P<op>[A-Z_]+?)(?P<stage>\d+)(?:\.(?P<mb>\d+))?(?:(?P<dir>[<>])(?P<peer>\d+))?$", re.ASCII)
+
+
+_INDEX_TYPES = (int, type(None))
+
+
+def _index(name: str, value) -> int | None:
+    """``value`` as a plain ``int`` (a numpy integer too), or None; ``ValueError`` for a bool, a float (``0.0``),
+    a string or anything else, naming the field: ``F0.False`` or a float index must never reach a program."""
+    if value is None or type(value) is int:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer (or None where the kind takes none), got {value!r}")
+    return int(value)
 
 
 class _Fields(NamedTuple):
@@ -98,8 +116,10 @@ class Instr(_Fields):
     be valid use :meth:`trusted`, which skips the checks of ``Instr(...)``.
 
     Raises:
-        ValueError: ``Instr(...)`` with a negative stage, a missing or negative microbatch, a peer on
-            a non-SEND/RECV (or none on a SEND/RECV), or a microbatch or peer on ``ALL_REDUCE``/``TIE_REDUCE``.
+        ValueError: ``Instr(...)`` with a stage, microbatch or peer that is not an integer (a bool, a float such as
+            ``0.0``, a string; a numpy integer is taken as a plain ``int``), a negative stage, a missing or negative
+            microbatch, a peer on a non-SEND/RECV (or none on a SEND/RECV), or a microbatch or peer on
+            ``ALL_REDUCE``/``TIE_REDUCE``.
     """
 
     __slots__ = ()
@@ -107,6 +127,8 @@ class Instr(_Fields):
     def __new__(cls, op: Op | str, stage: int, microbatch: int | None = None, peer: int | None = None) -> "Instr":
         if not isinstance(op, Op):
             op = Op(op)
+        if type(stage) is not int or type(microbatch) not in _INDEX_TYPES or type(peer) not in _INDEX_TYPES:
+            stage, microbatch, peer = _index("stage", stage), _index("microbatch", microbatch), _index("peer", peer)
         if stage < 0:
             raise ValueError(f"stage must be >= 0, got {stage}")
         if op in COLLECTIVE_OPS:

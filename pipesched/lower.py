@@ -16,7 +16,7 @@ from .cost import CostModel
 from .deps import ENDS_BACKWARD, route
 from .engine import has_comm
 from .gcpause import paused_gc
-from .ir import BACKWARD_OPS, COMM_OPS, COMPUTE_OPS, FORWARD_OPS, RECV_OPS, SEND_OPS, Instr, Op, Program
+from .ir import BACKWARD_OPS, COMM_OPS, COMPUTE_OPS, FORWARD_OPS, OVERLAP_PAIRS, RECV_OPS, SEND_OPS, Instr, Op, Program
 from .timeline import timeline_order
 from .timing import COST_FIELD, time_instructions
 from . import ties as _ties
@@ -31,6 +31,11 @@ def split_backward(program: Program, stages=True) -> Program:
     of work per rank is unchanged; what changes is that the input gradient exists before the weight
     gradient is computed, so :func:`add_send_recv` puts its ``SEND_B`` between ``I`` and ``W`` and the
     previous stage's rank, which waits for it, gets it one ``W`` earlier.
+
+    Overlapped pairs (``meta[OVERLAP_PAIRS]``, DualPipe-V's ``(F, B)``): a pair whose ``B`` is split becomes
+    ``(F, I)``: the ``I`` takes the ``B``'s place right after the ``F``, and it is the half on the critical path
+    (the input gradient the previous stage waits for) that the overlap hides; the ``W`` runs after the pair, as
+    the IR allows (:data:`~pipesched.ir.OVERLAP_PAIRS`). No pair names a ``B`` the result no longer has.
 
     Args:
         program: a compute-only program (no SEND/RECV yet).
@@ -58,7 +63,27 @@ def split_backward(program: Program, stages=True) -> Program:
             else:
                 out.append(instr)
         streams.append(tuple(out))
-    return program.replace(streams)
+    def renamed(instr: Instr) -> Instr:  # a pair's B that was split: its I
+        return Instr.trusted(Op.I, instr.stage, instr.microbatch) if instr.op is Op.B and flags[instr.stage] else instr
+
+    return _pairs_mapped(program.replace(streams), renamed)
+
+
+def _pairs_mapped(program: Program, rename=None, keep=None) -> Program:
+    """``program`` (made by a pass, with its own copy of ``meta``) with its overlapped pairs
+    (``meta[OVERLAP_PAIRS]``) carried through the pass: each instruction renamed by ``rename``, a group dropped
+    unless ``keep`` holds for all its instructions; the key removed when no group is left (as in a program
+    loaded from a file without pairs). Without pairs: ``program`` unchanged."""
+    groups = program.meta.get(OVERLAP_PAIRS)
+    if not groups:
+        return program
+    groups = tuple(tuple(map(rename, g)) if rename else tuple(g) for g in groups
+                   if keep is None or all(map(keep, g)))
+    if groups:
+        program.meta[OVERLAP_PAIRS] = groups
+    else:
+        del program.meta[OVERLAP_PAIRS]
+    return program
 
 
 def add_recompute(program: Program, stages=True) -> Program:
@@ -67,6 +92,8 @@ def add_recompute(program: Program, stages=True) -> Program:
     Args:
         program: a compute-only program (no SEND/RECV yet) without R.
         stages: ``True`` (every stage), ``False`` (none), or one bool per stage.
+    Overlapped pairs (``meta[OVERLAP_PAIRS]``) are kept: the ``R`` before a pair's backward is part of it
+    (:data:`~pipesched.ir.OVERLAP_PAIRS`).
     Memory guarantee: an R sits directly before the backward it serves in its rank's compute order, so
     a rank holds the full activations of at most one recomputed microbatch-stage at a time; the others
     keep only their stage input. When :func:`add_send_recv` then places the gradient's RECV_B, it lands
@@ -287,14 +314,18 @@ def forward_only(program: Program) -> Program:
     keep their order on both sides. So the forward instructions of a complete execution of ``program``, in
     the order they fired there, are a complete execution of the result.
 
+    Overlapped pairs (``meta[OVERLAP_PAIRS]``) are dropped with their backward: the result has none (no
+    ``overlap_pairs`` key), as a forward-only program loaded from its text or JSON form.
+
     Args:
         program: a compute-only or lowered training program; a forward-only one is returned as it is.
     """
     if program.forward_only:
         return program
     streams = tuple(tuple(i for i in stream if i.op in FORWARD_OPS) for stream in program.ranks)
-    return Program(streams, program.stage_to_rank, program.num_microbatches, program.dp_size, program.schedule,
-                   dict(program.meta), forward_only=True, ties=program.ties)
+    result = Program(streams, program.stage_to_rank, program.num_microbatches, program.dp_size, program.schedule,
+                     dict(program.meta), forward_only=True, ties=program.ties)
+    return _pairs_mapped(result, keep=lambda i: i.op in FORWARD_OPS)
 
 
 #: how many instructions earlier :func:`post_receives_early` posts a receive by default

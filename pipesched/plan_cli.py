@@ -71,10 +71,18 @@ def run_plan(args: argparse.Namespace) -> int:
         profile = LayerProfile.load(args.profile)
     except OSError as exc:
         raise ValueError(f"--profile {args.profile}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:  # a binary file
+        from .interop import not_text
+
+        raise ValueError(f"--profile {args.profile}: {not_text(exc)}; a profile is the JSON LayerProfile.save "
+                         f"writes") from None
     try:
         result = plan(profile, args.world_size, memory, args.batch, schedules=args.schedules, top=args.top,
                       optimizer_states=args.optimizer_states, max_microbatches=args.max_microbatches)
     except PlanError as exc:
+        from .cli import decided
+
+        decided(1)  # kept if the reader of the output goes away (BrokenPipeError)
         message = _as_option(str(exc))
         print(f"error: {message}", file=sys.stderr)
         if args.json:  # still one JSON object on stdout for a script: the error and what would fit
@@ -133,4 +141,4 @@ def _as_option(message: str) -> str:
                          ("max_microbatches", "--max-microbatches"), ("optimizer_states", "--optimizer-states"),
                          ("schedules", "--schedules")):
         message = re.sub(rf"\b{name}\b", option, message)
-    return message
+    return re.sub(r"^top\b", "--top", message)  # only as the subject: "top" is also an English word

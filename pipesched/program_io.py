@@ -19,7 +19,10 @@ JSON form::
      "ranks": [[{"op": "F", "stage": 0, "microbatch": 0, "peer": null}, ...], ...]}
 
 ``num_microbatches``, ``stage_to_rank`` and ``ranks`` are required; ``dp_size`` defaults to 1 and
-``schedule`` to ``"custom"``; other keys are ignored. A forward-only program
+``schedule`` to ``"custom"``; other keys are ignored. Both readers are strict about types: an integer field is a
+JSON integer (not ``true``, ``0.0`` or ``"0"``; a list where a list is meant) or, in the text form, ASCII digits;
+in the text form each header line comes once, before the first ``rank N:`` line. Anything else is a
+``ProgramFormatError`` naming the field (``ranks[0][3].microbatch``) or line, the value and what is valid. A forward-only program
 (:attr:`~pipesched.ir.Program.forward_only`) has the header line ``forward_only: true`` and the JSON key
 ``"forward_only": true``; both are left out for a training program (the default). A program with ties
 (:attr:`~pipesched.ir.Program.ties`) has the header line ``ties: 0,3 1,2`` (each tie's stages joined by commas)
@@ -36,11 +39,12 @@ import hashlib
 import json
 import re
 
+from .checks import as_int
 from .errors import ProgramFormatError
-from .ir import OVERLAP_PAIRS, Instr, Program
+from .ir import OVERLAP_PAIRS, Instr, Op, Program
 
 _HEADER_KEYS = ("schedule", "microbatches", "stage_to_rank", "dp_size", "forward_only", "ties", OVERLAP_PAIRS)
-_RANK_LINE = re.compile(r"^rank\s+(\d+)\s*:(.*)$")
+_RANK_LINE = re.compile(r"^rank\s+(\d+)\s*:(.*)$", re.ASCII)
 
 
 def to_text(program: Program) -> str:
@@ -73,8 +77,10 @@ def fingerprint(program: Program) -> int:
 def from_text(text: str) -> Program:
     """Parse the text form. Raises ``ProgramFormatError`` with the line number of the first bad line."""
     header: dict[str, str] = {}
+    header_line: dict[str, int] = {}  # where each header was given
     ranks: dict[int, list[Instr]] = {}
     current: int | None = None
+    first_rank_line: int | None = None
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -85,10 +91,18 @@ def from_text(text: str) -> Program:
                 current = int(rank_match[1])
                 if current in ranks:
                     raise ValueError(f"rank {current} appears twice")
+                first_rank_line = first_rank_line or lineno
                 ranks[current] = [Instr.parse(tok) for tok in rank_match[2].split()]
             elif ":" in line and line.split(":", 1)[0].strip() in _HEADER_KEYS:
                 key, value = (part.strip() for part in line.split(":", 1))
-                header[key] = value
+                if first_rank_line is not None:
+                    also = f"; '{key}' is also given on line {header_line[key]}" if key in header else ""
+                    raise ValueError(f"header '{key}: {value}' after the rank sections (the first 'rank N:' is on "
+                                     f"line {first_rank_line}){also}; the headers come before the first 'rank N:' line")
+                if key in header:  # a second value would silently override the first
+                    raise ValueError(f"header '{key}' given twice (first on line {header_line[key]}); give each "
+                                     f"header once")
+                header[key], header_line[key] = value, lineno
             elif current is not None:
                 ranks[current].extend(Instr.parse(tok) for tok in line.split())
             else:
@@ -114,12 +128,14 @@ def _assemble(header: dict[str, str], ranks: dict[int, list[Instr]]) -> Program:
     try:
         program = Program(
             ranks=tuple(tuple(ranks[r]) for r in range(len(ranks))),
-            stage_to_rank=tuple(int(x) for x in header["stage_to_rank"].split()),
-            num_microbatches=int(header["microbatches"]),
-            dp_size=int(header.get("dp_size", "1")),
+            stage_to_rank=tuple(_text_int("stage_to_rank", x, 0, "one rank number >= 0 per stage, e.g. 0 1 1 0")
+                                for x in header["stage_to_rank"].split()),
+            num_microbatches=_text_int("microbatches", header["microbatches"], 1),
+            dp_size=_text_int("dp_size", header.get("dp_size", "1"), 1),
             schedule=header.get("schedule", "custom"),
             forward_only=_flag(header.get("forward_only", "false")),
-            ties=tuple(tuple(int(s) for s in tie.split(",")) for tie in header.get("ties", "").split()),
+            ties=tuple(tuple(_text_int("ties", s, 0, "groups of stage numbers joined by ',', e.g. 0,3 1,2")
+                             for s in tie.split(",")) for tie in header.get("ties", "").split()),
         )
     except ValueError as exc:
         raise ProgramFormatError(f"bad header value: {exc}") from None
@@ -164,6 +180,17 @@ def _with_groups(program: Program, groups) -> Program:
     return program
 
 
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def _text_int(key: str, text: str, minimum: int, valid: str = "") -> int:
+    """A header's integer: ASCII digits only (no sign, ``_``, point or other script's digits), >= ``minimum``.
+    Raises ``ValueError`` naming the header, the value and what is valid."""
+    if _DIGITS.fullmatch(text) is None or int(text) < minimum:
+        raise ValueError(f"{key}: {text!r} is not an integer >= {minimum}" + (f" ({valid})" if valid else ""))
+    return int(text)
+
+
 def _flag(text: str) -> bool:
     """``true`` or ``false`` (a header value). Raises ``ValueError`` for anything else."""
     if text not in ("true", "false"):
@@ -196,29 +223,85 @@ def _instr_dict(i: Instr) -> dict:
     return {"op": i.op.value, "stage": i.stage, "microbatch": i.microbatch, "peer": i.peer}
 
 
-def _instr_of(d: dict) -> Instr:
-    return Instr(d["op"], d["stage"], d.get("microbatch"), d.get("peer"))
+def _shown(value) -> str:
+    """``value`` as JSON writes it (``true``, ``0.0``, ``"01"``), or its repr if it is not JSON data."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _json_int(where: str, value, minimum: int) -> int:
+    """A JSON integer field as a plain ``int``: an integer (a numpy one too, from :func:`from_json_dict`'s Python
+    callers), not a bool, a float such as ``0.0`` or a string, >= ``minimum``."""
+    number = as_int(value)
+    if number is None or number < minimum:
+        raise ProgramFormatError(f"JSON program: {where} must be an integer >= {minimum}, got {_shown(value)}")
+    return number
+
+
+def _json_list(where: str, value, of: str) -> list:
+    if not isinstance(value, (list, tuple)):
+        raise ProgramFormatError(f"JSON program: {where} must be a list of {of}, got {_shown(value)}")
+    return value
+
+
+def _instr_of(where: str, d) -> Instr:
+    """An instruction object ``{"op": "F", "stage": 0, "microbatch": 0, "peer": null}`` (``microbatch`` and ``peer``
+    may be left out where null)."""
+    if not isinstance(d, dict) or "op" not in d or "stage" not in d:
+        raise ProgramFormatError(f"JSON program: {where} must be an instruction object with at least \"op\" and "
+                                 f"\"stage\", e.g. {{\"op\": \"F\", \"stage\": 0, \"microbatch\": 0, \"peer\": null}}, "
+                                 f"got {_shown(d)}")
+    op = d["op"]
+    if not isinstance(op, str) or op not in Op.__members__:
+        raise ProgramFormatError(f"JSON program: {where}.op must be one of {', '.join(Op.__members__)}, "
+                                 f"got {_shown(op)}")
+    fields = [_json_int(f"{where}.stage", d["stage"], 0)]
+    for name in ("microbatch", "peer"):
+        value = d.get(name)
+        fields.append(None if value is None else _json_int(f"{where}.{name}", value, 0))
+    try:
+        return Instr(op, *fields)
+    except ValueError as exc:
+        raise ProgramFormatError(f"JSON program: {where} {_shown(d)}: {exc}") from None
 
 
 def from_json_dict(data: dict) -> Program:
-    """Build a Program from the JSON form. Raises ``ProgramFormatError`` naming the missing or bad field."""
+    """Build a Program from the JSON form. Raises ``ProgramFormatError`` naming the missing or bad field, its
+    value and what is valid: integers must be JSON integers (not ``true``, ``1.0`` or ``"1"``)."""
+    if not isinstance(data, dict):
+        raise ProgramFormatError(f"a JSON program is an object with the keys ranks, num_microbatches, "
+                                 f"stage_to_rank, got {type(data).__name__}")
     for key in ("ranks", "num_microbatches", "stage_to_rank"):
         if key not in data:
             raise ProgramFormatError(f"JSON program lacks the key {key!r} (needs ranks, num_microbatches, stage_to_rank)")
+    ranks = tuple(tuple(_instr_of(f"ranks[{r}][{k}]", d)
+                        for k, d in enumerate(_json_list(f"ranks[{r}]", stream, "instruction objects")))
+                  for r, stream in enumerate(_json_list("ranks", data["ranks"], "lists (one per rank)")))
+    groups = tuple(tuple(_instr_of(f"{OVERLAP_PAIRS}[{g}][{k}]", d)
+                         for k, d in enumerate(_json_list(f"{OVERLAP_PAIRS}[{g}]", group, "instruction objects")))
+                   for g, group in enumerate(_json_list(OVERLAP_PAIRS, data.get(OVERLAP_PAIRS, []),
+                                                        "groups (lists of instruction objects)")))
+    schedule = data.get("schedule", "custom")
+    if not isinstance(schedule, str):
+        raise ProgramFormatError(f"JSON program: schedule must be a string, got {_shown(schedule)}")
     try:
-        ranks = tuple(tuple(_instr_of(d) for d in stream) for stream in data["ranks"])
-        groups = tuple(tuple(_instr_of(d) for d in group) for group in data.get(OVERLAP_PAIRS, ()))
-        program = Program(
-            ranks=ranks,
-            stage_to_rank=tuple(int(r) for r in data["stage_to_rank"]),
-            num_microbatches=int(data["num_microbatches"]),
-            dp_size=int(data.get("dp_size", 1)),
-            schedule=str(data.get("schedule", "custom")),
-            forward_only=_json_flag(data.get("forward_only", False)),
-            ties=tuple(tuple(int(s) for s in tie) for tie in data.get("ties", ())),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ProgramFormatError(f"bad instruction or field in JSON program: {exc!r}") from None
+        forward_only = _json_flag(data.get("forward_only", False))
+    except TypeError as exc:
+        raise ProgramFormatError(f"JSON program: {exc}") from None
+    program = Program(
+        ranks=ranks,
+        stage_to_rank=tuple(_json_int(f"stage_to_rank[{s}]", r, 0) for s, r in enumerate(
+            _json_list("stage_to_rank", data["stage_to_rank"], "rank numbers (one per stage)"))),
+        num_microbatches=_json_int("num_microbatches", data["num_microbatches"], 1),
+        dp_size=_json_int("dp_size", data.get("dp_size", 1), 1),
+        schedule=schedule,
+        forward_only=forward_only,
+        ties=tuple(tuple(_json_int(f"ties[{t}][{k}]", s, 0) for k, s in enumerate(
+            _json_list(f"ties[{t}]", tie, "stage numbers"))) for t, tie in enumerate(
+            _json_list("ties", data.get("ties", []), "ties (lists of stage numbers)"))),
+    )
     return _with_groups(program, groups)
 
 

@@ -61,7 +61,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .errors import DeadlockError, PairingError, render_grid
-from .ir import RECV_OPS, SEND_OPS, Op, Program
+from .ir import OVERLAP_PAIRS, RECV_OPS, SEND_OPS, Op, Program
 from .validate import validate
 
 
@@ -231,7 +231,9 @@ def learning_view(program: Program) -> Program:
             if instr.op is Op.RECV_F and key in forwards:
                 out.append(forwards[key])
         streams.append(tuple(out))
-    return program.replace(streams)
+    view = program.replace(streams)
+    view.meta.pop(OVERLAP_PAIRS, None)  # a moved F leaves its overlapped pair; the view is for the deadlock proof only
+    return view
 
 
 def check_step(program: Program, learning: bool, early: bool, same_pair_order: bool = False,

@@ -31,7 +31,7 @@ from typing import Callable, Mapping
 
 from .checks import check_positive
 from .engine import has_comm
-from .errors import BuilderResultError, ScheduleArgumentError, UnknownScheduleError
+from .errors import BuilderError, BuilderResultError, ScheduleArgumentError, ScheduleError, UnknownScheduleError
 from .ir import Program
 from .schedules import SCHEDULES, ScheduleInfo
 
@@ -46,6 +46,8 @@ def build_checked(name: str, builder: Callable, num_ranks, num_microbatches, vir
 
     Raises:
         ScheduleArgumentError: a size is not a positive integer (names it), or the builder's own.
+        BuilderError (a ScheduleError): the builder raised something else (names the schedule, its builder and the
+            sizes; the builder's exception is chained).
         BuilderResultError (a TypeError): the builder returned something other than a :class:`~pipesched.ir.Program`.
         ScheduleArgumentError: the program has another number of ranks or microbatches than asked for, or
             already has SEND/RECV (a builder returns the compute-only program).
@@ -53,7 +55,13 @@ def build_checked(name: str, builder: Callable, num_ranks, num_microbatches, vir
     p = check_positive("num_ranks", num_ranks)
     m = check_positive("num_microbatches", num_microbatches)
     v = check_positive("virtual_stages", virtual_stages)
-    program = builder(p, m, v)
+    try:
+        program = builder(p, m, v)
+    except ScheduleError:  # the builder's own ScheduleArgumentError etc. already says what is wrong
+        raise
+    except Exception as exc:  # noqa: BLE001 - any error of the user's builder, named, the original chained
+        raise BuilderError(f"schedule {name!r}: its builder {_qualname(builder)} raised {type(exc).__name__}: "
+                           f"{exc} (asked for num_ranks={p}, num_microbatches={m}, virtual_stages={v})") from exc
     if not isinstance(program, Program):
         raise BuilderResultError(f"schedule {name!r}: its builder {_qualname(builder)} returned "
                                  f"{type(program).__name__}, not a pipesched.Program (it must return the compute-only "

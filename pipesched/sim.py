@@ -9,6 +9,7 @@ bytes.
 """
 from __future__ import annotations
 
+import math
 from itertools import accumulate
 
 from .cost import CostModel
@@ -36,10 +37,16 @@ def simulate(program: Program, cost: CostModel | None = None, check: bool = True
     Raises:
         ScheduleError: the program is invalid (see :func:`pipesched.validate.validate`).
         DeadlockError: the program cannot complete.
-        ValueError: a cost does not fit the program (wrong length, negative).
+        ValueError: a cost does not fit the program (wrong length, negative); CostError (a ValueError): costs so
+            large that the step's seconds or held bytes add up past the largest float (names the fields).
     """
     cost = cost or CostModel()
     plan, starts, ends = time_instructions(program, cost, check)
+    if max(ends, default=0.0) == math.inf:  # finite costs whose sum overflows: never an inf makespan, silently
+        raise cost.overflow_error(program.num_stages, len(ends))
+    peak_bytes = peak_activation_bytes(program, cost)
+    if peak_bytes is not None and max(peak_bytes, default=0.0) == math.inf:
+        raise cost.overflow_error(program.num_stages, program.num_microbatches, seconds=False)
     events = events_from_columns(plan.rank_of(), plan.instrs, starts, ends)
     # a rank's simulated starts never decrease (each instruction starts when its rank is free, or
     # later), so its events are in timeline order unless two that start together have decreasing ends
@@ -60,7 +67,7 @@ def simulate(program: Program, cost: CostModel | None = None, check: bool = True
         source="simulated",
         meta=meta,
         peak_inflight=(0,) * program.num_ranks if program.forward_only else _peak_inflight(plan),  # no_grad
-        peak_activation_bytes=peak_activation_bytes(program, cost),
+        peak_activation_bytes=peak_bytes,
     )
 
 

@@ -22,7 +22,7 @@ every tied stage it holds; no other rank has one; a forward-only program has non
 from __future__ import annotations
 
 from .deps import ENDS_BACKWARD
-from .errors import DependencyError, InvalidProgramError, render_grid
+from .errors import DependencyError, InvalidProgramError, failure_at
 from .ir import Instr, Op, Program
 
 #: the instructions :func:`insert_position` steps over after the anchor's last backward (they do not wait on it)
@@ -143,26 +143,23 @@ def _check_rank(program: Program, rank: int, stream) -> None:
     if program.forward_only or not stages:
         if found:
             why = "a forward-only program" if program.forward_only else f"rank {rank}, which holds no tied stage"
-            raise _fail(InvalidProgramError, program, rank, found[0], f"TIE_REDUCE in {why}")
+            raise failure_at(InvalidProgramError, program, rank, found[0], f"TIE_REDUCE in {why}")
         return
     ties = [program.ties[k] for k in ties_of(program, rank)]
     if not found:
         raise InvalidProgramError(f"rank {rank} holds tied stages {sorted(stages)} (ties {ties}) but has no TIE_REDUCE "
                                   f"to sum their gradients", rank, Instr(Op.TIE_REDUCE, min(stages)))
     if len(found) > 1:
-        raise _fail(InvalidProgramError, program, rank, found[1], f"a second TIE_REDUCE on rank {rank}; one per rank "
+        raise failure_at(InvalidProgramError, program, rank, found[1], f"a second TIE_REDUCE on rank {rank}; one per rank "
                                                                    f"reduces all its ties, in tie order")
     pos, last = found[0], last_backwards(stream, stages)
     late = [s for s, at in sorted(last.items()) if at > pos]
     if late:
-        raise _fail(DependencyError, program, rank, pos, f"comes before the last backward of tied stage {late[0]} "
+        raise failure_at(DependencyError, program, rank, pos, f"comes before the last backward of tied stage {late[0]} "
                                                           f"({stream[last[late[0]]]}); it must follow every "
                                                           f"backward of the rank's tied stages {sorted(stages)}")
     anchor = max(last, key=last.get)
     if stream[pos].stage != anchor:
-        raise _fail(InvalidProgramError, program, rank, pos, f"must name stage {anchor}, the tied stage of rank "
+        raise failure_at(InvalidProgramError, program, rank, pos, f"must name stage {anchor}, the tied stage of rank "
                                                               f"{rank} whose backward ends last")
 
-
-def _fail(cls, program: Program, rank: int, pos: int, reason: str):
-    return cls(reason, rank, program.ranks[rank][pos], render_grid(program.ranks, {rank: pos}))

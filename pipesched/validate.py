@@ -1,16 +1,21 @@
 """Prove a program runnable: well-formed, complete, correctly ordered, send/recv-paired, deadlock-free.
 
-:func:`validate` runs four checks, cheapest first, each linear in the number of instructions:
+:func:`validate` runs five checks, cheapest first, each linear in the number of instructions:
 
-1. structure — every instruction's stage, microbatch and peer fit the program, on the right rank;
-2. completeness — each (stage, microbatch) has one F and one B (or one I and one W), at most one R;
+1. structure — integer sizes and placement; every instruction's stage, microbatch and peer fit the program, on
+   the right rank;
+2. completeness — every instruction at most once (SEND/RECV, ALL_REDUCE and TIE_REDUCE included: a SEND/RECV pair
+   given twice would match itself); each (stage, microbatch) has one F and one B (or one I and one W), at most one R;
    with ``dp_size > 1`` each stage has one ALL_REDUCE; a forward-only program
    (:attr:`~pipesched.ir.Program.forward_only`) has one F each and nothing but F, SEND_F and RECV_F;
    with ties, each rank holding one has one TIE_REDUCE after its tied stages' backwards (:mod:`pipesched.ties`);
 3. order — on each rank, everything an instruction needs (:mod:`pipesched.deps`) comes before it; in a
    lowered program, data from another rank must arrive through an earlier RECV;
 4. pairing and deadlock — between any two ranks the receives are posted in the order the sends are
-   issued, and the rendezvous execution of :mod:`pipesched.engine` completes.
+   issued, and the rendezvous execution of :mod:`pipesched.engine` completes;
+5. overlapped pairs — each pair of ``program.meta[OVERLAP_PAIRS]`` (if any) is what
+   :data:`~pipesched.ir.OVERLAP_PAIRS` says: an F then the B or I of another microbatch, adjacent in one rank's
+   compute order, no instruction in two pairs (checked before the deadlock check).
 
 Each failure raises a :class:`~pipesched.errors.ScheduleError` subclass naming the rank, the instruction,
 the reason, and showing the grid with the spot marked.
@@ -29,11 +34,13 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from . import engine
+from .checks import as_int
 from .deps import REMOTE_KINDS, describe, message, needs, produces, route
-from .errors import DependencyError, InvalidProgramError, PairingError, render_grid
+from .errors import DependencyError, InvalidProgramError, PairingError, failure_at, render_grid
 from .gcpause import paused_gc
 from .ir import COLLECTIVE_OPS, COMM_OPS, FORWARD_OPS, RECV_OPS, SEND_OPS, Instr, Op, Program
 from .ties import check_ties
+from .overlap_check import explain_overlap, overlap_passes
 
 
 @paused_gc()
@@ -41,17 +48,20 @@ def validate(program: Program) -> Program:
     """Check ``program``; return it unchanged if it is valid.
 
     The complete execution that proves it deadlock-free is remembered for the program
-    (:func:`pipesched.engine.remember`), so validating or simulating it again does not repeat it.
+    (:func:`pipesched.engine.remember`), so validating or simulating it again does not repeat it; the overlapped
+    pairs, in ``meta`` (which a caller may change), are checked again if they are not the tuple that passed.
 
     Raises:
         InvalidProgramError: bad sizes, stage, microbatch or peer, instruction on the wrong rank, missing or
-            duplicated work.
+            duplicated work (any instruction given twice), an overlapped pair that is not one.
         DependencyError: an instruction precedes what it needs on its rank.
         PairingError: a send without its receive (or the reverse), or receives out of the sends' order.
         DeadlockError: no rank can progress under rendezvous semantics.
     """
     if engine.proven_run(program) is None:
         engine.remember(program, engine.run(check_static(program)))
+    else:
+        _decide(OVERLAP, program, None)  # meta may have changed since the proof
     return program
 
 
@@ -66,17 +76,17 @@ def check_static(program: Program) -> engine.Plan:
     _decide(TIES, program, plan)  # the ties' TIE_REDUCE: one per rank, after its tied stages' backwards
     check_order(program, plan)
     check_pairing(program, plan)
+    _decide(OVERLAP, program, plan)  # the overlapped pairs of meta[OVERLAP_PAIRS], if any
     return plan
-
-
-def _fail(cls, program: Program, rank: int, pos: int, reason: str):
-    instr = program.ranks[rank][pos]
-    return cls(reason, rank, instr, render_grid(program.ranks, {rank: pos}))
 
 
 def check_structure(program: Program) -> engine.Plan:
     """Sizes, stage/microbatch ranges, placement and peers. Returns the program's plan."""
     p, S, M = program.num_ranks, program.num_stages, program.num_microbatches
+    for name, value in (("num_microbatches", M), ("dp_size", program.dp_size),
+                        *((f"stage_to_rank[{s}]", r) for s, r in enumerate(program.stage_to_rank))):
+        if as_int(value) is None:  # a bool, a float (1.5, 0.0) or a string: never a count or a rank
+            raise InvalidProgramError(f"{name} must be an integer, got {value!r}")
     if p < 1 or S < 1 or M < 1 or program.dp_size < 1:
         raise InvalidProgramError(
             f"a program needs >= 1 rank, stage, microbatch and dp_size; got ranks={p}, stages={S}, "
@@ -133,7 +143,7 @@ def _explain_structure(program: Program) -> None:
             reason = _structure_problem(instr, rank, program.stage_to_rank, program.num_microbatches,
                                         program.dp_size, program.forward_only)
             if reason:
-                raise _fail(InvalidProgramError, program, rank, pos, reason)
+                raise failure_at(InvalidProgramError, program, rank, pos, reason)
 
 
 def _structure_problem(instr: Instr, rank: int, s2r, M: int, dp_size: int,
@@ -171,7 +181,8 @@ def _is_complete(plan: engine.Plan) -> bool:
     nothing twice, S * M forwards are all of them."""
     program, rules = plan.program, plan.rules
     M, cells = program.num_microbatches, program.num_stages * program.num_microbatches
-    work = [t * M + mb for t, mb, peer in zip(plan.rule, plan.mb, plan.peer) if peer is None]
+    # every instruction at most once, SEND/RECV and collectives included (a SEND's peer follows from its stage)
+    work = [t * M + mb for t, mb in zip(plan.rule, plan.mb)]
     if len(set(work)) != len(work):
         return False  # some (op, stage, microbatch) appears twice
     count: Counter = Counter()
@@ -188,14 +199,16 @@ def _is_complete(plan: engine.Plan) -> bool:
 
 
 def _explain_incomplete(program: Program) -> None:
-    """Raise the error :func:`check_complete` reports (if any): the first duplicate, else the first missing work."""
+    """Raise the error :func:`check_complete` reports (if any): the first duplicate (of any kind: a SEND/RECV
+    pair given twice matches itself, so only this check finds it), else the first missing work."""
     counts: Counter = Counter()
     for rank, stream in enumerate(program.ranks):
         for pos, instr in enumerate(stream):
             key = instr.key
             counts[key] += 1
-            if counts[key] > 1 and instr.op not in COMM_OPS:
-                raise _fail(InvalidProgramError, program, rank, pos, f"{instr} appears twice")
+            if counts[key] > 1:
+                raise failure_at(InvalidProgramError, program, rank, pos, f"{instr} appears twice (each instruction "
+                            f"runs at most once)")
     for s in range(program.num_stages):
         for mb in range(program.num_microbatches):
             problem = _missing_work(counts, s, mb, program.forward_only)
@@ -270,7 +283,7 @@ def _explain_order(program: Program) -> None:
                 remote = _made_elsewhere(item, rank, s2r)
                 if item in have or (remote and not lowered):
                     continue
-                raise _fail(DependencyError, program, rank, pos, _order_reason(item, remote, stream, pos))
+                raise failure_at(DependencyError, program, rank, pos, _order_reason(item, remote, stream, pos))
             have.update(produces(instr))
 
 
@@ -331,10 +344,10 @@ def _explain_pairing(program: Program) -> None:
                 )
         if len(out) > len(inn):
             pos = out[len(inn)][0]
-            raise _fail(PairingError, program, src, pos, f"has no matching receive on rank {dst}")
+            raise failure_at(PairingError, program, src, pos, f"has no matching receive on rank {dst}")
         if len(inn) > len(out):
             pos = inn[len(out)][0]
-            raise _fail(PairingError, program, dst, pos, f"has no matching send on rank {src}")
+            raise failure_at(PairingError, program, dst, pos, f"has no matching send on rank {src}")
 
 
 class Check(NamedTuple):
@@ -359,8 +372,11 @@ ORDER = Check("order", _in_order, _explain_order)
 PAIRING = Check("pairing", _paired, _explain_pairing)
 #: :func:`pipesched.ties.check_ties`; decided at once for a program without ties or TIE_REDUCE, else by its scan
 TIES = Check("ties", lambda program, plan: _ties_pass(program, plan), check_ties)
+#: the overlapped pairs (``meta[OVERLAP_PAIRS]``, :data:`pipesched.ir.OVERLAP_PAIRS`); decided at once for a program
+#: without pairs (or with the pairs that passed last), else by one loop over the pairs
+OVERLAP = Check("overlap", lambda program, plan: overlap_passes(program), explain_overlap)
 #: the checks :func:`check_static` runs, in its order (each assumes the ones before it passed)
-CHECKS = (STRUCTURE, COMPLETENESS, TIES, ORDER, PAIRING)
+CHECKS = (STRUCTURE, COMPLETENESS, TIES, ORDER, PAIRING, OVERLAP)
 
 
 def _ties_pass(program: Program, plan: engine.Plan) -> bool:

@@ -48,7 +48,8 @@ def test_send_without_receive():
 rank 0: F0.0 SEND_F0.0>1 SEND_F0.0>1 RECV_B0.0<1 B0.0
 rank 1: RECV_F1.0<0 F1.0 B1.0 SEND_B1.0>0
 """
-    _check(text, PairingError, 0, "SEND_F0.0>1", "has no matching receive on rank 1")
+    # the extra send is a duplicate: every instruction runs at most once (a send needed by no one has no receive)
+    _check(text, InvalidProgramError, 0, "SEND_F0.0>1", "appears twice")
 
 
 def test_swapped_pair_deadlocks():
@@ -257,4 +258,4 @@ def test_fast_and_exact_checks_and_the_engine_agree():
 
     agree()
     # not vacuous: the edits reach every check's failure, deadlocks and valid programs
-    assert seen == {"structure", "completeness", "ties", "order", "pairing", "deadlock", "valid"}
+    assert seen == {"structure", "completeness", "ties", "order", "pairing", "overlap", "deadlock", "valid"}

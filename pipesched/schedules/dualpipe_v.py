@@ -25,9 +25,10 @@ def build_dualpipev(num_ranks: int, num_microbatches: int, virtual_stages: int =
     **Overlapped pairs.** The paper overlaps the forward of one microbatch with the backward of another (the
     computation of one hides the other's communication). Each such pair is two adjacent instructions of the
     compute-only program, the ``F`` first, listed in ``program.meta["overlap_pairs"]`` as ``(F, B)`` instructions
-    (the same values survive lowering; messages may then sit between them). An executor may run a pair's two
-    computations overlapped once both are ready; pipesched's runs them one after the other. ``meta`` is not part
-    of the text or JSON form.
+    (the lowering passes keep them: messages, collectives and the backward's ``R`` may then sit between them,
+    ``split_backward`` makes a split ``B`` its ``I``, ``forward_only`` drops them; :func:`pipesched.validate.validate`
+    checks them). An executor may run a pair's two computations overlapped once both are ready; pipesched's runs
+    them one after the other. The text and JSON forms carry them (``overlap_pairs``).
 
     Any ``m >= 1`` runs (PyTorch's needs ``m >= 2p``): for ``m < 2p`` the order of the microbatches that exist is
     kept (a pair that loses a member is no longer a pair), proven deadlock-free, with a larger bubble.
