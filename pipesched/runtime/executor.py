@@ -7,10 +7,7 @@ instruction; the executor records when each started and ended (a measured
 """
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import torch
 
@@ -20,7 +17,7 @@ from .grad_sum import finish_sum, start_sum
 from .lead import Lead, input_versions, lead_instruction, undoable
 from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, describe_change, grad_specs, meta_of, tag_of
 from .microbatch import as_tuple, stage_output
-from .recompute import BufferLedger, check_no_forward_hooks, keep_nothing, replay_rng, rng_state
+from .recompute import check_no_forward_hooks, keep_nothing, replay_rng, rng_state
 from .settings import SETTINGS
 from .split import SplitPlans, backward_input, backward_weight
 from .stage import call_stage
@@ -29,52 +26,8 @@ from ..api import StepPrograms
 from ..protocol import loss_post_position
 from .reduction import reduced_params
 from .rng_state import capture, restore
-from .transport import Transport, wait
-
-
-class StepInputs:
-    """What one step needs: microbatches (tuples of tensors) for the first stage, targets and loss
-    weights for the last, whether it trains, and the metas of its input signature and settings (filled while
-    learning): ``("in" | "out", stage, mb)``: the meta of that stage's input / output message;
-    ``("in_grad" | "out_grad", stage, mb)``: which of the gradients of that stage's input / output come (a
-    bool per tensor that requires grad)."""
-
-    def __init__(self, train, microbatches, is_tuple, targets, weights, metas, learning, scale=None, parts=None):
-        self.train, self.microbatches, self.is_tuple = train, microbatches, is_tuple
-        self.targets, self.weights, self.metas, self.learning = targets, weights, metas, learning
-        self.scale = scale or (lambda loss: loss)  # the loss a backward starts from (a GradScaler's scale())
-        self.parts = parts  # None, or the NormParts whose norm parts this training step sends (runtime/norm_parts.py)
-
-
-class _Step:
-    """Per-step tensors and pending messages, keyed by (stage, microbatch)."""
-
-    def __init__(self, inputs: StepInputs):
-        self.io = inputs
-        self.inputs, self.fwd_out, self.roots, self.input_grads = {}, {}, {}, {}
-        self.pending, self.recv_event, self.rng, self.held, self.wgrad = {}, {}, {}, {}, {}
-        self.act_sends, self.other_sends, self.reductions = {}, [], []
-        self.losses, self.outputs, self.loss_recv = {}, {}, None
-        self.buffers = BufferLedger()  # the buffers of recomputed stages at each F, for their R
-        self.live = self.peak = 0
-
-
-class RankWork(NamedTuple):
-    """What one rank computes (see :class:`Executor`)."""
-
-    stages: dict  #: {stage: nn.Module} this rank runs
-    loss_fn: Callable | None  #: ``loss_fn(output, target) -> scalar tensor`` on the last stage
-    device: torch.device
-    first_layers: Sequence[int] | None = None  #: per stage, its first layer's index in the model (for errors)
-    autocast: Callable = contextlib.nullcontext  #: () -> the context F, R and the loss run in (runtime.amp)
-
-
-class Links(NamedTuple):
-    """How one rank talks to the others (see :class:`Executor`)."""
-
-    transport: Transport  #: point-to-point messages within this pipeline
-    dp_group: object = None  #: the data-parallel group (``None`` when ``dp_size == 1``)
-    ties: object = None  #: the :class:`~pipesched.runtime.tie_reduce.TieReducer` of TIE_REDUCE, None without ties
+from .step_state import Links, RankWork, StepInputs, StepState
+from .transport import wait
 
 
 class Executor:
@@ -175,7 +128,7 @@ class Executor:
         return loss, st.outputs, st.peak
 
     def _begin(self, inputs: StepInputs) -> None:
-        self.step = _Step(inputs)
+        self.step = StepState(inputs)
         self.events, self.sent = [], {}
         self.origin, self.wall0 = self.clock.mark(), time.time()
 

@@ -46,7 +46,8 @@ from ..ir import Op
 from ..program_io import fingerprint
 from ..timeline import peak_inflight
 from ..user_programs import program_for
-from .executor import Executor, Links, RankWork
+from .executor import Executor
+from .step_state import Links, RankWork
 from .ties import with_ties
 from .transport import gather_rows, wait
 

@@ -16,7 +16,8 @@ from .collective import peer_loss_as_comm_error
 from .agreement import agree, describe, refuse
 from .construction import local_setup
 from .devices import move_to
-from .executor import Executor, Links, RankWork, StepInputs
+from .executor import Executor
+from .step_state import Links, RankWork, StepInputs
 from .handshake import Handshake, Rejected, StepKey, TargetVerdict, check_target, target_microbatches
 from .norm_parts import NormParts
 from .heap import keep_freed_memory
