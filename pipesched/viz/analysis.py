@@ -49,7 +49,8 @@ def bubble_breakdown(timeline: Timeline) -> dict:
     """
     span = timeline.makespan
     held = range(timeline.num_ranks) if timeline.ranks is None else timeline.ranks
-    rows = [_rank_breakdown(timeline, rank) if rank in held else None for rank in range(timeline.num_ranks)]
+    shared = _Shared(timeline)
+    rows = [_split_rank(timeline, rank, shared)[0] if rank in held else None for rank in range(timeline.num_ranks)]
     per_rank = [row for row in rows if row is not None]
     most = max((row["busy"] for row in per_rank), default=0.0)
     for row in per_rank:
@@ -73,7 +74,8 @@ def communication_waits(timeline: Timeline) -> list[list[tuple[float, float, str
     ``kind`` is ``"p2p"`` (a SEND/RECV message in flight) or ``"all-reduce"``; the intervals are those
     :func:`bubble_breakdown` counts as ``communication``, ordered by start.
     """
-    return [_split_rank(timeline, rank)[1] for rank in range(timeline.num_ranks)]
+    shared = _Shared(timeline)
+    return [_split_rank(timeline, rank, shared)[1] for rank in range(timeline.num_ranks)]
 
 
 def starts_after_receives(timeline: Timeline) -> Timeline:
@@ -157,17 +159,33 @@ class MessageFlights:
         return [max(0.0, landed - start) for (_, item), (start, landed) in self.windows.items() if item in self.sent]
 
 
-def _split_rank(timeline: Timeline, rank: int) -> tuple[dict, list]:
+class _Shared:
+    """What every rank's :func:`_split_rank` reads, computed once per timeline (not once per rank: a
+    p=64, m=256 timeline has ~10^5 events): its bounds, message flights, compute events and reduces per rank."""
+
+    def __init__(self, timeline: Timeline) -> None:
+        self.bounds = _bounds(timeline)
+        self.flights = MessageFlights(timeline)
+        self.computes: dict[int, list[Event]] = {}
+        self.reduces: dict[int, list[tuple[float, float]]] = {}
+        for e in timeline.events:  # in timeline order, as compute_events(timeline, rank) keeps them
+            if e.instr.op in COMPUTE_OPS:
+                self.computes.setdefault(e.rank, []).append(e)
+            elif e.instr.op in (Op.ALL_REDUCE, Op.TIE_REDUCE):
+                self.reduces.setdefault(e.rank, []).append((e.start, e.end))
+
+
+def _split_rank(timeline: Timeline, rank: int, shared: _Shared | None = None) -> tuple[dict, list]:
     """Idle of one rank: seconds per category and the communication-wait intervals."""
-    t0, t1 = _bounds(timeline)
-    computes = compute_events(timeline, rank)
+    shared = shared or _Shared(timeline)
+    t0, t1 = shared.bounds
+    computes = shared.computes.get(rank, [])
     busy = _merge((e.start, e.end) for e in computes)
     starts = {}
     for e in computes:
         starts.setdefault(e.start, e)
-    flights = MessageFlights(timeline)
-    reduces = [(e.start, e.end) for e in timeline.events
-               if e.rank == rank and e.instr.op in (Op.ALL_REDUCE, Op.TIE_REDUCE)]
+    flights = shared.flights
+    reduces = shared.reduces.get(rank, [])
     backward_starts = [e.start for e in computes if e.instr.op in BACKWARD_OPS]
     warm_end = min(backward_starts) if backward_starts else t1
     forward_ends = [e.end for e in computes if e.instr.op is Op.F]
@@ -215,7 +233,3 @@ def _subtract(a: float, b: float, holes) -> list[tuple[float, float]]:
 
 def _length(lo: float, hi: float, c: float, d: float) -> float:
     return max(0.0, min(hi, d) - max(lo, c))
-
-
-def _rank_breakdown(timeline: Timeline, rank: int) -> dict:
-    return _split_rank(timeline, rank)[0]

@@ -54,6 +54,9 @@ def run_render(args: argparse.Namespace) -> int:
     try:
         return _render(args)
     except (ScheduleError, ValueError, KeyError, OSError) as exc:
+        from ..cli import decided
+
+        decided(2)  # kept if stderr's reader goes away (BrokenPipeError)
         message = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.strerror else exc
         print(f"error: render: {message}", file=sys.stderr)
         return 2
@@ -79,6 +82,12 @@ def _render(args: argparse.Namespace) -> int:
         _write(out, lambda: save_chrome_trace(timeline, out))
         print(f"wrote {out}: Chrome trace, {len(timeline.events)} events on {timeline.num_ranks} ranks")
         return 0
+    from ..ir import COMPUTE_OPS
+    from .gantt import PATCH_LIMIT
+
+    boxes = sum(e.instr.op in COMPUTE_OPS for e in timeline.events)
+    if boxes >= PATCH_LIMIT:  # drawn as collections, not a patch per box: a few seconds for 10^5 boxes
+        print(f"rendering {boxes} boxes on {timeline.num_ranks} ranks...", file=sys.stderr, flush=True)
     if args.compare:
         from .compare import plot_comparison, predict_for
 

@@ -10,6 +10,7 @@ ROW_IN = 0.42  # inches per rank row
 LABEL_PT = 6.5  # microbatch number font size
 MARGINS_IN = {"left": 0.75, "right": 1.45, "top": 0.75, "bottom": 0.95}
 SEP = "  ·  "
+PATCH_LIMIT = 2000  # fewer compute boxes: one Rectangle (with a gid) per box; this many or more: collections
 
 
 def plot_timeline(timeline: Timeline, ax=None, title: str | None = None):
@@ -79,15 +80,23 @@ def axes_width_in(timeline: Timeline) -> float:
 
 
 def draw_rows(ax, timeline: Timeline, offset: float = 0.0, height: float = 0.8, labels: bool = True,
-              tag: str = "", factor: float | None = None) -> int:
+              tag: str = "", factor: float | None = None, per_box: bool | None = None) -> int:
     """Draw idle bands, communication waits, compute boxes and all-reduces; return the boxes drawn.
 
-    Row ``r`` is centred at ``y = r + offset`` with boxes ``height`` tall (data units). Every compute box
-    is a ``Rectangle`` whose gid is ``"{tag}compute:{rank}:{instr}"``. ``factor`` converts seconds to
-    the x unit (default: the unit :func:`~pipesched.viz.style.time_unit` picks for the makespan).
+    Row ``r`` is centred at ``y = r + offset`` with boxes ``height`` tall (data units). With fewer than
+    :data:`PATCH_LIMIT` compute boxes (or ``per_box=True``) every compute box is a ``Rectangle`` whose
+    gid is ``"{tag}compute:{rank}:{instr}"`` (waits ``"{tag}wait:{rank}"``, all-reduces
+    ``"{tag}allreduce:{rank}:{instr}"``); with more (or ``per_box=False``) the same boxes, in the same
+    places, colours and styles, are drawn as collections: gid ``"{tag}compute-boxes:{i}"`` (fill and
+    edge, a path per box) and ``"{tag}compute-hatch:{i}.{j}"`` (a hatch over the boxes that have it;
+    ``wait-``, ``allreduce-`` alike; see :class:`_Shapes`). A patch costs about 1 ms to add and draw, a
+    box in a collection microseconds. ``factor`` converts seconds to the x unit (default: the unit
+    :func:`~pipesched.viz.style.time_unit` picks for the makespan).
     """
     from matplotlib.patches import Rectangle
 
+    events = compute_events(timeline)
+    shapes = _Shapes(ax, len(events) < PATCH_LIMIT if per_box is None else per_box, tag)
     t0 = min(e.start for e in timeline.events)
     t1 = t0 + timeline.makespan
     if factor is None:
@@ -101,21 +110,21 @@ def draw_rows(ax, timeline: Timeline, offset: float = 0.0, height: float = 0.8, 
     for rank, waits in enumerate(communication_waits(timeline)):
         for start, end, kind in waits:
             if kind == "p2p":
-                ax.add_patch(Rectangle(((start - t0) * factor, rank + offset - half), (end - start) * factor,
-                                       height, facecolor=style.COMM_WAIT_FILL, edgecolor=style.COMM_WAIT,
-                                       hatch="xxxx", linewidth=0, zorder=1, gid=f"{tag}wait:{rank}"))
+                shapes.add("wait", (start - t0) * factor, rank + offset - half, (end - start) * factor,
+                           height, facecolor=style.COMM_WAIT_FILL, edgecolor=style.COMM_WAIT,
+                           hatch="xxxx", linewidth=0, zorder=1, gid=f"wait:{rank}")
     chunks = stage_chunks(timeline)
     counts = _chunk_counts(chunks)
     points_per_unit = _points_per_data_unit(ax, timeline.makespan * factor)
     drawn = 0
-    for event in compute_events(timeline):
+    for event in events:
         instr, rank = event.instr, event.rank
         chunk = chunks[(rank, instr.stage)]
         x, w = (event.start - t0) * factor, event.duration * factor
-        ax.add_patch(Rectangle((x, rank + offset - half), w, height,
-                               facecolor=style.chunk_colour(instr.op, chunk, counts[rank]),
-                               hatch=style.chunk_hatch(chunk), edgecolor="white", linewidth=0.4,
-                               zorder=2, gid=f"{tag}compute:{rank}:{instr}"))
+        shapes.add("compute", x, rank + offset - half, w, height,
+                   facecolor=style.chunk_colour(instr.op, chunk, counts[rank]),
+                   hatch=style.chunk_hatch(chunk), edgecolor="white", linewidth=0.4,
+                   zorder=2, gid=f"compute:{rank}:{instr}")
         drawn += 1
         text = str(instr.microbatch)
         if labels and w * points_per_unit >= len(text) * 0.62 * LABEL_PT + 2.5:
@@ -124,13 +133,90 @@ def draw_rows(ax, timeline: Timeline, offset: float = 0.0, height: float = 0.8, 
     for event in timeline.events:
         if event.instr.op in (Op.ALL_REDUCE, Op.TIE_REDUCE):
             y = event.rank + offset + half
-            ax.add_patch(Rectangle(((event.start - t0) * factor, y - 0.14 * height),
-                                   max(event.duration, 0) * factor, 0.14 * height,
-                                   facecolor=getattr(style, event.instr.op.name),
-                                   edgecolor="none", zorder=4, gid=f"{tag}allreduce:{event.rank}:{event.instr}"))
+            shapes.add("allreduce", (event.start - t0) * factor, y - 0.14 * height,
+                       max(event.duration, 0) * factor, 0.14 * height,
+                       facecolor=getattr(style, event.instr.op.name),
+                       edgecolor="none", zorder=4, gid=f"allreduce:{event.rank}:{event.instr}")
+    shapes.flush()
     lo, hi = ax.get_xlim() if ax.get_autoscalex_on() is False else (0.0, 0.0)
     ax.set_xlim(min(lo, -0.01 * (t1 - t0) * factor), max(hi, (t1 - t0) * factor * 1.01))
     return drawn
+
+
+class _Shapes:
+    """Rectangles for :func:`draw_rows`: each added as its own patch (``per_box``), or kept by kind and style
+    and added by :meth:`flush` as collections that draw what the boxes' rectangles would:
+
+    - one ``PolyCollection`` per kind and style but the face colour and hatch: fill and edge of every
+      box, a face colour per box, in the order added (where boxes touch, the later one's fill covers the
+      earlier's edge, as with patches), gid ``"{tag}{kind}-boxes:{i}"``;
+    - for each hatch, a collection of one path holding all boxes with that hatch, drawn over them: the
+      hatch only (no fill, an invisible edge of the boxes' width, so that it snaps to the pixels they
+      do), gid ``"{tag}{kind}-hatch:{i}.{j}"``. Agg renders the hatch pattern once per path, about 0.5 ms:
+      hatching each box of a collection on its own would cost what the patches did.
+    """
+
+    def __init__(self, ax, per_box: bool, tag: str):
+        self.ax, self.per_box, self.tag = ax, per_box, tag
+        self.groups: dict[tuple, tuple[list, list, list]] = {}  # style -> (boxes, face colours, hatches)
+
+    def add(self, kind: str, x: float, y: float, w: float, h: float, gid: str, **style_kwargs) -> None:
+        if self.per_box:
+            from matplotlib.patches import Rectangle
+
+            self.ax.add_patch(Rectangle((x, y), w, h, gid=self.tag + gid, **style_kwargs))
+            return
+        face, hatch = style_kwargs.pop("facecolor"), style_kwargs.pop("hatch", None) or ""
+        key = (kind,) + tuple(sorted(style_kwargs.items()))
+        boxes, faces, hatches = self.groups.setdefault(key, ([], [], []))
+        boxes.append((x, y, x + w, y + h))
+        faces.append(face)
+        hatches.append(hatch)
+
+    def flush(self) -> None:
+        import numpy as np
+        from matplotlib.collections import PathCollection, PolyCollection
+        from matplotlib.patches import Rectangle
+        from matplotlib.path import Path
+
+        numbers: dict[str, int] = {}
+        for (kind, *items), (boxes, faces, hatches) in self.groups.items():
+            style_kwargs = dict(items)
+            model = Rectangle((0, 0), 1, 1, **style_kwargs)
+            c = np.asarray(boxes, dtype=float)  # x0, y0, x1, y1: the corners a Rectangle's path goes round
+            verts = np.stack([c[:, [0, 1]], c[:, [2, 1]], c[:, [2, 3]], c[:, [0, 3]]], axis=1)
+            number = numbers[kind] = numbers.get(kind, -1) + 1
+            self.ax.add_collection(PolyCollection(
+                verts, closed=True, facecolors=_face_colours(faces), edgecolors=[model.get_edgecolor()],
+                linewidths=[model.get_linewidth()], antialiaseds=[model.get_antialiased()],
+                zorder=model.get_zorder(), gid=f"{self.tag}{kind}-boxes:{number}"), autolim=False)
+            # data limits as add_patch would set them (boxes of zero width or height left out); unlike
+            # add_collection(autolim=True) on matplotlib >= 3.11, no autoscaling of the view
+            solid = c[(c[:, 2] != c[:, 0]) & (c[:, 3] != c[:, 1])]
+            if len(solid):
+                self.ax.update_datalim(np.concatenate([solid[:, :2], solid[:, 2:]]))
+            for j, hatch in enumerate(dict.fromkeys(h for h in hatches if h)):
+                model = Rectangle((0, 0), 1, 1, hatch=hatch, **style_kwargs)
+                overlay = PathCollection(
+                    [Path.make_compound_path_from_polys(verts[np.array(hatches) == hatch])],
+                    facecolors="none", edgecolors=[(*model.get_edgecolor()[:3], 0.0)],
+                    linewidths=[model.get_linewidth()], antialiaseds=[model.get_antialiased()], hatch=hatch,
+                    zorder=model.get_zorder(), gid=f"{self.tag}{kind}-hatch:{number}.{j}")
+                overlay.set_snap(True)  # a path of over 1024 vertices is not snapped unless told to
+                if hasattr(model, "get_hatchcolor"):  # matplotlib >= 3.10
+                    overlay.set_hatchcolor(model.get_hatchcolor())
+                else:  # older: a patch's hatch has its edge colour, a collection's rcParams["hatch.color"]
+                    overlay._hatch_color = model._hatch_color
+                self.ax.add_collection(overlay, autolim=False)
+        self.groups.clear()
+
+
+def _face_colours(faces: list) -> list:
+    """RGBA of each face colour as a ``Rectangle(facecolor=...)`` has it (each distinct one converted once)."""
+    from matplotlib.colors import to_rgba
+
+    rgba = {face: to_rgba(face) for face in set(faces)}
+    return [rgba[face] for face in faces]
 
 
 def title_text(timeline: Timeline, title: str | None = None) -> str:
