@@ -96,7 +96,14 @@ class GradScaler(torch.amp.GradScaler):
         scaler = GradScaler(pipe)
         loss = pipe.step(x, target=y, scaler=scaler)
         scaler.unscale_(opt)                            # optional: before clipping
-        scaler.step(opt); scaler.update(); opt.zero_grad()
+        scaler.step(opt); scaler.update()
+        if opt is not None: opt.zero_grad()
+
+    A rank that holds no parameters (``opt = None`` there, see README "A rank without parameters") runs the same
+    loop with ``opt=None``: ``unscale_(None)`` and ``step(None)`` check nothing and step nothing but join the vote
+    (so an overflow elsewhere skips every rank's step and ``update()`` changes the scale alike); with ``None``
+    there, the other ranks use one optimizer each. ``update()`` without ``unscale_`` or ``step`` since the last
+    update is a ``ValueError`` saying so (torch's is an AssertionError; the other ranks wait in their vote).
 
     Only :meth:`_unscale_grads_` differs from torch's (the one place torch checks gradients, for ``unscale_``
     and for fused optimizers alike): after checking this rank's gradients it all-reduces (MAX) the verdict over
@@ -121,8 +128,37 @@ class GradScaler(torch.amp.GradScaler):
         super().__init__(pipe.device.type, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self.pipe = pipe
         self.scaled_steps = 0
+        self._no_optimizer = _NoOptimizer()  # what optimizer=None stands for (one object: torch keys by id)
         if self.is_enabled():  # torch makes the scale at the first scale(), which only the last stage's rank calls
             self.scale(torch.zeros((), device=pipe.device))
+
+    def unscale_(self, optimizer) -> None:
+        """torch's ``unscale_``; ``optimizer=None`` on a rank without parameters (see the class)."""
+        return super().unscale_(self._optimizer_or_stand_in(optimizer))
+
+    def step(self, optimizer, *args, **kwargs):
+        """torch's ``step``; ``optimizer=None`` on a rank without parameters (see the class)."""
+        return super().step(self._optimizer_or_stand_in(optimizer), *args, **kwargs)
+
+    def update(self, new_scale=None) -> None:
+        """torch's ``update``.
+
+        Raises:
+            ValueError: neither ``unscale_`` nor ``step`` ran on this rank since the last update (nothing to
+                update from; the other ranks' ``unscale_``/``step`` wait for this rank's vote). Raised before
+                anything changes: calling them (``None`` on a rank without parameters) and ``update()`` again
+                goes on.
+        """
+        if self.is_enabled() and new_scale is None and not any(
+                state["found_inf_per_device"] for state in self._per_optimizer_states.values()):
+            raise ValueError(f"scaler: update() on pipeline rank {self.pipe.grid.pp_rank} without unscale_ or step "
+                             f"since the last update(); they are collective (every rank votes on an overflow): call "
+                             f"scaler.step(opt) (and scaler.unscale_(opt) before clipping) on every rank, with "
+                             f"opt=None on a rank without parameters")
+        return super().update(new_scale)
+
+    def _optimizer_or_stand_in(self, optimizer):
+        return self._no_optimizer if optimizer is None else optimizer
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         """torch's unscale and inf/NaN check of this rank's gradients, then the verdict agreed (MAX) over every
@@ -145,6 +181,12 @@ class GradScaler(torch.amp.GradScaler):
         mine = (self.scaled_steps, self.get_scale(), self._growth_factor, self._backoff_factor, self._growth_interval)
 
         def agree(pp_group, dp_group):  # torch's local check inside: its error ends every rank, not this one only
+            if optimizer is self._no_optimizer:
+                with_grads = sum(p.grad is not None for p in self.pipe.parameters())
+                if with_grads:  # they would be neither unscaled nor checked
+                    raise ValueError(f"scaler: optimizer=None on pipeline rank {grid.pp_rank}, which holds "
+                                     f"{with_grads} parameter(s) with gradients; None is for a rank without "
+                                     f"parameters: pass this rank's optimizer")
             per_device = unscale(optimizer, inv_scale, found_inf, allow_fp16)
             local = sum(float(t) for t in per_device.values())  # one flag per device holding gradients (CPU: one)
             verdict = torch.zeros(1 + grid.world_size * len(mine), dtype=torch.float64, device=found_inf.device)
@@ -173,6 +215,16 @@ class GradScaler(torch.amp.GradScaler):
         for flag in per_device.values():
             flag.fill_(found)
         return per_device or {found_inf.device: found_inf.fill_(found)}  # a rank without gradients steps alike
+
+
+class _NoOptimizer:
+    """What ``optimizer=None`` stands for in torch's GradScaler on a rank without parameters: no parameter
+    groups (nothing to unscale or check) and a ``step`` that does nothing."""
+
+    param_groups = ()
+
+    def step(self, *args, **kwargs):
+        return None
 
 
 #: the scaler settings every rank must share, after the step count: (name, how a value is written)

@@ -110,7 +110,8 @@ def local_part(params, max_norm: float, norm_type: float, foreach, device: torch
     Raises:
         TypeError: the norm's dtype is not one of float16, bfloat16, float32, float64.
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    # a sparse gradient's norm is that of its coalesced values (torch's get_total_norm has no sparse kernel)
+    grads = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in params if p.grad is not None]
     part = torch.zeros(4 + len(_DTYPES), dtype=torch.float64, device=device)
     part[-2], part[-1] = max_norm, norm_type
     if not grads:

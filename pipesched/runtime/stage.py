@@ -109,7 +109,32 @@ def layer_starts(balance: Sequence[int]) -> list[int]:
 def build_stages(layers: Sequence[nn.Module], balance: Sequence[int], stage_ids: Sequence[int]) -> dict[int, nn.Sequential]:
     """``{stage: nn.Sequential of its layers}`` for the requested stages; the layers are shared, not copied."""
     starts = layer_starts(balance)
-    return {s: nn.Sequential(*layers[starts[s]:starts[s + 1]]) for s in stage_ids}
+    return {s: (ClonedInputStage if s > 0 and inplace_first(layers[starts[s]]) else nn.Sequential)(
+        *layers[starts[s]:starts[s + 1]]) for s in stage_ids}
+
+
+def inplace_first(layer: nn.Module) -> bool:
+    """Whether ``layer`` (or, for an ``nn.Sequential``, its first layer, nested ones looked into) is a module with
+    ``inplace=True`` (``nn.ReLU``, ``nn.Dropout``, ``nn.Hardtanh``, ... take that argument): it writes its
+    input in place."""
+    while isinstance(layer, nn.Sequential) and len(layer):
+        layer = layer[0]
+    return getattr(layer, "inplace", False) is True
+
+
+class ClonedInputStage(nn.Sequential):
+    """A stage (after the first) whose first layer has ``inplace=True``: it runs on a clone of its input. A
+    received input is a leaf that needs a gradient (autograd refuses an in-place write to it), and a previous
+    stage's output on this rank is still saved for that stage's backward; the clone is neither, and its
+    backward passes the gradient through unchanged, so gradients equal the unsplit model's bitwise. Costs
+    one copy of the input per forward. Same layers, indices and ``state_dict`` keys as ``nn.Sequential``."""
+
+    def forward(self, input):
+        if isinstance(input, torch.Tensor):
+            input = input.clone()
+        elif isinstance(input, tuple):
+            input = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in input)
+        return super().forward(input)
 
 
 def stage_device(stages, device) -> torch.device:
@@ -124,14 +149,16 @@ def stage_device(stages, device) -> torch.device:
 
 def call_stage(module, arg, stage: int):
     """``module(arg)``, explaining the one failure a pipeline adds: a stage's input is a leaf tensor that needs
-    a gradient, so a first layer that modifies it in place (``nn.ReLU(inplace=True)``) is refused by autograd
-    although the same layer works inside the unsplit model."""
+    a gradient, so an in-place write to it is refused by autograd although the same layer works inside the
+    unsplit model. A first layer with ``inplace=True`` is not such a case (:class:`ClonedInputStage`); any other
+    in-place write to the input (``x.relu_()`` in a custom layer's forward) is."""
     try:
         return module(arg)
     except RuntimeError as exc:
         if not inplace_on_leaf(exc):
             raise
-        raise ValueError(f"stage {stage} modifies its input in place (e.g. nn.ReLU(inplace=True) as its first "
-                         f"layer); a stage's input is a leaf tensor that needs a gradient, which autograd does not "
-                         f"allow to change in place: make that layer out-of-place, or end stage {stage - 1} with it "
-                         f"(balance=...)") from exc
+        raise ValueError(f"stage {stage} modifies its input in place (e.g. x.relu_() or x.add_(...) in its first "
+                         f"layer's forward; a first layer with inplace=True, such as nn.ReLU(inplace=True), is "
+                         f"supported: it gets a copy); a stage's input is a leaf tensor that needs a gradient, "
+                         f"which autograd does not allow to change in place: make that operation out-of-place, or "
+                         f"end stage {stage - 1} with that layer (balance=...)") from exc

@@ -334,9 +334,16 @@ def mismatch_case(rank, **per_rank):
     return {"type": None}
 
 
+class _ReluInPlace(torch.nn.Module):
+    def forward(self, x):
+        return x.relu_()  # in place, with no inplace=True attribute: not a layer the stage can give a copy to
+
+
 def inplace_case(rank):
-    """Stage 1 starts with ReLU(inplace=True): fine in the unsplit model, refused on a stage input."""
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(inplace=True), torch.nn.Linear(8, 8))
+    """Stage 1 starts with a layer writing its input in place (x.relu_(), no inplace=True attribute): fine in the
+    unsplit model, refused on a stage input (a first layer with inplace=True gets a copy:
+    tests/runtime/test_inplace_first_layer.py)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _ReluInPlace(), torch.nn.Linear(8, 8))
     pipe = Pipeline(model, schedule="1f1b", num_microbatches=2, loss_fn=F.mse_loss, balance=[1, 2], timeout=30.0)
     try:
         pipe.step(*_data(0))

@@ -59,9 +59,10 @@ def test_an_in_place_first_layer_of_a_stage_is_explained(failures):
     for results in failures:
         err = results["inplace"]
         assert (err["rank"], err["instr"]) == (1, "F1.0"), err
-        assert err["cause"].startswith("ValueError: stage 1 modifies its input in place (e.g. nn.ReLU(inplace=True) "
-                                       "as its first layer)"), err
-        assert "end stage 0 with it (balance=...)" in err["cause"]
+        assert err["cause"].startswith("ValueError: stage 1 modifies its input in place (e.g. x.relu_() or "
+                                       "x.add_(...) in its first layer's forward; a first layer with inplace=True, "
+                                       "such as nn.ReLU(inplace=True), is supported: it gets a copy)"), err
+        assert "end stage 0 with that layer (balance=...)" in err["cause"]
 
 
 def test_recompute_refuses_a_stage_that_changed_its_input_in_place(failures):
