@@ -61,7 +61,7 @@ class FailureRecord:
             op=None if instr is None else instr.op.value,
             stage=None if instr is None else instr.stage,
             microbatch=None if instr is None else instr.microbatch,
-            cause=f"{type(exc).__name__}: {exc}",
+            cause=describe(exc),
             traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
         )
 
@@ -71,6 +71,17 @@ class FailureRecord:
     @classmethod
     def from_json(cls, text: str) -> FailureRecord:
         return cls(**json.loads(text))
+
+
+def describe(exc: BaseException) -> str:
+    """``"ExceptionType: message"``; where the exception's ``str()`` itself raises, its type and what ``str()``
+    raised instead, so the record of a failure is always published (a failure that cannot be described must
+    still end every rank)."""
+    try:
+        text = str(exc)
+    except Exception as inner:  # noqa: BLE001 - a user's __str__ may raise anything
+        text = f"<str() of this exception raised {type(inner).__name__}>"
+    return f"{type(exc).__name__}: {text}"
 
 
 class PipelineError(RuntimeError):

@@ -3,6 +3,8 @@ rejects it), the last stage's rank gives its verdict on the target (checked on i
 the batch size x must match), and every rank gives its settings fingerprint and its anticipated clipping
 (:mod:`~pipesched.runtime.norm_parts`); every rank then decides alike, so a bad batch is the same ``ValueError``
 on every rank before any work, and a changed setting on any rank makes every rank re-learn the step's message metas.
+With data parallelism a second all-gather, over each data-parallel group, lets the replicas agree
+(:meth:`Handshake.settle`): a step one replica refuses is refused on all.
 
 Each rank's row of the all-gather is ``ROW_LEN`` int64 words: ``[OPENING_MARK, settings, train, no_grad,
 clip calls, clip max_norm, clip norm_type, *signature, *verdict]`` (``verdict``: ``VERDICT_LEN`` words,
@@ -20,7 +22,7 @@ import torch
 
 from .comm import DTYPE_CODE
 from .microbatch import batch_size, split
-from .transport import Gathering, start_gather_rows
+from .transport import Gathering, gather_rows, start_gather_rows
 
 SIG_LEN = 64  # int64 words of a step signature
 HEAD = 7  # int64 words of a row before the signature
@@ -28,6 +30,7 @@ VERDICT_LEN = SIG_LEN  # int64 words of the verdict on the target (the room for 
 ROW_LEN = HEAD + SIG_LEN + VERDICT_LEN  # int64 words of each rank's row in the opening all-gather (and clip's)
 OPENING_MARK, CLIP_MARK = 0x5354_4550, 0x434C_4950  # the first word of a step's row, of a clip's row
 TIMELINE_MARK = 0x5449_4D45  # the first word of gather_timeline()'s row (its all-gather of rows before the events)
+REPLICA_MARK = 0x5245_504C  # the first word of a replica's row in a step's agreement over the data-parallel group
 #: the call each mark stands for, in errors about ranks in different calls
 CALLS = {OPENING_MARK: "opened the next step (step() or forward())", CLIP_MARK: "are in clip_grad_norm_'s collective",
          TIMELINE_MARK: "are in gather_timeline()"}
@@ -107,8 +110,9 @@ class Handshake:
         device: where the control tensors live (the model's device).
     """
 
-    def __init__(self, transport, program, pp_rank: int, device) -> None:
+    def __init__(self, transport, program, pp_rank: int, device, dp_group=None, dp_rank: int = 0) -> None:
         self.transport, self.program, self.pp_rank, self.device = transport, program, pp_rank, device
+        self.dp_group, self.dp_rank = dp_group, dp_rank  # the replicas of this pipeline rank (None: dp_size 1)
         self.clip_words: list = []  # the last opening's clip words, by pipeline rank (see :meth:`signature`)
 
     def signature(self, x, train: bool, to_device, settings: int, clip=(0, 0, 0),
@@ -161,7 +165,40 @@ class Handshake:
 
     def settle(self, opening: Opening):
         """:meth:`signature`'s second half: wait for :meth:`open`'s all-gather and decide from every row, alike
-        on every rank. Returns and raises as :meth:`signature`."""
+        on every rank of the pipeline; with data parallelism the replicas then agree (:meth:`_agree_replicas`),
+        so a step refused on one replica is refused on every one (else the others would run it and their
+        data-parallel all-reduce would meet the refusing replica's next step). Returns and raises as
+        :meth:`signature`, and ``Rejected`` where another replica refused or made another call."""
+        try:
+            decided, refusal = self._decide(opening), None
+        except Rejected as exc:
+            decided, refusal = None, exc
+        if self.dp_group is not None:
+            self._agree_replicas(opening.train, refusal)
+        if refusal is not None:
+            raise refusal
+        return decided
+
+    def _agree_replicas(self, train: bool, refusal: Rejected | None) -> None:
+        """One all-gather over the data-parallel group of ``[REPLICA_MARK, train, refused, *its text]``.
+
+        Raises:
+            Rejected: replicas made different calls (names each replica's); or another replica refused its step
+                (its message, prefixed by ``replica R refused its step:``); a replica that refused raises its own.
+        """
+        mine = encode_text([REPLICA_MARK, int(train), int(refusal is not None)], str(refusal or ""))
+        rows = gather_rows(mine, self.dp_group, self.program.dp_size, torch.int64, self.device,
+                           "the replicas' agreement on the step")
+        calls = ("forward()", "step()")
+        if len({row[1] for row in rows}) > 1:
+            raise Rejected("every replica must make the same call; " + ", ".join(
+                f"replica {k} called {calls[row[1]]}" for k, row in enumerate(rows)))
+        refused = [k for k, row in enumerate(rows) if row[2]]
+        if refused and refusal is None:
+            raise Rejected(f"replica {refused[0]} refused its step: {decode_text(rows[refused[0]])}")
+
+    def _decide(self, opening: Opening):
+        """What every rank of the pipeline decides alike from the opening's rows (see :meth:`settle`)."""
         first = self.program.stage_to_rank[0]
         rows = opening.gathering.rows()
         check_rows_meet([row[:1] + row[4:5] for row in rows], OPENING_MARK)

@@ -172,7 +172,8 @@ class Pipeline:
         links = Links(Transport(self._pp_group, self.program.num_stages, self.device), self._dp_group, ties)
         keep_freed_memory()  # no page faults for the weight-gradient blocks each backward frees (heap.py)
         self._executor = Executor(self.programs, grid.pp_rank, work, links)
-        self._handshake = Handshake(self._executor.transport, self.program, grid.pp_rank, self.device)
+        self._handshake = Handshake(self._executor.transport, self.program, grid.pp_rank, self.device,
+                                    self._dp_group, grid.dp_rank)
         self._norm_parts = NormParts(self._executor.transport, self.program.num_ranks, grid.pp_rank, self.device,
                                      self.owned_parameters)  # anticipated clip_grad_norm_ (runtime/norm_parts.py)
         self._metas: OrderedDict[StepKey, dict] = OrderedDict()  # -> {(kind, stage, mb): meta}
@@ -507,6 +508,7 @@ class Pipeline:
         self._executor.step = None
         self._executor.transport.group = None
         self._executor.dp_group = None
+        self._handshake.dp_group = None  # no reference may keep a destroyed group's connections open
         for group in (self._pp_group, self._dp_group, *self._tie_groups.values()):
             if group is not None:
                 try:

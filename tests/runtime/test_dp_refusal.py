@@ -1,0 +1,31 @@
+"""With data parallelism a step refused on one replica is refused on every replica (a ValueError each, the
+pipeline usable), so the next step's all-reduce averages the same step on every replica (the unsplit model's
+average over replicas, rtol 1e-5). Before: the other replica ran the step, and its all-reduce met the refusing
+replica's next step, silently averaging gradients of different steps from then on."""
+import pytest
+
+from pipesched.runtime import launch
+
+import rt_dp_refusal
+
+
+@pytest.fixture(scope="module")
+def got():
+    return launch(rt_dp_refusal.refusals, 4, timeout=300)
+
+
+def test_every_replica_refuses_what_one_refuses(got):
+    for out in got:
+        errors = out["errors"]
+        prefix = "replica 1 refused its step: " if out["replica"] == 0 else ""
+        for case, text in (("small batch", "batch size 2 is smaller than num_microbatches=4"),
+                           ("bad target", "target has batch size 3 but x has 8")):
+            assert errors[case].startswith(prefix) and text in errors[case], (case, errors[case])
+            assert out["replica"] == 0 or not errors[case].startswith("replica")  # its own message
+        assert errors["forward"] == ("every replica must make the same call; replica 0 called step(), "
+                                     "replica 1 called forward()"), errors
+
+
+def test_the_next_step_averages_the_same_step_on_every_replica(got):
+    for out in got:
+        assert out["grads"] and all(out["grads"].values()), out["grads"]
