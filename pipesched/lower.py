@@ -16,7 +16,7 @@ from .cost import CostModel
 from .deps import ENDS_BACKWARD, route
 from .engine import has_comm
 from .gcpause import paused_gc
-from .ir import BACKWARD_OPS, COMM_OPS, COMPUTE_OPS, FORWARD_OPS, OVERLAP_PAIRS, RECV_OPS, SEND_OPS, Instr, Op, Program
+from .ir import BACKWARD_OPS, COMM_OPS, FORWARD_OPS, OVERLAP_PAIRS, RECV_OPS, SEND_OPS, Instr, Op, Program
 from .timeline import timeline_order
 from .timing import COST_FIELD, time_instructions
 from . import ties as _ties
@@ -336,9 +336,7 @@ def post_receives_early(program: Program, window: int = EARLY_RECEIVE_WINDOW) ->
     """Post each receive up to ``window`` instructions earlier, so its transfer overlaps the compute before it.
 
     On each rank, a RECV at position ``i`` moves to just before the instruction at position ``i - window``
-    (to the start of the stream when ``i < window``, but never before a first instruction that computes: stage
-    0's rank runs its first forward while the step's opening all-gather is in flight, before any receive may be
-    posted, :mod:`pipesched.runtime.lead`); the receives keep their order. Where that puts it inside
+    (to the start of the stream when ``i < window``); the receives keep their order. Where that puts it inside
     a run of sends and receives, the run's sends that came before it in ``program`` stay ahead of it: a send
     is on a peer's critical path, a posted receive is not. Nothing but receives moves, and none moves later.
 
@@ -368,10 +366,8 @@ def post_receives_early(program: Program, window: int = EARLY_RECEIVE_WINDOW) ->
 
 def _receives_early(stream, window: int) -> tuple:
     """One rank's stream in :func:`post_receives_early`'s order."""
-    earliest = 1 if stream and stream[0].op in COMPUTE_OPS else 0  # the first computation stays first
-
     def key(pos: int) -> tuple[int, int, int]:
-        return (max(pos - window, earliest), 0, pos) if stream[pos].op in RECV_OPS else (pos, 1, pos)
+        return (pos - window, 0, pos) if stream[pos].op in RECV_OPS else (pos, 1, pos)
 
     out, run = [], []  # run: positions of the current run of sends and receives
     for pos in sorted(range(len(stream)), key=key) + [None]:

@@ -11,7 +11,7 @@ import pipesched as ps
 from pipesched.cli import main
 from pipesched.engine import proven_run
 from pipesched.errors import DeadlockError, InvalidProgramError, ScheduleArgumentError
-from pipesched.ir import COMPUTE_OPS, FORWARD_OPS, RECV_OPS, SEND_OPS, Instr, Op, Program
+from pipesched.ir import FORWARD_OPS, RECV_OPS, SEND_OPS, Instr, Op, Program
 from pipesched.lower import EARLY_RECEIVE_WINDOW, forward_only, post_receives_early
 from pipesched import protocol
 from pipesched.errors import PairingError
@@ -29,10 +29,8 @@ def _config_program(config, split: bool) -> Program:
 
 
 def _old_hoist(stream, ahead):
-    """The executor's reordering before it became a pass (``hoist_recvs`` in the former runtime/plan.py), with one
-    change since: no receive goes before a first instruction that computes (the step's lead, runtime/lead.py)."""
-    earliest = 1 if stream and stream[0].op in COMPUTE_OPS else 0
-    keyed = [((max(pos - ahead, earliest) if i.op in RECV_OPS else pos), 0 if i.op in RECV_OPS else 1, pos, i)
+    """The executor's reordering before it became a pass (``hoist_recvs`` in the former runtime/plan.py): today's behaviour."""
+    keyed = [((pos - ahead if i.op in RECV_OPS else pos), 0 if i.op in RECV_OPS else 1, pos, i)
              for pos, i in enumerate(stream)]
     out, run = [], []
     for instr in [k[3] for k in sorted(keyed)] + [None]:
@@ -100,7 +98,6 @@ def test_early_receives_only_move_receives_up_and_stay_proven(config, split, win
             before_old = sum(1 for i in old[:old.index(instr)] if i.op not in RECV_OPS)
             before_new = sum(1 for i in new[:new.index(instr)] if i.op not in RECV_OPS)
             assert before_old - window <= before_new <= before_old
-            assert before_new >= (1 if old[0].op in COMPUTE_OPS else 0)  # a first computation stays first
         if window == EARLY_RECEIVE_WINDOW:
             assert new == _old_hoist(old, window)  # the executor's order before the pass: behaviour kept
 
@@ -268,10 +265,3 @@ def test_a_program_with_early_receives_is_refused_with_what_to_pass_instead():
     assert isinstance(info.value.__cause__, ps.DeadlockError)
     assert ps.step_programs(ps.compile_program("1f1b", 2, 4), "gloo").early_receives > 0  # program order: accepted
 
-
-def test_no_receive_is_posted_before_a_first_instruction_that_computes():
-    """1f1b, p=2, m=2, gloo's window: rank 0's early gradient receives come after F0.0 (the step's lead runs it
-    while the opening is in flight); rank 1's stream, which starts with a receive, still posts both first."""
-    early = ps.compile_program("1f1b", 2, 2, early_receives=EARLY_RECEIVE_WINDOW)
-    assert [str(i) for i in early.ranks[0][:4]] == ["F0.0", "SEND_F0.0>1", "RECV_B0.0<1", "RECV_B0.1<1"]
-    assert [str(i) for i in early.ranks[1][:3]] == ["RECV_F1.0<0", "RECV_F1.1<0", "F1.0"]

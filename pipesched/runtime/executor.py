@@ -14,7 +14,6 @@ import torch
 from ..ir import Op
 from .accounting import SavedBytes, tensor_bytes
 from .grad_sum import finish_sum, start_sum
-from .lead import Lead, input_versions, lead_instruction, undoable
 from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, describe_change, grad_specs, meta_of, tag_of
 from .microbatch import as_tuple, stage_output
 from .recompute import check_no_forward_hooks, keep_nothing, replay_rng, rng_state
@@ -25,7 +24,6 @@ from .clock import clock_for
 from ..api import StepPrograms
 from ..protocol import loss_post_position
 from .reduction import reduced_params
-from .rng_state import capture, restore
 from .step_state import Links, RankWork, StepInputs, StepState
 from .transport import wait
 
@@ -71,10 +69,6 @@ class Executor:
             early = programs.early_receives > 0 and not key[1]
             self.loss_post[key] = loss_post_position(stream, program.stage_to_rank[-1], early)
         self.ran = None  # the program of the last step run
-        #: per kind of step (train): the instruction run as the step's lead (runtime.lead), None: no lead
-        self.leads = {train: lead_instruction(programs, pp_rank, train) for train in (True, False)}
-        #: per kind: a plain step of that kind ran the lead's forward without writing to its input
-        self.lead_ok = {True: False, False: False}
         self.current = None  # the instruction running now (for error reports)
         self.clock = clock_for(work.device)
         self.events: list = []  # [instr, start mark, end mark] per instruction run, see pipesched.runtime.clock
@@ -86,20 +80,17 @@ class Executor:
 
     # ---- the loop ---------------------------------------------------------------------------------
 
-    def run(self, inputs: StepInputs, lead: Lead | None = None):
+    def run(self, inputs: StepInputs):
         """Run one step. Returns ``(total loss or None, last-stage outputs {mb: output}, peak bytes)``;
         ``self.events`` then holds the step's marks: ``self.clock.seconds(self.origin, marks)`` gives seconds.
-        ``lead``: what :meth:`lead` ran of this step before its opening ended (its first instruction is not run again).
 
-        Raises whatever a handler raises (the lead's error included); ``self.current`` names the instruction.
+        Raises whatever a handler raises; ``self.current`` names the instruction.
         """
-        if lead is None:
-            self._begin(inputs)
-        else:
-            self._adopt(lead, inputs)
-        st, events, mark = self.step, self.events, self.clock.mark
-        watched = self.leads[inputs.train]  # a plain step shows whether the lead's forward writes to its input
-        before = input_versions(inputs.microbatches[watched.microbatch]) if watched and not lead else None
+        self.step = st = StepState(inputs)
+        self.events = events = []
+        self.sent = {}
+        mark = self.clock.mark
+        self.origin, self.wall0 = mark(), time.time()
         key = (inputs.train, inputs.learning)
         self.ran = self.programs.pick(*key)  # the program this step runs (its stream is self.streams[key])
         loss_post = self.loss_post[key] if inputs.train and self.last not in self.local else None
@@ -111,11 +102,10 @@ class Executor:
         if parts is not None:  # the receives of the other ranks' norm parts, where the protocol puts them
             parts.begin(self.ran.ranks[self.pp_rank], self.programs.early_receives > 0 and not inputs.learning)
         for at, (handler, instr) in enumerate(self.streams[key]):
-            if at or lead is None:  # the lead is the stream's first instruction (runtime/lead.py)
-                self.current = instr
-                self.waited = mark()
-                handler(instr)
-                events.append([instr, self.waited, mark()])  # a handler that waits for data moves its start past it
+            self.current = instr
+            self.waited = mark()
+            handler(instr)
+            events.append([instr, self.waited, mark()])  # a handler that waits for data moves its start past it
             if at == loss_post:
                 self._post_loss()
             if parts is not None:
@@ -123,56 +113,7 @@ class Executor:
         self.current = None
         loss = self._finish()
         self.step = None
-        if before is not None:
-            self.lead_ok[inputs.train] = before == input_versions(inputs.microbatches[watched.microbatch])
         return loss, st.outputs, st.peak
-
-    def _begin(self, inputs: StepInputs) -> None:
-        self.step = StepState(inputs)
-        self.events, self.sent = [], {}
-        self.origin, self.wall0 = self.clock.mark(), time.time()
-
-    # ---- the lead (runtime/lead.py) ------------------------------------------------------------------
-
-    def lead(self, train: bool, microbatches, is_tuple: bool) -> Lead | None:
-        """Run this rank's first instruction of a step of kind ``train`` on ``microbatches`` (stage 0's, from the
-        step's opening) while the opening is in flight, where that can be undone (:mod:`~pipesched.runtime.lead`);
-        returns the :class:`~pipesched.runtime.lead.Lead` to hand to :meth:`run` (or :meth:`undo` if the step is
-        refused), ``None`` where no lead runs. An exception of the forward is kept in the lead, not raised: a
-        refused step never ran it."""
-        instr = self.leads[train]
-        if instr is None or not self.lead_ok[train] or (train and not torch.is_grad_enabled()) \
-                or not undoable(self.stages[instr.stage]):
-            return None
-        rng = capture(self.device)
-        self._begin(StepInputs(train, microbatches, is_tuple, None, None, {}, True))
-        before = input_versions(microbatches[instr.microbatch])
-        error = None
-        self.current, self.waited = instr, self.clock.mark()
-        try:
-            self._f(instr)
-            self.events.append([instr, self.waited, self.clock.mark()])
-        except Exception as exc:  # noqa: BLE001 - raised by run() once the step is accepted
-            error = exc
-        self.current = None
-        if input_versions(microbatches[instr.microbatch]) != before:  # it wrote to x: no lead from now on
-            self.lead_ok[train] = False
-        return Lead(self.step, instr, rng, error)
-
-    def undo(self, lead: Lead) -> None:
-        """The step was refused: drop what ``lead`` computed and put the generators back as they were."""
-        restore(lead.rng, self.device)
-        self.step = None
-
-    def _adopt(self, lead: Lead, inputs: StepInputs) -> None:
-        """Take over ``lead``'s step for ``inputs``, the step's own."""
-        st = lead.step
-        if inputs.learning:
-            inputs.metas.update(st.io.metas)  # the lead's output meta (it ran as if learning)
-        st.io = inputs
-        if lead.error is not None:
-            self.current = lead.instr
-            raise lead.error
 
     def _post_loss(self):
         self.step.loss_recv = self.transport.post([((2,), torch.float64)], self.program.stage_to_rank[-1], TAG_LOSS,

@@ -139,8 +139,7 @@ class Handshake:
     def open(self, x, train: bool, to_device, settings: int, clip=(0, 0, 0),
              verdict: TargetVerdict | None = None) -> Opening:
         """:meth:`signature`'s first half: check and split ``x`` (on stage 0's rank) and post the all-gather of
-        this rank's row; returns at once. Until :meth:`settle` the rank may only compute what it can undo
-        (:meth:`~pipesched.runtime.executor.Executor.lead`): no message of the step may leave before it.
+        this rank's row; returns at once. No message of the step may leave the rank before :meth:`settle`.
 
         Raises:
             CommError: the all-gather could not be posted.

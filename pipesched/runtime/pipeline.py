@@ -424,17 +424,9 @@ class Pipeline:
 
     def _run(self, x, target, train: bool, scale=None):
         verdict = self._targets(target) if train and self.pp_rank == self.program.stage_to_rank[-1] else None
-        base = cuda_memory_base(self.device)
-        opening = self._handshake.open(x, train, lambda batch: _to(batch, self.device),
-                                       fingerprint(self.stages, self.device, self.autocast),
-                                       self._norm_parts.opening_words(), verdict)
-        lead = None if opening.micro is None else self._executor.lead(train, opening.micro, opening.is_tuple)
-        try:
-            key, micro, is_tuple = self._handshake.settle(opening)
-        except BaseException:
-            if lead is not None:
-                self._executor.undo(lead)  # a refused step leaves no trace of its lead
-            raise
+        key, micro, is_tuple = self._handshake.signature(x, train, lambda batch: _to(batch, self.device),
+                                                         fingerprint(self.stages, self.device, self.autocast),
+                                                         self._norm_parts.opening_words(), verdict)
         self._norm_parts.agree(self._handshake.clip_words, train)  # does this step send its norm parts?
         m, total = self.program.num_microbatches, key.batch_size
         sizes = split_sizes(total, m)
@@ -444,7 +436,8 @@ class Pipeline:
         inputs = StepInputs(train, micro, is_tuple, targets, [n / total for n in sizes],
                             {} if learning else metas, learning, scale,
                             self._norm_parts if self._norm_parts.agreed else None)
-        loss, outputs, peak = self._executor.run(inputs, lead)
+        base = cuda_memory_base(self.device)
+        loss, outputs, peak = self._executor.run(inputs)
         self._remember(key, inputs.metas)
         self._learned += learning
         ex = self._executor

@@ -8,7 +8,7 @@ from pipesched.runtime import launch
 import rt_unprintable
 
 
-@pytest.mark.parametrize("at, instr", [(1, "F0.0"), (3, "F0.0"), (4, "F0.1")])  # step 1's F0.0; step 2's lead F0.0, then F0.1
+@pytest.mark.parametrize("at, instr", [(1, "F0.0"), (3, "F0.0"), (4, "F0.1")])  # step 1's F0.0; step 2's F0.0, then F0.1
 def test_an_unprintable_failure_ends_every_rank_naming_its_origin(at, instr):
     got = launch(rt_unprintable.unprintable, 2, at, timeout=120)
     for out in got:
