@@ -262,7 +262,7 @@ def _cmd_validate(args) -> int:
     except ScheduleError as exc:
         return _report_invalid(args, exc, type(exc).__name__)
     except OSError as exc:
-        decided(2)
+        decided(args, 2)
         print(f"error: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
         if args.json:
             print(json.dumps({"error": f"cannot read {args.file}: {exc.strerror}", "exit_status": 2}))
@@ -293,7 +293,7 @@ def _count(n: int, noun: str) -> str:
 
 
 def _report_invalid(args, exc: ScheduleError, cause: str) -> int:
-    decided(1)
+    decided(args, 1)
     if args.json:
         print(json.dumps({"valid": False, "cause": cause, "error": type(exc).__name__, "rank": exc.rank,
                           "instruction": None if exc.instr is None else str(exc.instr), "reason": exc.reason}))
@@ -346,14 +346,11 @@ def _add_optional_commands(sub) -> None:
         add_demo_parser(sub)
 
 
-_VERDICT = [0]  # the exit status the running command has decided (see decided)
-
-
-def decided(status: int) -> int:
-    """Record ``status`` as the exit status of the running command before it prints its report, and return it: if
-    the reader of the output goes away meanwhile (``pipesched validate BAD | head -1``: ``BrokenPipeError``),
-    :func:`main` still exits with it, not 0."""
-    _VERDICT[0] = status
+def decided(args, status: int) -> int:
+    """Record ``status`` on ``args`` as the exit status of the running command before it prints its report, and
+    return it: if the reader of the output goes away meanwhile (``pipesched validate BAD | head -1``:
+    ``BrokenPipeError``), :func:`main` still exits with it, not 0."""
+    args.decided_status = status
     return status
 
 
@@ -363,21 +360,21 @@ def main(argv=None) -> int:
     if extra and not getattr(args, "passes_options", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
-    _VERDICT[0] = 0
+    args.decided_status = 0
     try:
         try:
             _import_schedule_modules(getattr(args, "global_schedule_modules", []) +
                                      getattr(args, "schedule_modules", []))
             return args.func(args)
         except (ScheduleError, ValueError) as exc:
-            decided(2)
+            decided(args, 2)
             print(f"error: {exc}", file=sys.stderr)
             if getattr(args, "json", False):  # --json: a script reading stdout gets one JSON object either way
                 print(json.dumps({"error": str(exc), "exit_status": 2}))
             return 2
     except BrokenPipeError:  # e.g. `pipesched show ... | head`: the verdict already decided, else 0
         _quiet_broken_pipe()
-        return _VERDICT[0]
+        return args.decided_status
     except KeyboardInterrupt:  # Ctrl-C: launch already said "interrupted: stopping N ranks" and stopped them
         return 130
 

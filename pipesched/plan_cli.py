@@ -82,7 +82,7 @@ def run_plan(args: argparse.Namespace) -> int:
     except PlanError as exc:
         from .cli import decided
 
-        decided(1)  # kept if the reader of the output goes away (BrokenPipeError)
+        decided(args, 1)  # kept if the reader of the output goes away (BrokenPipeError)
         message = _as_option(str(exc))
         print(f"error: {message}", file=sys.stderr)
         if args.json:  # still one JSON object on stdout for a script: the error and what would fit

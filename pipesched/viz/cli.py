@@ -56,7 +56,7 @@ def run_render(args: argparse.Namespace) -> int:
     except (ScheduleError, ValueError, KeyError, OSError) as exc:
         from ..cli import decided
 
-        decided(2)  # kept if stderr's reader goes away (BrokenPipeError)
+        decided(args, 2)  # kept if stderr's reader goes away (BrokenPipeError)
         message = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.strerror else exc
         print(f"error: render: {message}", file=sys.stderr)
         return 2
