@@ -162,7 +162,8 @@ def _with_groups(program: Program, groups) -> Program:
     """``program`` with ``meta[OVERLAP_PAIRS] = groups`` (none: unchanged).
 
     Raises:
-        ProgramFormatError: a group with fewer than 2 instructions, or one not all in one rank's stream.
+        ProgramFormatError: a group of other than 2 instructions (a pair: :data:`~pipesched.ir.OVERLAP_PAIRS`), or
+            one not all in one rank's stream.
     """
     if not groups:
         return program
@@ -170,11 +171,11 @@ def _with_groups(program: Program, groups) -> Program:
     for group in groups:
         text = "+".join(map(str, group))
         missing = [i for i in group if i not in where]
-        if len(group) < 2 or missing or len({where[i] for i in group}) > 1:
+        if len(group) != 2 or missing or len({where[i] for i in group}) > 1:
             why = (f"{missing[0]} is not an instruction of the program" if missing else
-                   "a group joins 2 or more instructions" if len(group) < 2 else
+                   f"a pair joins exactly 2 instructions, this one {len(group)}" if len(group) != 2 else
                    "its instructions are on ranks " + " and ".join(str(where[i]) for i in group))
-            raise ProgramFormatError(f"{OVERLAP_PAIRS}: {text}: {why}; each group joins instructions of one rank "
+            raise ProgramFormatError(f"{OVERLAP_PAIRS}: {text}: {why}; each pair joins two instructions of one rank "
                                      f"with '+', e.g. F0.5+B3.1")
     program.meta[OVERLAP_PAIRS] = tuple(groups)
     return program

@@ -179,7 +179,8 @@ def test_a_file_without_overlap_pairs_still_loads_and_a_program_without_them_wri
 @pytest.mark.parametrize("pairs, message", [
     ("F0.3+B9.1", "overlap_pairs: F0.3\\+B9.1: B9.1 is not an instruction of the program"),
     ("F0.3+F1.0", "overlap_pairs: F0.3\\+F1.0: its instructions are on ranks 0 and 1"),
-    ("F0.3", "overlap_pairs: F0.3: a group joins 2 or more instructions"),
+    ("F0.3", "overlap_pairs: F0.3: a pair joins exactly 2 instructions, this one 1"),
+    ("F0.3+F0.2+B3.1", "overlap_pairs: F0.3\\+F0.2\\+B3.1: a pair joins exactly 2 instructions, this one 3"),
     ("F0.3+Q1", "bad header value: overlap_pairs: cannot parse instruction 'Q1'"),
 ])
 def test_a_bad_overlap_pair_is_refused_naming_it(pairs, message):

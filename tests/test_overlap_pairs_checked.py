@@ -75,7 +75,6 @@ def test_a_pair_with_only_messages_between_is_accepted():
 @pytest.mark.parametrize("pairs, rank, instr, says", [
     ("B0.0+F0.1", None, None, "a pair is an F followed by a B or I, got B then F"),
     ("F0.1+W0.0", None, None, None),  # W is not a pair's backward (checked as it loads: W0.0 is not in the program)
-    ("F0.1+B0.0+B0.1", None, None, "a pair joins exactly two instructions, this group has 3"),
     ("F1.1+B1.1", 1, "B1.1", "both are of microbatch 1; a backward needs its own microbatch's forward"),
     ("F0.1+B0.0 F0.1+B0.0", 0, "F0.1", "F0.1 is also in the pair F0.1+B0.0; an instruction is in at most one pair"),
     ("F0.0+B0.1", 0, "F0.1", "F0.1 runs between them on rank 0; the backward directly follows the F"),
@@ -92,6 +91,11 @@ def test_validate_refuses_what_is_not_a_pair(pairs, rank, instr, says):
     assert info.value.reason.startswith(f"overlap pair {pairs.split()[-1]} (overlap_pairs: an F and the B or I")
     assert says in info.value.reason
     assert (info.value.rank, None if info.value.instr is None else str(info.value.instr)) == (rank, instr)
+
+
+def test_the_loader_refuses_a_group_of_three():
+    with pytest.raises(ps.ProgramFormatError, match="a pair joins exactly 2 instructions, this one 3"):
+        ps.loads(BASE.format(pairs="F0.1+B0.0+B0.1"))
 
 
 def test_validate_refuses_pairs_set_in_python():
