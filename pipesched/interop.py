@@ -26,6 +26,7 @@ import os
 import warnings
 from collections import Counter
 
+from .checks import as_int
 from .engine import has_comm
 from .errors import ProgramFormatError
 from .ir import COMM_OPS, OVERLAP_PAIRS, Instr, Op, Program
@@ -91,9 +92,18 @@ def from_torch_csv(path, num_ranks: int | None = None, stage_to_rank=None, num_m
             below the file's rows, or ``stage_to_rank`` naming a rank past them.
         OSError: the file cannot be read.
     """
+    sizes = []  # plain ints (numpy integers accepted) or None
     for name, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches), ("dp_size", dp_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        sizes.append(None if value is None else as_int(value))
+        if value is not None and (sizes[-1] is None or value < 1):
             raise ValueError(f"from_torch_csv: {name} must be an integer >= 1, got {value!r}")
+    num_ranks, num_microbatches, dp_size = sizes
+    if stage_to_rank is not None:
+        ranks = tuple(as_int(r) for r in stage_to_rank)
+        if None in ranks:
+            raise ValueError(f"from_torch_csv: stage_to_rank={tuple(stage_to_rank)} must hold integer ranks (not "
+                             f"bools)")
+        stage_to_rank = ranks
     rows = _read_rows(path)
     if num_ranks is not None and num_ranks < len(rows):
         raise ValueError(f"from_torch_csv: num_ranks={num_ranks}, but {path} has {len(rows)} rows (one per rank)")

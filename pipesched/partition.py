@@ -17,6 +17,7 @@ import math
 from collections.abc import Sequence
 from fractions import Fraction
 
+from .checks import as_int
 from .partition_search import evaluate, least_max
 from .partition_v import least_v_load
 from .placement import vshape
@@ -83,8 +84,12 @@ def balance_by_time(layer_costs: Sequence[float], num_stages: int, stage_to_rank
     cut of least slowest stage next to it.
     """
     n, costs, mem, limit, s2r = _checked(layer_costs, num_stages, stage_to_rank, memory, memory_limit)
-    if max_nodes is not None and (isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1):
-        raise ValueError(f"max_nodes must be None or an int >= 1, got {max_nodes!r}")
+    num_stages = as_int(num_stages)  # _checked refused anything else; numpy integers become plain ints
+    if max_nodes is not None:
+        nodes = as_int(max_nodes)
+        if nodes is None or nodes < 1:
+            raise ValueError(f"max_nodes must be None or an int >= 1, got {max_nodes!r}")
+        max_nodes = nodes
     if ties not in ("first", "even"):
         raise ValueError(f"ties must be 'first' or 'even', got {ties!r}")
     C, M, limit = _exact_prefixes(costs, mem, limit)
@@ -117,8 +122,9 @@ def rank_loads(values: Sequence[float], balance: Sequence[int], stage_to_rank: S
 # ---- checks and exact numbers ---------------------------------------------------------------------------------
 
 def _checked(layer_costs, num_stages, stage_to_rank, memory, memory_limit):
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int):
+    if as_int(num_stages) is None:
         raise TypeError(f"num_stages must be an int, got {num_stages!r}")
+    num_stages = as_int(num_stages)
     costs = _numbers("layer_costs", layer_costs)
     n = len(costs)
     if num_stages < 1 or n < num_stages:
@@ -138,9 +144,10 @@ def _checked(layer_costs, num_stages, stage_to_rank, memory, memory_limit):
         s2r = tuple(range(num_stages))
     else:
         s2r = tuple(stage_to_rank)
-        if len(s2r) != num_stages or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in s2r):
+        if len(s2r) != num_stages or not all(as_int(r) is not None and r >= 0 for r in s2r):
             raise ValueError(f"stage_to_rank={list(s2r)} must give a rank (int >= 0) for each of the {num_stages} "
                              f"stages")
+        s2r = tuple(as_int(r) for r in s2r)
     return n, costs, mem, memory_limit, s2r
 
 

@@ -77,6 +77,9 @@ class Candidate:
 
     def __post_init__(self) -> None:
         _check_candidate(self)
+        for name in ("pp", "dp", "num_microbatches", "virtual_stages", "microbatch_size"):  # numpy ints: plain
+            object.__setattr__(self, name, as_int(getattr(self, name)))
+        object.__setattr__(self, "balance", type(self.balance)(as_int(b) for b in self.balance))
 
     def to_json(self) -> dict:
         """The JSON form (``pipesched plan --json``): ``schedule, pp, dp, num_microbatches, virtual_stages,

@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from .checks import as_int
 from .cost import CostModel
 
 FORMAT = "pipesched.LayerProfile"
@@ -93,9 +94,10 @@ class LayerProfile:
                 _check_value(f"{name}[{i}]", value)
         if self.layer_names and len(self.layer_names) != n:
             raise ValueError(f"LayerProfile.layer_names has {len(self.layer_names)} names but there are {n} layers")
-        if isinstance(self.microbatch_size, bool) or not isinstance(self.microbatch_size, int) \
-                or self.microbatch_size < 1:
+        size = as_int(self.microbatch_size)
+        if size is None or size < 1:
             raise ValueError(f"LayerProfile.microbatch_size must be an int >= 1, got {self.microbatch_size!r}")
+        object.__setattr__(self, "microbatch_size", size)  # a numpy integer becomes a plain int (JSON, programs)
         _check_value("input_bytes", self.input_bytes)
         _check_value("latency", self.latency)
         if not (isinstance(self.bandwidth, (int, float)) and self.bandwidth > 0):
@@ -137,8 +139,10 @@ class LayerProfile:
         Raises:
             ValueError: ``microbatch_size`` < 1.
         """
-        if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
+        size = as_int(microbatch_size)
+        if size is None or size < 1:
             raise ValueError(f"microbatch_size must be an int >= 1, got {microbatch_size!r}")
+        microbatch_size = size
         if microbatch_size == self.microbatch_size:
             return self
         k = microbatch_size / self.microbatch_size
@@ -293,9 +297,10 @@ def _checked_saves(saves, activation_bytes) -> tuple:
 
 
 def _starts(balance, num_layers: int) -> list[int]:
-    if isinstance(balance, (str, bytes)) or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1
-                                                    for b in balance):
+    counts = None if isinstance(balance, (str, bytes)) else [as_int(b) for b in balance]
+    if counts is None or not all(b is not None and b >= 1 for b in counts):
         raise ValueError(f"balance must be a sequence of layer counts >= 1, got {balance!r}")
+    balance = counts  # plain ints (numpy integers accepted)
     if sum(balance) != num_layers:
         raise ValueError(f"balance={list(balance)} sums to {sum(balance)} but the profile has {num_layers} layers")
     starts = [0]

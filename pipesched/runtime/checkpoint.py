@@ -30,6 +30,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..checks import as_int
 from . import rng_state
 from .optim_state import check_owned, flat_state, load_flat_state, wanted_keys
 from .state import first_mismatch, parameter_names, pipe_read_plan, read_plan, saved_state, shared_aliases
@@ -90,6 +91,7 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
     rank = dist.get_rank()
     try:
         target = _check_save(path, pipe, optimizer, step, extra, rank)
+        step = None if step is None else as_int(step)  # a numpy integer: a plain int in the vote and the metadata
         verdict = Verdict(ok={"path": target, "step": step, **_optimizer_given(pipe, optimizer)})
     except Exception as exc:  # noqa: BLE001 - every rank must learn it
         verdict = Verdict(error=exc)
@@ -254,7 +256,7 @@ def _agree_load_arguments(path, pipe, optimizer) -> None:
 
 def _check_save(path, pipe, optimizer, step, extra, rank: int) -> str:
     target = _as_path(path)
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+    if step is not None and (as_int(step) is None or step < 0):
         raise ValueError(f"step must be None or an int >= 0, got {step!r}")
     _split_extra(extra)
     if optimizer is not None:

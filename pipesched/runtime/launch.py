@@ -14,6 +14,8 @@ import tempfile
 import time
 import traceback
 
+from ..checks import as_int
+
 _TAIL_CHARS = 3000  # of a child's stderr quoted when it dies without reporting
 _STOP_S = 5.0  # after SIGTERM, the children together get this long to exit before SIGKILL
 
@@ -90,8 +92,9 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
             SIGKILL) and quotes the end of its stderr. The others get ``grace`` seconds to end on their own first
             (a :class:`PipelineError` they raise naming the lost rank is not re-raised: this error is).
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if as_int(world_size) is None or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    world_size = as_int(world_size)  # a numpy integer: a plain int for the children's environment
     ctx = mp.get_context(choose_start_method(fn, start_method, threads))
     results = ctx.Queue()
     port = free_port()

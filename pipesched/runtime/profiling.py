@@ -9,6 +9,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from ..checks import as_int
 from ..profile import LayerProfile
 from .loss import needs_target
 from .accounting import SavedBytes, tensor_bytes
@@ -69,9 +70,12 @@ def profile_layers(model, sample_input, target=None, loss_fn=None, repeat: int =
             tensors; ``loss_fn`` takes a target and ``target`` is None.
     """
     layers = layers_of(model)
+    counts = []  # repeat, warmup as plain ints (numpy integers accepted)
     for name, value, low in (("repeat", repeat, 1), ("warmup", warmup, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        counts.append(as_int(value))
+        if counts[-1] is None or counts[-1] < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    repeat, warmup = counts
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if loss_fn is not None and target is None and needs_target(loss_fn):
@@ -118,10 +122,11 @@ def _smaller_sizes(sizes, n: int) -> tuple[int, ...]:
     """The sizes other than ``n`` to time (see ``profile_layers``'s ``sizes``)."""
     if sizes is None:
         return (n // 4,) if n // 4 >= 1 and n // 4 != n else ((1,) if n > 1 else ())
-    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__") or not all(
-            isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= n for k in sizes):
+    counts = [None] if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__") \
+        else [as_int(k) for k in sizes]  # plain ints (numpy integers accepted)
+    if not all(k is not None and 1 <= k <= n for k in counts):
         raise ValueError(f"sizes must be ints in [1, {n}] (the sample's rows), got {sizes!r}")
-    return tuple(sorted(set(sizes) - {n}))
+    return tuple(sorted(set(counts) - {n}))
 
 
 def _run_layers(layers, inputs, is_tuple, loss_fn, target, repeat, warmup, device) -> tuple[list[tuple], tuple]:
@@ -282,11 +287,13 @@ def profile_link(group=None, nbytes=(1 << 10, 1 << 16, 1 << 20, 1 << 22), repeat
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("profile_link needs torch.distributed initialised (pipesched.runtime.launch or torchrun)")
-    sizes = sorted(set(nbytes)) if isinstance(nbytes, (list, tuple)) else []
-    if len(sizes) < 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
+    sizes = [as_int(n) for n in nbytes] if isinstance(nbytes, (list, tuple)) else []  # numpy integers: plain ints
+    if len(set(sizes)) < 2 or not all(n is not None and n > 0 for n in sizes):
         raise ValueError(f"nbytes must hold >= 2 distinct positive ints (bytes), got {nbytes!r}")
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+    sizes = sorted(set(sizes))
+    if as_int(repeat) is None or repeat < 1:
         raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
+    repeat = as_int(repeat)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     if len(ranks) < 2:
         raise ValueError(f"profile_link needs a group of at least 2 ranks, got {len(ranks)}")

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..checks import as_int
 from ..partition import balance_by_time
 from ..profile import LayerProfile
 from .torch_errors import inplace_on_leaf
@@ -56,7 +57,7 @@ def resolve_balance(layers: Sequence[nn.Module], num_stages: int, balance=None, 
                          f"least {num_stages} layers (split a layer in two, or add layers)"
                          + (f", or use fewer ranks or virtual stages, so that ranks x virtual_stages <= {n}"
                             if n else ""))
-    if profile is not None and balance != "time":
+    if profile is not None and not (isinstance(balance, str) and balance == "time"):  # (a numpy array: no ==)
         raise ValueError(f"profile= is used only with balance='time' (the cut it decides), got balance={balance!r}: "
                          f"pass balance='time', or drop profile=")
     if balance is None:
@@ -70,8 +71,12 @@ def resolve_balance(layers: Sequence[nn.Module], num_stages: int, balance=None, 
                              f"(or 'time' with profile=)")
         costs = [sum(p.numel() for p in layer.parameters()) for layer in layers]
         return min_max_partition(costs, num_stages)
-    if not isinstance(balance, Sequence) or not all(isinstance(b, int) and not isinstance(b, bool) for b in balance):
+    # a list, tuple or 1-d numpy array of integers (numpy integers accepted; plain ints from here on)
+    counts = [as_int(b) for b in balance] \
+        if isinstance(balance, Sequence) or getattr(balance, "ndim", None) == 1 else [None]
+    if None in counts:
         raise TypeError(f"balance must be None, 'params', 'time' or a list of ints, got {balance!r}")
+    balance = counts
     if len(balance) != num_stages:
         raise ValueError(f"balance has {len(balance)} entries but the pipeline has {num_stages} stages")
     if any(b < 1 for b in balance):
