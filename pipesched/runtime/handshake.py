@@ -4,7 +4,7 @@ the batch size x must match), and every rank gives its settings fingerprint and 
 (:mod:`~pipesched.runtime.norm_parts`); every rank then decides alike, so a bad batch is the same ``ValueError``
 on every rank before any work, and a changed setting on any rank makes every rank re-learn the step's message metas.
 With data parallelism a second all-gather, over each data-parallel group, lets the replicas agree
-(:meth:`Handshake.settle`): a step one replica refuses is refused on all.
+(:meth:`Handshake.signature`): a step one replica refuses is refused on all.
 
 Each rank's row of the all-gather is ``ROW_LEN`` int64 words: ``[OPENING_MARK, settings, train, no_grad,
 clip calls, clip max_norm, clip norm_type, *signature, *verdict]`` (``verdict``: ``VERDICT_LEN`` words,
@@ -22,7 +22,7 @@ import torch
 
 from .comm import DTYPE_CODE
 from .microbatch import batch_size, split
-from .transport import Gathering, gather_rows, start_gather_rows
+from .transport import gather_rows
 
 SIG_LEN = 64  # int64 words of a step signature
 HEAD = 7  # int64 words of a row before the signature
@@ -108,11 +108,13 @@ class Handshake:
         program: the compiled program (for the first and last stages' ranks and ``m``).
         pp_rank: this rank's pipeline rank.
         device: where the control tensors live (the model's device).
+        dp_group: the data-parallel group of this pipeline rank (``None`` with ``dp_size == 1``): the replicas agree
+            on each step over it.
     """
 
-    def __init__(self, transport, program, pp_rank: int, device, dp_group=None, dp_rank: int = 0) -> None:
+    def __init__(self, transport, program, pp_rank: int, device, dp_group=None) -> None:
         self.transport, self.program, self.pp_rank, self.device = transport, program, pp_rank, device
-        self.dp_group, self.dp_rank = dp_group, dp_rank  # the replicas of this pipeline rank (None: dp_size 1)
+        self.dp_group = dp_group  # the replicas of this pipeline rank (None: dp_size 1)
         self.clip_words: list = []  # the last opening's clip words, by pipeline rank (see :meth:`signature`)
 
     def signature(self, x, train: bool, to_device, settings: int, clip=(0, 0, 0),
@@ -133,47 +135,17 @@ class Handshake:
                 target's batch size is not x's; the last stage's rank refused the target (:func:`judge_target`).
             RuntimeError: some ranks are in ``clip_grad_norm_``'s collective, or made other numbers of clip calls
                 (:func:`check_rows_meet`), on every rank.
+
+        With data parallelism the replicas then agree (:meth:`_agree_replicas`), so a step refused on one replica
+        is refused on every one (else the others would run it and their data-parallel all-reduce would meet the
+        refusing replica's next step): ``Rejected`` also where another replica refused or made another call.
         """
-        return self.settle(self.open(x, train, to_device, settings, clip, verdict))
-
-    def open(self, x, train: bool, to_device, settings: int, clip=(0, 0, 0),
-             verdict: TargetVerdict | None = None) -> Opening:
-        """:meth:`signature`'s first half: check and split ``x`` (on stage 0's rank) and post the all-gather of
-        this rank's row; returns at once. No message of the step may leave the rank before :meth:`settle`.
-
-        Raises:
-            CommError: the all-gather could not be posted.
-        """
-        first = self.program.stage_to_rank[0]
-        m = self.program.num_microbatches
-        words, micro, is_tuple = [0] * SIG_LEN, None, False
-        if self.pp_rank == first:
-            try:
-                if x is None:
-                    raise ValueError(f"the rank of stage 0 (pipeline rank {first}) got no input x; pass the batch "
-                                     f"as x there")
-                micro, is_tuple = split(to_device(x), m, "x")
-                words = encode_signature(train, m, micro, is_tuple)
-            except (TypeError, ValueError) as exc:
-                micro, words = None, encode_text([1, int(train), m], str(exc))
-        row = [OPENING_MARK, settings, int(train), int(train and not torch.is_grad_enabled()),
-               *clip] + words + verdict_words(verdict if train else None)
-        gathering = start_gather_rows(row, self.transport.group, self.program.num_ranks, torch.int64, self.device,
-                                      "the step signature")
-        return Opening(gathering, train, micro, is_tuple, verdict)
-
-    def settle(self, opening: Opening):
-        """:meth:`signature`'s second half: wait for :meth:`open`'s all-gather and decide from every row, alike
-        on every rank of the pipeline; with data parallelism the replicas then agree (:meth:`_agree_replicas`),
-        so a step refused on one replica is refused on every one (else the others would run it and their
-        data-parallel all-reduce would meet the refusing replica's next step). Returns and raises as
-        :meth:`signature`, and ``Rejected`` where another replica refused or made another call."""
         try:
-            decided, refusal = self._decide(opening), None
+            decided, refusal = self._decide(x, train, to_device, settings, clip, verdict), None
         except Rejected as exc:
             decided, refusal = None, exc
         if self.dp_group is not None:
-            self._agree_replicas(opening.train, refusal)
+            self._agree_replicas(train, refusal)
         if refusal is not None:
             raise refusal
         return decided
@@ -196,10 +168,22 @@ class Handshake:
         if refused and refusal is None:
             raise Rejected(f"replica {refused[0]} refused its step: {decode_text(rows[refused[0]])}")
 
-    def _decide(self, opening: Opening):
-        """What every rank of the pipeline decides alike from the opening's rows (see :meth:`settle`)."""
+    def _decide(self, x, train: bool, to_device, settings: int, clip, verdict: TargetVerdict | None):
+        """What every rank of the pipeline decides alike from the opening's all-gather (see :meth:`signature`)."""
         first = self.program.stage_to_rank[0]
-        rows = opening.gathering.rows()
+        m = self.program.num_microbatches
+        words, micro, is_tuple = [0] * SIG_LEN, None, False
+        if self.pp_rank == first:
+            try:
+                if x is None:
+                    raise ValueError(f"the rank of stage 0 (pipeline rank {first}) got no input x; pass the batch "
+                                     f"as x there")
+                micro, is_tuple = split(to_device(x), m, "x")
+                words = encode_signature(train, m, micro, is_tuple)
+            except (TypeError, ValueError) as exc:
+                words = encode_text([1, int(train), m], str(exc))
+        rows = self._gather([OPENING_MARK, settings, int(train), int(train and not torch.is_grad_enabled()),
+                             *clip] + words + verdict_words(verdict if train else None))
         check_rows_meet([row[:1] + row[4:5] for row in rows], OPENING_MARK)
         self.clip_words = [row[4:HEAD] for row in rows]
         last_verdict = rows[self.program.stage_to_rank[-1]][HEAD + SIG_LEN:]
@@ -218,21 +202,14 @@ class Handshake:
             raise Rejected(f"step() trains, but pipeline ranks {no_grad} called it with gradients disabled "
                            f"(inside torch.no_grad() or torch.inference_mode()); call step() outside it, or use "
                            f"forward() for evaluation")
-        if opening.train:
-            judge_target(last_verdict, words[3], self.program.stage_to_rank[-1], self.pp_rank, opening.verdict)
-        return StepKey(tuple(words[1:]), tuple(row[0] for row in rows)), opening.micro, opening.is_tuple
+        if train:
+            judge_target(last_verdict, words[3], self.program.stage_to_rank[-1], self.pp_rank, verdict)
+        return StepKey(tuple(words[1:]), tuple(row[0] for row in rows)), micro, is_tuple
 
-
-class Opening(NamedTuple):
-    """A step's opening in flight (:meth:`Handshake.open`): the all-gather of the rows, and what this rank
-    knows already: the kind of call, its microbatches of ``x`` (stage 0's rank, ``None`` elsewhere and where
-    ``x`` was refused) and its verdict on the target."""
-
-    gathering: Gathering
-    train: bool
-    micro: list | None
-    is_tuple: bool
-    verdict: TargetVerdict | None
+    def _gather(self, words: list[int]) -> list[list[int]]:
+        """All-gather one row of int64 ``words`` from every pipeline rank; returns the rows by rank."""
+        return gather_rows(words, self.transport.group, self.program.num_ranks, torch.int64, self.device,
+                           "the step signature")
 
 
 def check_target(target, missing: str, move) -> TargetVerdict:

@@ -173,7 +173,7 @@ class Pipeline:
         keep_freed_memory()  # no page faults for the weight-gradient blocks each backward frees (heap.py)
         self._executor = Executor(self.programs, grid.pp_rank, work, links)
         self._handshake = Handshake(self._executor.transport, self.program, grid.pp_rank, self.device,
-                                    self._dp_group, grid.dp_rank)
+                                    self._dp_group)
         self._norm_parts = NormParts(self._executor.transport, self.program.num_ranks, grid.pp_rank, self.device,
                                      self.owned_parameters)  # anticipated clip_grad_norm_ (runtime/norm_parts.py)
         self._metas: OrderedDict[StepKey, dict] = OrderedDict()  # -> {(kind, stage, mb): meta}

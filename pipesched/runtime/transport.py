@@ -132,38 +132,11 @@ def gather_rows(values, group, size: int, dtype, device, what: str) -> list[list
     Raises:
         CommError: the all-gather could not start or failed (a peer is gone, or the timeout passed); names ``what``.
     """
-    return start_gather_rows(values, group, size, dtype, device, what).rows()
-
-
-class Gathering:
-    """An all-gather of rows in flight (:func:`start_gather_rows`); :meth:`rows` waits for it."""
-
-    __slots__ = ("work", "buffers", "mine", "what")
-
-    def __init__(self, work, buffers, mine, what: str) -> None:
-        self.work, self.buffers, self.what = work, buffers, what
-        self.mine = mine  # this rank's row, kept alive until the all-gather is waited for
-
-    def rows(self) -> list[list]:
-        """Wait for the all-gather; every rank's row, by group rank, as lists.
-
-        Raises:
-            CommError: a peer is gone, or the timeout passed (names the all-gather).
-        """
-        wait(self.work, self.what)
-        return [row.tolist() for row in self.buffers]
-
-
-def start_gather_rows(values, group, size: int, dtype, device, what: str) -> Gathering:
-    """Post :func:`gather_rows`'s all-gather and return at once (the caller may compute meanwhile).
-
-    Raises:
-        CommError: the all-gather could not start (names ``what``).
-    """
     mine = torch.tensor(values, dtype=dtype, device=device)
     rows = [torch.empty_like(mine) for _ in range(size)]
     try:
         work = group.allgather([rows], [mine])
     except RuntimeError as exc:
         raise CommError(what, exc) from None
-    return Gathering(work, rows, mine, what)
+    wait(work, what)
+    return [row.tolist() for row in rows]
