@@ -137,8 +137,10 @@ def timed(step, zero, steps: int) -> list:
 
 def measured_costs(timeline, num_stages: int):
     """A :class:`pipesched.CostModel` of a measured timeline: per stage the median F / B / I / W seconds (a kind
-    that did not run: the others' estimate), and as ``latency`` the median message time: from the start of a
-    SEND to the end of the wait for its data, over the messages whose receiver was already waiting."""
+    that did not run: the others' estimate), as ``send_overhead`` the median time inside a SEND call (the sending
+    rank's own time: LogP's ``o``), and as ``latency`` the median message time less that overhead: the message time
+    runs from the start of a SEND to the end of the wait for its data, over the messages whose receiver was already
+    waiting."""
     from pipesched import CostModel
     from pipesched.ir import Op
 
@@ -151,7 +153,10 @@ def measured_costs(timeline, num_stages: int):
     inp = [med.get((Op.I, s), med.get((Op.B, s), 2 * fwd[s]) / 2) for s in range(num_stages)]
     wgt = [med.get((Op.W, s), med.get((Op.B, s), 2 * fwd[s]) / 2) for s in range(num_stages)]
     bwd = [med.get((Op.B, s), inp[s] + wgt[s]) for s in range(num_stages)]
-    return CostModel(forward=fwd, backward=bwd, input_grad=inp, weight_grad=wgt, latency=message_time(timeline))
+    sends = [e.duration for e in timeline.events if e.instr.op in (Op.SEND_F, Op.SEND_B)]
+    overhead = statistics.median(sends) if sends else 0.0
+    return CostModel(forward=fwd, backward=bwd, input_grad=inp, weight_grad=wgt, send_overhead=overhead,
+                     latency=max(0.0, message_time(timeline) - overhead))
 
 
 def message_time(timeline) -> float:
@@ -180,8 +185,8 @@ def message_time(timeline) -> float:
 
 def bubbles(pipe) -> tuple[float, float, float, object]:
     """(measured bubble, simulated bubble, share of the ranks' time inside SEND calls, measured costs) of
-    ``pipe``'s last step (collective). The measured bubble counts time in SEND calls as idle; the simulator's
-    SEND takes no time on its rank (a message costs only its latency), so that share is most of the gap."""
+    ``pipe``'s last step (collective). The measured bubble counts time in SEND calls as idle, and so does the
+    simulator's, whose SEND takes its rank the measured send overhead."""
     from pipesched import simulate
     from pipesched.ir import Op
 

@@ -22,6 +22,7 @@ def _per_stage(text: str):
 #: the command-line option of each :class:`~pipesched.cost.CostModel` field (errors name the option)
 COST_FLAGS = {"forward": "--forward", "backward": "--backward", "input_grad": "--input-grad",
                "weight_grad": "--weight-grad", "recompute": "--recompute-cost", "latency": "--latency",
+               "send_overhead": "--send-overhead",
                "bandwidth": "--bandwidth", "activation_bytes": "--activation-bytes", "stash_bytes": "--stash-bytes",
                "input_bytes": "--input-bytes", "recompute_bytes": "--recompute-bytes", "grad_bytes": "--grad-bytes",
                "tie_bytes": "--tie-bytes"}
@@ -42,6 +43,8 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
                             "given, else B/2)")
     group.add_argument("--recompute-cost", type=_per_stage, default=None, help="seconds per R (default F)")
     group.add_argument("--latency", type=float, default=0.0, help="seconds per message (default 0)")
+    group.add_argument("--send-overhead", type=float, default=0.0,
+                       help="seconds of the sending rank's time per SEND (LogP's o: gloo's send call; default 0)")
     group.add_argument("--bandwidth", type=float, default=float("inf"), help="bytes/s per link (default inf)")
     group.add_argument("--activation-bytes", type=_per_stage, default=0.0,
                        help="bytes of one microbatch's stage output (message size; default 0)")
@@ -79,7 +82,7 @@ def cost_from_args(args: argparse.Namespace) -> CostModel:
             weight_grad=args.weight_grad, recompute=args.recompute_cost, latency=args.latency,
             bandwidth=args.bandwidth, activation_bytes=args.activation_bytes, stash_bytes=args.stash_bytes,
             input_bytes=args.input_bytes, recompute_bytes=args.recompute_bytes, grad_bytes=args.grad_bytes,
-            tie_bytes=args.tie_bytes,
+            tie_bytes=args.tie_bytes, send_overhead=args.send_overhead,
         )
     except CostError as exc:
         raise named_cost_error(exc) from None

@@ -37,6 +37,10 @@ class CostModel:
             ``backward / 2``.
         recompute: seconds of one R; default ``forward``.
         latency: seconds added to every message (SEND to RECV) and every all-reduce. Default 0.
+        send_overhead: seconds of the sending rank's own time that each SEND takes (LogP's overhead ``o``: on gloo,
+            the copy and hand-off inside the send call, during which the rank computes nothing). The message's
+            ``latency + bytes / bandwidth`` counts from the SEND's end. A compute-only program (no SEND
+            instructions) adds it to the delay of each message instead. Default 0 (a SEND is free to its rank).
         bandwidth: bytes per second of a link; default infinite (free transfers).
         activation_bytes: bytes of one microbatch's output of a stage (the message size; the gradient
             message has the same size). Default 0.
@@ -76,6 +80,7 @@ class CostModel:
     input_bytes: PerStage | None = None
     recompute_bytes: PerStage | None = None
     tie_bytes: PerStage = 0.0
+    send_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         for name in _PER_STAGE:
@@ -88,7 +93,8 @@ class CostModel:
                                       f"got {value!r}")
             for item in value:
                 _check_finite(name, item)
-        _check_finite("latency", self.latency)
+        for name in _SCALAR_SECONDS:
+            _check_finite(name, getattr(self, name))
         if not (_is_number(self.bandwidth) and self.bandwidth > 0):
             raise CostError("bandwidth", f"cost bandwidth must be a number of bytes/s > 0 (inf: free transfers), "
                                          f"got {self.bandwidth!r}")
@@ -98,7 +104,7 @@ class CostModel:
     def _hold_plain_numbers(self) -> None:
         """A numpy number given (``np.int64(4)``, an array of them) is held as a plain int or float (a sequence
         holding one as a tuple of them), so that none reaches a timeline, JSON or torch."""
-        for name in _PER_STAGE + ("latency", "bandwidth"):
+        for name in _PER_STAGE + ("latency", "bandwidth", "send_overhead"):
             value = getattr(self, name)
             if _is_number(value):
                 if type(value) not in (int, float):
@@ -169,13 +175,13 @@ class CostModel:
         add up to infinity. Names the fields large enough to do that (each value at least ``float max / count``;
         else the largest), the largest as ``field``."""
         big = sys.float_info.max
-        given = [n for n in (_SECONDS + ("latency",) if seconds else _HELD) if getattr(self, n) is not None]
+        given = [n for n in (_SECONDS + _SCALAR_SECONDS if seconds else _HELD) if getattr(self, n) is not None]
         if seconds and not math.isinf(self.bandwidth):  # a message's seconds: its bytes / bandwidth
             given += ["activation_bytes", "grad_bytes", "tie_bytes"]
         if not seconds and self.stash_bytes is None:  # the default stash (and input) is the activation bytes
             given.append("activation_bytes")
-        largest = {n: max(self.per_stage(n, num_stages), default=0.0) if n != "latency" else float(self.latency)
-                   for n in given}
+        largest = {n: max(self.per_stage(n, num_stages), default=0.0) if n not in _SCALAR_SECONDS
+                   else float(getattr(self, n)) for n in given}
         values = {n: v / self.bandwidth if seconds and n.endswith("_bytes") else v for n, v in largest.items()}
         ranked = sorted(values, key=values.__getitem__, reverse=True)
         culprits = [n for n in ranked if values[n] * max(count, 1) >= big] or ranked[:1]
@@ -205,12 +211,15 @@ class CostModel:
                 parts.append(f"{label}={_fmt(value)}B")
         if self.latency:
             parts.append(f"latency={self.latency:g}s")
+        if self.send_overhead:
+            parts.append(f"send={self.send_overhead:g}s")
         if not math.isinf(self.bandwidth):
             parts.append(f"bw={self.bandwidth:.3g}B/s")
         return " ".join(parts)
 
 
 _SECONDS = ("forward", "backward", "input_grad", "weight_grad", "recompute")
+_SCALAR_SECONDS = ("latency", "send_overhead")  # one number for every message, not per stage
 _HELD = ("stash_bytes", "input_bytes", "recompute_bytes")
 _PER_STAGE = ("forward", "backward", "input_grad", "weight_grad", "recompute", "activation_bytes", "grad_bytes",
               "stash_bytes", "input_bytes", "recompute_bytes", "tie_bytes")

@@ -74,7 +74,7 @@ def cost_models(draw, num_stages: int, uniform: bool = False, with_comm: bool = 
     """Strategy of :class:`CostModel` with positive per-stage seconds (0.1 to 10) for ``num_stages`` stages.
 
     ``uniform``: one forward and one backward cost for every stage (the closed forms' assumption) and
-    free messages. ``with_comm``: draw latency, bandwidth and activation sizes too.
+    free messages. ``with_comm``: draw latency, send overhead, bandwidth and activation sizes too.
     """
     if uniform:
         return CostModel(forward=draw(st.floats(0.1, 10)), backward=draw(st.floats(0.1, 10)))
@@ -85,6 +85,7 @@ def cost_models(draw, num_stages: int, uniform: bool = False, with_comm: bool = 
         latency=draw(st.floats(0, 1)) if with_comm else 0.0,
         bandwidth=draw(st.floats(1e3, 1e9)) if with_comm else float("inf"),
         activation_bytes=draw(_per_stage(num_stages, 0, 1e6)) if with_comm else 0.0,
+        send_overhead=draw(st.floats(0, 0.5)) if with_comm else 0.0,
     )
 
 

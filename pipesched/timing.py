@@ -3,12 +3,13 @@ simulator (:mod:`pipesched.sim`, which turns it into a :class:`~pipesched.timeli
 (:func:`pipesched.lower.add_send_recv`, which places messages by it).
 
 Instructions are timed in the execution order of :mod:`pipesched.engine`. Timing follows what the
-executor does: a compute takes its rank's time once its inputs are there; a SEND is asynchronous (takes no
-rank time; the message lands ``latency + bytes / bandwidth`` later); a RECV posts the receive (no rank time;
+executor does: a compute takes its rank's time once its inputs are there; a SEND takes its rank's time for
+``send_overhead`` (0 by default: then it is asynchronous) and its message lands ``latency + bytes / bandwidth``
+after the SEND ends; a RECV posts the receive (no rank time;
 it ends when the message lands); an ALL_REDUCE starts asynchronously and ends
 ``latency + 2(d-1)/d * grad_bytes / bandwidth`` later, a TIE_REDUCE ``latency + 2(k-1)/k * tie_bytes / bandwidth``
 after the latest start among its tie's ranks (k: the tie's ranks x dp_size). A compute-only program (no
-SEND/RECV) gets the same message delay on each cross-rank edge.
+SEND/RECV) gets the same message delay on each cross-rank edge, plus ``send_overhead`` (no SEND to charge it to).
 """
 from __future__ import annotations
 
@@ -66,9 +67,10 @@ def _times(run: engine.Run, seconds: tuple[list, list, list]) -> tuple[list[floa
             starts[g] = ends[g] = start  # posted now; its end is set when the message lands
         elif kind == _ASYNC:
             starts[g], ends[g] = start, start + busy  # the rank moves on
-        else:
-            starts[g] = ends[g] = start
-            ready_at[give + mb[g]] = arrival = start + delay
+        else:  # a SEND: its rank is busy for the send overhead, then the message travels
+            starts[g], ends[g] = start, start + busy
+            free[rank] = ends[g]
+            ready_at[give + mb[g]] = arrival = ends[g] + delay
             recv = partner[g]
             if arrival > starts[recv]:
                 ends[recv] = arrival
@@ -90,6 +92,7 @@ def _join_ties(plan: engine.Plan, lasts: list, starts: list, ends: list) -> None
         ends[g] = joined + lasts[plan.rule[g]]
 
 
+_SENDS = (Op.SEND_F, Op.SEND_B)
 _WORK, _ASYNC = -1, -2  # how _times treats a compute that takes rank time, and an ALL_REDUCE
 
 
@@ -106,9 +109,10 @@ def _timing_facts(plan: engine.Plan, seconds: tuple[list, list, list]) -> list[t
 
 
 def _rule_seconds(plan: engine.Plan, cost: CostModel) -> tuple[list, list, list]:
-    """Per rule: seconds of rank time it takes (None: none), seconds it lasts without taking rank time
-    (ALL_REDUCE), and the delay of the message it sends (None: none), sized by the stage whose output the
-    message's tensor is (:func:`~pipesched.deps.boundary`)."""
+    """Per rule: seconds of rank time it takes (a compute's cost, a SEND's ``send_overhead``; None: none), seconds
+    it lasts without taking rank time (ALL_REDUCE), and the delay of the message it sends (None: none), sized by
+    the stage whose output the message's tensor is (:func:`~pipesched.deps.boundary`); a compute that hands its
+    output to another rank itself (a compute-only program) adds ``send_overhead`` to that delay."""
     program, rules = plan.program, plan.rules
     S = program.num_stages
     dur = {op: cost.per_stage(name, S) for op, name in COST_FIELD.items()}
@@ -116,11 +120,13 @@ def _rule_seconds(plan: engine.Plan, cost: CostModel) -> tuple[list, list, list]
     ring = 2 * (program.dp_size - 1) / program.dp_size
     allreduce = [cost.message_seconds(ring * b) for b in cost.per_stage("grad_bytes", S)]
     tie_reduce = _tie_seconds(program, cost)
+    overhead = float(cost.send_overhead)
     busy, lasts, delay = [], [], []
     for op, stage, give in zip(rules.op, rules.stage, plan.give):
-        busy.append(dur[op][stage] if op in dur else None)
+        busy.append(dur[op][stage] if op in dur else overhead if op in _SENDS else None)
         lasts.append(allreduce[stage] if op is Op.ALL_REDUCE else tie_reduce[stage] if op is Op.TIE_REDUCE else 0.0)
-        delay.append(msg[boundary(rules.item(give))] if give >= 0 else None)
+        carried = msg[boundary(rules.item(give))] if give >= 0 else None
+        delay.append(carried + overhead if carried is not None and op in dur else carried)
     return busy, lasts, delay
 
 

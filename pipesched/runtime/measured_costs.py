@@ -15,15 +15,18 @@
    clock shared by two ranks (across hosts ``time.time()`` is only as good as their synchronisation), and inside a
    step a receive completes only when its rank gets to wait for it, so its time mixes transfer and compute. The
    ping runs after every message of the step was delivered, pair by pair (ranks ``(0, 1), (2, 3), ...``, then
-   ``(1, 2), (3, 4), ...``) on control tags no step message uses, so it meets no message of a step.
+   ``(1, 2), (3, 4), ...``) on control tags no step message uses, so it meets no message of a step. It also takes
+   the **send overhead** (:func:`send_seconds`): the median time the rank spent inside its step's ``SEND`` calls
+   (on gloo the send call blocks its rank while it copies and hands the message over, ~0.1 ms here), which the
+   simulator charges to the sending rank; the latency is the ping's one-way time less that overhead (at least 0).
 3. **Agreement** (:func:`agree_costs`): an all-gather over the pipeline group gives every rank each stage's numbers
-   from the rank that owns it, and the latency of every pair (the largest is kept); with ``dp_size > 1`` an
+   from the rank that owns it, and the latency and send overhead of every rank (the largest of each is kept); with ``dp_size > 1`` an
    all-gather over the data-parallel group then gives every rank every replica's vector, and the element-wise
    **maximum** over replicas is kept (exact, so every rank of the world computes the same floats: the whole job
    plans for its slowest replica). The result is one :class:`~pipesched.cost.CostModel`: per-stage ``forward``,
    ``input_grad``, ``weight_grad``, ``backward = I + W``, ``recompute`` (``R``'s median; ``None`` without
-   recompute) in seconds, and ``latency`` (seconds, the whole one-way time of an activation message, so
-   ``bandwidth`` stays infinite and ``activation_bytes`` 0). A measured 0 s is raised to 1 ns (a timer tick).
+   recompute) in seconds, ``send_overhead``, and ``latency`` (seconds: with the overhead, the whole one-way time
+   of an activation message, so ``bandwidth`` stays infinite and ``activation_bytes`` 0). A measured 0 s is raised to 1 ns (a timer tick).
 4. Every rank compiles ``zb-auto`` from those costs and the memory limit (:func:`measured_programs`: the same passes
    and proofs as at construction, :func:`~pipesched.api.step_programs`), and an all-gather of the program's
    fingerprint over both groups checks that every rank compiled the same one. From the second step on the
@@ -118,17 +121,26 @@ def stage_seconds(events, stages) -> dict:
             for s, kinds in durations.items()}
 
 
-def cost_vector(medians: dict, num_stages: int, latency: float) -> list:
-    """``[F of each stage, I ..., W ..., R ..., latency]`` (seconds), 0 where this rank has no number."""
-    return [medians.get(s, {}).get(kind, 0.0) for kind in KINDS for s in range(num_stages)] + [float(latency)]
+def cost_vector(medians: dict, num_stages: int, latency: float, send_overhead: float = 0.0) -> list:
+    """``[F of each stage, I ..., W ..., R ..., latency, send overhead]`` (seconds), 0 where this rank has no
+    number."""
+    per_stage = [medians.get(s, {}).get(kind, 0.0) for kind in KINDS for s in range(num_stages)]
+    return per_stage + [float(latency), float(send_overhead)]
+
+
+def send_seconds(events) -> float:
+    """The median seconds this rank spent inside a SEND call (``(instr, start, end)`` events,
+    :meth:`StepRecord.seconds`), 0 if it sent nothing: the send overhead of :class:`~pipesched.cost.CostModel`."""
+    times = [end - start for instr, start, end in events if instr.op in (Op.SEND_F, Op.SEND_B)]
+    return statistics.median(times) if times else 0.0
 
 
 def combine(rows, stage_to_rank) -> list:
     """One vector from the pipeline ranks' :func:`cost_vector` rows (by pipeline rank): each stage's numbers from
-    the rank that owns it, the largest latency."""
+    the rank that owns it, the largest latency and the largest send overhead."""
     n = len(stage_to_rank)
     out = [rows[stage_to_rank[k % n]][k] for k in range(len(KINDS) * n)]
-    return out + [max(row[-1] for row in rows)]
+    return out + [max(row[-2] for row in rows), max(row[-1] for row in rows)]
 
 
 def replicas_max(vectors) -> list:
@@ -151,7 +163,7 @@ def cost_model(vector, num_stages: int) -> CostModel:
     recompute = per[Op.R] if all(t > 0 for t in per[Op.R]) else None
     backward = tuple(i + w for i, w in zip(per[Op.I], per[Op.W]))
     return CostModel(forward=per[Op.F], backward=backward, input_grad=per[Op.I], weight_grad=per[Op.W],
-                     recompute=recompute, latency=vector[-1])
+                     recompute=recompute, latency=vector[-2], send_overhead=vector[-1])
 
 
 def activation_bytes(sent: dict, peer: int) -> int:
@@ -272,10 +284,11 @@ def measure_and_compile(plan: MeasurePlan, record, executor: Executor, groups, t
     program, pp_rank, device = executor.program, executor.pp_rank, executor.device
     medians = stage_seconds(record.seconds(), program.stages_of(pp_rank))
     nbytes = activation_bytes(record.sent, pp_rank + 1)
-    latency = ping_latency(executor.transport, pp_rank, program.num_ranks, nbytes)
+    overhead = send_seconds(record.seconds())
+    latency = max(0.0, ping_latency(executor.transport, pp_rank, program.num_ranks, nbytes) - overhead)
     sizes = (program.num_ranks, plan.dp_size)
-    costs = agree_costs(cost_vector(medians, program.num_stages, latency), program.stage_to_rank, groups, sizes,
-                        device)
+    costs = agree_costs(cost_vector(medians, program.num_stages, latency, overhead), program.stage_to_rank, groups,
+                        sizes, device)
     programs = measured_programs(plan, costs, ties, backend)
     check_same_program(programs.train, groups, sizes, device)
     return costs, programs, rebuilt_executor(executor, programs)

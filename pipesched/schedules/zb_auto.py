@@ -170,10 +170,12 @@ def _ready(instr, r, p, end, times):
 
 
 def _stage_times(costs, p: int) -> dict:
-    """Per stage: F, I, W seconds, and the message seconds of its output (gradients back: the same size)."""
+    """Per stage: F, I, W seconds, and the message seconds of its output (gradients back: the same size; the send
+    overhead counted as delay: the greedy and :func:`timed_makespan` charge the sender nothing, the simulator that
+    ranks the candidates does)."""
     if costs is None:  # CostModel()'s values
         return {"F": (1.0,) * p, "I": (1.0,) * p, "W": (1.0,) * p, "msg": (0.0,) * p}
-    send = tuple(costs.message_seconds(b) for b in costs.per_stage("activation_bytes", p))
+    send = tuple(costs.send_overhead + costs.message_seconds(b) for b in costs.per_stage("activation_bytes", p))
     return {"F": costs.per_stage("forward", p), "I": costs.per_stage("input_grad", p),
             "W": costs.per_stage("weight_grad", p), "msg": send}
 

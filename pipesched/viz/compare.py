@@ -24,8 +24,10 @@ def fit_cost(measured: Timeline) -> CostModel:
     """A cost model read off a timeline: per stage, the mean seconds of each compute kind it ran.
 
     Values are rounded to 3 significant digits (measurements are not more precise than that, and the
-    cost line in titles stays readable). ``latency`` is the shortest time any message took from its SEND's start to its RECV's end (the
-    best case of a transfer; 0 with no matched messages). All-reduce times are not fitted.
+    cost line in titles stays readable). ``send_overhead`` is the median duration of the SEND events (the sending
+    rank's time inside its send calls; 0 without SEND events), and ``latency`` the shortest time any message took
+    from its SEND's start to its RECV's end (the best case of a transfer) less that overhead, at least 0 (0 with no
+    matched messages). All-reduce times are not fitted.
 
     Raises:
         ValueError: the timeline has no forward (``F``) events.
@@ -44,7 +46,9 @@ def fit_cost(measured: Timeline) -> CostModel:
     if "backward" not in fields:
         i, w = fields.get("input_grad", [0.0] * stages), fields.get("weight_grad", [0.0] * stages)
         fields["backward"] = [a + b for a, b in zip(i, w)]
-    return CostModel(latency=_sig3(_fitted_latency(measured)), **fields)
+    overhead = _sig3(statistics.median(sends)) if (sends := _send_seconds(measured)) else 0.0
+    latency = _sig3(max(0.0, _fitted_latency(measured) - overhead))
+    return CostModel(latency=latency, send_overhead=overhead, **fields)
 
 
 def _sig3(x: float) -> float:
@@ -239,3 +243,8 @@ def _share_xlim(axes) -> None:
 
 def _fitted_latency(timeline: Timeline) -> float:
     return min(MessageFlights(timeline).durations(), default=0.0)
+
+
+def _send_seconds(timeline: Timeline) -> list[float]:
+    """The duration of every SEND event (seconds)."""
+    return [e.duration for e in timeline.events if e.instr.op in (Op.SEND_F, Op.SEND_B)]

@@ -59,13 +59,14 @@ def time_unit(span: float) -> tuple[str, float]:
 
 
 _TIME_COST = re.compile(r"\b(F|B|I|W|R)=(\[[^\]]*\]|[0-9.eE+-]+)")
-_LATENCY = re.compile(r"\blatency=([0-9.eE+-]+)s\b")
+_LATENCY = re.compile(r"\b(latency|send)=([0-9.eE+-]+)s\b")  # the message seconds: latency, send overhead
 _BANDWIDTH = re.compile(r"\bbw=([0-9.eE+-]+)B/s\b")
 
 
 def cost_in_unit(text: str, unit: str, factor: float) -> str:
     """A :meth:`~pipesched.cost.CostModel.describe` line (seconds) in ``unit``, ``seconds * factor``:
-    ``"F=0.001 B=0.002 latency=0.0001s bw=2e+06B/s"`` in ms is ``"F=1 B=2 latency=0.1ms bw=2e+03B/ms"``,
+    ``"F=0.001 B=0.002 latency=0.0001s send=2e-05s bw=2e+06B/s"`` in ms is ``"F=1 B=2 latency=0.1ms send=0.02ms
+    bw=2e+03B/ms"``,
     so a picture whose time axis is in ms says ms everywhere. Parts it does not recognise stay as they are."""
     if factor == 1.0:
         return text
@@ -83,5 +84,5 @@ def cost_in_unit(text: str, unit: str, factor: float) -> str:
         return f"{match.group(1)}={scale(value, factor)}"
 
     text = _TIME_COST.sub(costs, text)
-    text = _LATENCY.sub(lambda m: f"latency={scale(m.group(1), factor)}{unit}", text)
+    text = _LATENCY.sub(lambda m: f"{m.group(1)}={scale(m.group(2), factor)}{unit}", text)
     return _BANDWIDTH.sub(lambda m: f"bw={float(m.group(1)) / factor:.3g}B/{unit}", text)

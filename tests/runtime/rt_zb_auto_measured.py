@@ -24,11 +24,13 @@ def _data(seed, n):
 
 
 def _costs(costs) -> dict | None:
-    """The CostModel's per-stage seconds and latency as plain values (compared across ranks bitwise)."""
+    """The CostModel's per-stage seconds, latency and send overhead as plain values (compared across ranks
+    bitwise)."""
     if costs is None:
         return None
     names = ("forward", "backward", "input_grad", "weight_grad", "recompute")
     return {"type": type(costs).__name__, "latency": costs.latency, "bandwidth": costs.bandwidth,
+            "send_overhead": costs.send_overhead,
             **{name: costs.per_stage(name, 2) for name in names},
             "recompute_given": costs.recompute is not None}
 

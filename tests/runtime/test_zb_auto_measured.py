@@ -10,7 +10,7 @@ import pipesched as ps
 from pipesched.ir import Instr, Op
 from pipesched.runtime import launch
 from pipesched.runtime.measured_costs import (MeasurePlan, activation_bytes, combine, cost_model, cost_vector,
-                                              replicas_max, safe_program, stage_seconds)
+                                              replicas_max, safe_program, send_seconds, stage_seconds)
 
 import rt_zb_auto_measured as rt
 
@@ -67,7 +67,7 @@ def test_costs_one_positive_entry_per_stage_identical_on_every_rank(two, four):
         for field in ("forward", "input_grad", "weight_grad"):
             assert len(c[field]) == 2 and all(t > 0 for t in c[field]), (name, field, c)
         assert c["backward"] == tuple(i + w for i, w in zip(c["input_grad"], c["weight_grad"])), (name, c)
-        assert c["latency"] > 0, (name, c)  # 2 ranks: one pair pinged
+        assert c["latency"] >= 0 and c["send_overhead"] > 0, (name, c)  # the safe program's SENDs took time
         assert c["recompute_given"] is (name == "tight"), (name, c)
         if name == "tight":
             assert all(t > 0 for t in c["recompute"]), c
@@ -115,25 +115,32 @@ def test_stage_seconds_are_per_stage_medians_of_f_i_w_r():
 
 def test_costs_combine_each_stage_from_its_owner_and_replicas_by_max():
     # pipeline rank 0 owns stage 0, rank 1 stage 1 (contiguous); each knows only its own
-    rank0 = cost_vector({0: {Op.F: 1.0, Op.I: 2.0, Op.W: 3.0}}, 2, latency=0.25)
-    rank1 = cost_vector({1: {Op.F: 4.0, Op.I: 5.0, Op.W: 6.0}}, 2, latency=0.0)
-    assert rank0 == [1.0, 0.0, 2.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.25]
+    rank0 = cost_vector({0: {Op.F: 1.0, Op.I: 2.0, Op.W: 3.0}}, 2, latency=0.25, send_overhead=0.0625)
+    rank1 = cost_vector({1: {Op.F: 4.0, Op.I: 5.0, Op.W: 6.0}}, 2, latency=0.0, send_overhead=0.125)
+    assert rank0 == [1.0, 0.0, 2.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.25, 0.0625]
     replica0 = combine([rank0, rank1], (0, 1))
-    assert replica0 == [1.0, 4.0, 2.0, 5.0, 3.0, 6.0, 0.0, 0.0, 0.25]
+    assert replica0 == [1.0, 4.0, 2.0, 5.0, 3.0, 6.0, 0.0, 0.0, 0.25, 0.125]  # the largest latency, overhead
     # a V-like placement: stage 0 and 3 on rank 0, so combine must follow stage_to_rank, not stage index
     rows = [cost_vector({0: {Op.F: 1.0}, 3: {Op.F: 4.0}}, 4, 9.0),
             cost_vector({1: {Op.F: 2.0}, 2: {Op.F: 3.0}}, 4, 8.0)]
-    assert combine(rows, (0, 1, 1, 0))[:4] == [1.0, 2.0, 3.0, 4.0] and combine(rows, (0, 1, 1, 0))[-1] == 9.0
-    replica1 = [1.5, 3.0, 2.0, 5.5, 2.0, 6.0, 0.0, 0.0, 0.5]
+    assert combine(rows, (0, 1, 1, 0))[:4] == [1.0, 2.0, 3.0, 4.0] and combine(rows, (0, 1, 1, 0))[-2:] == [9.0, 0.0]
+    replica1 = [1.5, 3.0, 2.0, 5.5, 2.0, 6.0, 0.0, 0.0, 0.5, 0.0625]
     agreed = replicas_max([replica0, replica1])
-    assert agreed == replicas_max([replica1, replica0]) == [1.5, 4.0, 2.0, 5.5, 3.0, 6.0, 0.0, 0.0, 0.5]
+    assert agreed == replicas_max([replica1, replica0]) == [1.5, 4.0, 2.0, 5.5, 3.0, 6.0, 0.0, 0.0, 0.5, 0.125]
     costs = cost_model(agreed, 2)
     assert costs == ps.CostModel(forward=(1.5, 4.0), backward=(5.0, 11.5), input_grad=(2.0, 5.5),
-                                 weight_grad=(3.0, 6.0), recompute=None, latency=0.5)
-    with_r = cost_model([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5, 0.75, 0.0], 2)
+                                 weight_grad=(3.0, 6.0), recompute=None, latency=0.5, send_overhead=0.125)
+    with_r = cost_model([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5, 0.75, 0.0, 0.0], 2)
     assert with_r.recompute == (0.5, 0.75)
     with pytest.raises(ValueError, match=r"no measured I time for stages \[1\]"):
-        cost_model([1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0], 2)
+        cost_model([1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0], 2)
+
+
+def test_send_seconds_is_the_median_time_inside_send_calls():
+    events = _record([("F0.0", 1.0), ("SEND_F0.0>1", 0.25), ("F0.1", 1.0), ("SEND_F0.1>1", 0.5),
+                      ("RECV_B0.0<1", 3.0), ("SEND_F0.2>1", 0.125)])
+    assert send_seconds(events) == pytest.approx(0.25)
+    assert send_seconds(_record([("F0.0", 1.0), ("RECV_B0.0<1", 2.0)])) == 0.0  # sent nothing: no overhead
 
 
 def test_activation_bytes_is_the_largest_send_f_to_the_peer():
