@@ -8,10 +8,15 @@ on each rank, posts exactly these messages, in this order (:func:`step_posts`):
    training step, the last stage's rank's verdict on the target, checked on its own before the gather;
    :data:`OPENING`), which every rank calls before anything else of the step, and only once every message it
    posted in the previous step has been waited for (the executor waits for every send and all-reduce at the
-   end of its stream, every receive at the instruction that needs it). It is the step's only message before
-   its program: every rank rules on the gathered rows alike (a refused input or target is the same error on
-   every rank), so no point-to-point message opens the step.
-1. *Program messages*, one per SEND or RECV instruction, at the instruction's place in the rank's stream.
+   end of its stream, every receive at the instruction that needs it). It is the step's only message on the
+   pipeline group before its program: every rank rules on the gathered rows alike (a refused input or target is
+   the same error on every rank), so no point-to-point message opens the step.
+1. *The replicas' agreement* (``dp_size > 1`` only; ``Handshake.signature`` -> ``_agree_replicas``): right
+   after the opening, whether or not it refused the step, every rank joins one all-gather over its
+   data-parallel group (the replicas of its pipeline rank: the call each made and whether it refused;
+   :data:`REPLICAS`), so a step one replica refuses is refused on all. It is the step's first collective on
+   that group; the only others are the program's ``ALL_REDUCE`` instructions, later. None with one replica.
+2. *Program messages*, one per SEND or RECV instruction, at the instruction's place in the rank's stream.
    While a step learns the message shapes (:attr:`Post.message` kind ``"act_header"``), a SEND_F sends a
    shape header right before the activation, and a RECV_F posts the header's receive, waits for it, then
    posts the activation's receive: a header and its payload are consecutive on their pair, in the same
@@ -22,12 +27,12 @@ on each rank, posts exactly these messages, in this order (:func:`step_posts`):
    afterwards only the present gradients; and no message at all where no input tensor requires grad, or
    (known) none gets a gradient. :func:`step_posts` takes which gradients come (``gradients``) and gives
    each gradient message's tensor count (:attr:`Post.tensors`, :func:`gradient_tensors`).
-2. *The loss* (training steps): after its last instruction, the rank of the last stage sends the step's
+3. *The loss* (training steps): after its last instruction, the rank of the last stage sends the step's
    loss to every other rank, in rank order — its last message to each in the step. Rank ``r`` posts that
    receive at :func:`loss_post_position`: right after its last receive from that rank when the program
    posts receives early (a backend that matches by tag, gloo), else after its last instruction (NCCL, where
    a posted receive holds up the pair's later messages).
-3. *The norm parts* (a training step that anticipates a ``clip_grad_norm_``, ``norm_parts``;
+4. *The norm parts* (a training step that anticipates a ``clip_grad_norm_``, ``norm_parts``;
    ``runtime/norm_parts.py``): after its last instruction, once its gradients are final (its data-parallel
    all-reduces and tied-gradient sums waited for; where receives are posted early, a rank that owns no tied copy
    sends before waiting for the tied sums), every rank sends its part of the gradient norm to every
@@ -40,6 +45,9 @@ on each rank, posts exactly these messages, in this order (:func:`step_posts`):
 Why this order cannot hang or swap a message (:func:`check_step` checks each point for every program the
 runtime runs): every rank reaches the all-gather (it waits for no message of the step first) and joins it once,
 before any other message of the step; every rank rules on the same rows, so all go on to the program or none.
+With replicas, each rank then joins its data-parallel group's agreement once, before any message or all-reduce
+of its program: the replicas of a pipeline rank rule on the same rows too, so all go on or none, and the
+group's collectives (the agreement, then the program's ALL_REDUCEs in one order) are called alike on every member.
 The program is proven (:mod:`pipesched.validate`) under first-in first-out matching per pair of ranks
 whatever the message's kind, and a learning step's program also with each RECV_F blocking until its SEND_F
 is issued (:func:`learning_view`). A header and its payload travel together, in one order on both sides.
@@ -67,9 +75,10 @@ from .validate import validate
 
 class Post(NamedTuple):
     """One message post: ``kind`` ``"send"`` or ``"recv"`` (point to point, with the ``peer`` pipeline rank) or
-    ``"all_gather"`` (the collective that opens the step, on the whole pipeline group: ``peer`` ``None``, message
-    :data:`OPENING`); the ``message``: ``(kind, stage, microbatch)`` with kind ``"act_header"``, ``"act"`` (the
-    output of ``stage``), ``"grad"`` (the gradient of ``stage``'s input), ``"loss"`` or ``"norm"``
+    ``"all_gather"`` (a collective, ``peer`` ``None``: the one that opens the step, on the whole pipeline group,
+    message :data:`OPENING`; with ``dp_size > 1`` the replicas' agreement right after it, on the data-parallel
+    group, message :data:`REPLICAS`); the ``message``: ``(kind, stage, microbatch)`` with kind ``"act_header"``,
+    ``"act"`` (the output of ``stage``), ``"grad"`` (the gradient of ``stage``'s input), ``"loss"`` or ``"norm"``
     (:data:`LOSS`, :data:`NORM`); ``tensors``: the number of tensors a gradient message carries
     (:func:`gradient_tensors`), ``None`` for the other messages (an activation carries the stage's output
     tensors, the others one tensor each)."""
@@ -82,6 +91,7 @@ class Post(NamedTuple):
 
 LOSS = ("loss", None, None)  #: the step's loss, from the last stage's rank
 OPENING = ("opening", None, None)  #: the all-gather that opens every step (handshake, with the verdict on the target)
+REPLICAS = ("replicas", None, None)  #: the replicas' agreement: the all-gather over the data-parallel group (dp > 1)
 NORM = ("norm", None, None)  #: a rank's part of the gradient norm, to every other pipeline rank (norm_parts)
 #: Which gradients of one stage input come back when a step's ``gradients`` does not say: one tensor that
 #: requires grad and gets a gradient (a stage of a plain ``nn.Sequential`` of ``Linear`` layers).
@@ -168,7 +178,9 @@ def instruction_posts(instr, learning: bool, gradients=None) -> list[Post]:
 def step_posts(program: Program, rank: int, learning: bool, early: bool, gradients=None,
                norm_parts: bool = False) -> list[Post]:
     """Every message ``rank`` posts in a step that runs ``program`` (see the module docstring), in order: the
-    opening all-gather (``Post("all_gather", None, OPENING)``), then each point-to-point send and receive.
+    opening all-gather (``Post("all_gather", None, OPENING)``), with ``program.dp_size > 1`` the replicas'
+    agreement (``Post("all_gather", None, REPLICAS)``, on the data-parallel group), then each point-to-point
+    send and receive.
 
     Args:
         program: the step's program (forward-only for a ``forward()``: no loss is sent).
@@ -186,8 +198,8 @@ def step_posts(program: Program, rank: int, learning: bool, early: bool, gradien
 def _numbered_posts(program: Program, rank: int, learning: bool, early: bool,
                     gradients=None, norm_parts: bool = False) -> list[tuple[int, Post]]:
     """:func:`step_posts`, each with the position of the instruction it belongs to (the loss: the position
-    its receive follows, clamped to 0, or the last instruction for its sends; the opening: 0; the norm parts:
-    as the loss)."""
+    its receive follows, clamped to 0, or the last instruction for its sends; the opening and the replicas'
+    agreement: 0; the norm parts: as the loss)."""
     stream, last = program.ranks[rank], program.stage_to_rank[-1]
     train = not program.forward_only
     parts = train and norm_parts
@@ -195,6 +207,8 @@ def _numbered_posts(program: Program, rank: int, learning: bool, early: bool,
     peers = [q for q in range(program.num_ranks) if q != rank]
     norm_at = {q: norm_post_position(stream, q, early) for q in peers} if parts else {}
     posts = [(0, Post("all_gather", None, OPENING))]  # the verdict on the target travels in it
+    if program.dp_size > 1:  # the replicas agree on the step (handshake), whatever the pipeline group ruled
+        posts.append((0, Post("all_gather", None, REPLICAS)))
     if loss_at == -1:
         posts.append((0, Post("recv", last, LOSS)))
     posts += [(0, Post("recv", q, NORM)) for q in peers if norm_at.get(q) == -1]
@@ -254,6 +268,9 @@ def check_step(program: Program, learning: bool, early: bool, same_pair_order: b
       So first-in first-out matching per pair (NCCL's; gloo's per tag) gives every receive its own message,
       and when a rank enters the next step's all-gather, having waited for all its own posts, no
       point-to-point message of any pair is unfinished (on NCCL the collective would queue behind one: a hang).
+    - The replicas' agreement: with ``dp_size > 1`` every rank posts it once, right after the opening and before
+      any message of its program and any ``ALL_REDUCE`` (the data-parallel group's other collectives); with one
+      replica, never. So every member of a data-parallel group calls the group's collectives in one order.
     - ``same_pair_order`` (a backend that runs the messages between two ranks in issue order on one stream,
       NCCL): between every two ranks, both post their messages of both directions (:func:`step_posts`) in
       one order. With the program proven, each pair's messages then complete in that order.
@@ -268,7 +285,8 @@ def check_step(program: Program, learning: bool, early: bool, same_pair_order: b
             each way on its pair, posted once per peer, and every point above holds with them.
     Raises:
         DeadlockError: the learning step would hang (names the blocked instructions of the learning view).
-        PairingError: the step does not open with its all-gather, a message of a pair is not received
+        PairingError: the step does not open with its all-gather (then, with replicas, the replicas'
+            agreement, once; without, none), a message of a pair is not received
             exactly once in send order within the step, the loss would not match last, or two ranks post
             their messages in different orders.
     """
@@ -284,6 +302,7 @@ def check_step(program: Program, learning: bool, early: bool, same_pair_order: b
         posts = [_numbered_posts(program, rank, learning, early, gradients, parts)
                  for rank in range(program.num_ranks)]
         _check_opening(program, posts)
+        _check_replicas(program, posts)
         _check_loss_last(program, posts)  # the most telling message first
         if parts:
             _check_norm_parts_last(program, posts)
@@ -297,12 +316,36 @@ def _check_opening(program: Program, posts: list) -> None:
     """Every rank's step opens with the all-gather, and has it once: no message posted before it can still be
     unfinished, and none of the step comes after the next step's."""
     for rank, mine in enumerate(posts):
-        gathers = [k for k, (_, post) in enumerate(mine) if post.kind == "all_gather"]
-        if gathers != [0]:
+        gathers = [k for k, (_, post) in enumerate(mine) if post.message == OPENING]
+        if gathers != [0] or mine[0][1].kind != "all_gather":
             at = mine[gathers[0] if gathers else 0][0] if mine else 0
             raise PairingError(f"rank {rank}'s step must open with the all-gather on the pipeline group, once, before "
                                f"any point-to-point message; it posts it at positions {gathers} of its posts",
                                rank, _instr_at(program, rank, at), render_grid(program.ranks, {rank: at}))
+
+
+def _check_replicas(program: Program, posts: list) -> None:
+    """With ``dp_size > 1``, every rank's second post is the replicas' all-gather on the data-parallel group, its
+    only one, posted before any instruction of its stream (so before its first message and ``ALL_REDUCE``); with
+    one replica, no rank posts it."""
+    want = [1] if program.dp_size > 1 else []
+    for rank, mine in enumerate(posts):
+        stream = program.ranks[rank]
+        agreements = [k for k, (_, post) in enumerate(mine) if post.message == REPLICAS]
+        reduces = [k for k, instr in enumerate(stream) if instr.op is Op.ALL_REDUCE]
+        if agreements == want and all(mine[k][1].kind == "all_gather" and mine[k][0] == 0
+                                      and not (reduces and reduces[0] == 0) for k in agreements):
+            continue
+        at = mine[agreements[0]][0] if agreements else 0
+        where = f"it posts it at positions {agreements} of its posts"
+        if agreements == want:
+            where += (f" (kind {mine[1][1].kind!r}) with instruction {at} of its stream, whose ALL_REDUCEs are "
+                      f"at {reduces}")
+        must = ("posted once, right after the step's opening, before any message or ALL_REDUCE of its program"
+                if want else "absent (one replica)")
+        raise PairingError(f"rank {rank}'s replicas' agreement (the all-gather on the data-parallel group, dp_size "
+                           f"{program.dp_size}) must be {must}; {where}", rank, _instr_at(program, rank, at),
+                           render_grid(program.ranks, {rank: at}))
 
 
 def _check_pairs_match(program: Program, posts: list) -> None:
@@ -389,6 +432,7 @@ def _check_same_pair_order(program: Program, posts: list) -> None:
 def _describe(message: tuple) -> str:
     kind, stage, mb = message
     return {"loss": "the step's loss", "opening": "the step's opening all-gather", "norm": "the norm part",
+            "replicas": "the replicas' agreement (the all-gather on the data-parallel group)",
             "act_header": f"the shape header of stage {stage}'s output, microbatch {mb}",
             "act": f"stage {stage}'s output, microbatch {mb}",
             "grad": f"the gradient of stage {stage}'s input, microbatch {mb}"}[kind]

@@ -3,7 +3,9 @@ in its own thread, over an in-memory process group that logs every post in call 
 point-to-point messages between two ranks first in, first out whatever their tag (as NCCL does; the checker's
 model), failing on a message whose tag or size is not the one the receive was posted for, on a receive
 nothing comes for, or on a rank entering the step-opening all-gather while a message it posted is not yet
-waited for (on NCCL that collective would queue behind it)."""
+waited for (on NCCL that collective would queue behind it). With ``dp_size > 1`` each rank's data-parallel group
+is a fake of identical replicas (:class:`_FakeDP`): the real handshake's agreement all-gather over it is logged
+among the rank's posts, and each all-reduce's place among them in ``Network.reduces``."""
 from __future__ import annotations
 
 import threading
@@ -75,6 +77,7 @@ class Network:
         self.gathered = [0] * num_ranks  # per rank, the all-gathers it joined
         self.log = [[] for _ in range(num_ranks)]
         self.works = [[] for _ in range(num_ranks)]  # per rank, its point-to-point works not yet seen waited
+        self.reduces = [[] for _ in range(num_ranks)]  # per rank, for each data-parallel all-reduce: len(log) then
 
     def group(self, rank: int) -> "FakeGroup":
         return FakeGroup(self, rank)
@@ -178,8 +181,27 @@ class Boundary(nn.Module):
 
 
 class _FakeDP:
-    def allreduce(self, tensors):
+    """One rank's data-parallel group, its other replicas identical to it (same step, same data): an all-gather
+    (the handshake's agreement) gives ``size`` copies of this rank's row and is logged among the rank's posts as
+    ``("all_gather", None, "replicas")``; an all-reduce does nothing but note its place (``net.reduces``), and
+    the agreement fails while one of the previous step's all-reduces is not waited for."""
+
+    def __init__(self, net: Network, rank: int) -> None:
+        self.net, self.rank, self.works = net, rank, []
+
+    def allgather(self, outputs, inputs):
+        if not all(work.waited for work in self.works):
+            raise RuntimeError(f"rank {self.rank} enters the replicas' agreement with an all-reduce not waited for")
+        self.works = []
+        self.net.log[self.rank].append(("all_gather", None, "replicas"))
+        for row in outputs[0]:
+            row.copy_(inputs[0])
         return _Done()
+
+    def allreduce(self, tensors):
+        self.net.reduces[self.rank].append(len(self.net.log[self.rank]))
+        self.works.append(_Done())
+        return self.works[-1]
 
 
 class DryPipeline:
@@ -196,11 +218,12 @@ class DryPipeline:
         self.net = Network(self.p)
         cpu = torch.device("cpu")
         transports = [CountingTransport(self.net, r, program.num_stages, cpu) for r in range(self.p)]
+        dp = [_FakeDP(self.net, r) if program.dp_size > 1 else None for r in range(self.p)]
         self.executors = [
             Executor(programs, r, RankWork({s: self.layers[s] for s in program.stages_of(r)}, F.mse_loss, cpu),
-                     Links(transports[r], _FakeDP() if program.dp_size > 1 else None))
+                     Links(transports[r], dp[r]))
             for r in range(self.p)]
-        self.handshakes = [Handshake(transports[r], program, r, cpu) for r in range(self.p)]
+        self.handshakes = [Handshake(transports[r], program, r, cpu, dp[r]) for r in range(self.p)]
         self.parts = [NormParts(transports[r], self.p, r, cpu,
                                 lambda r=r: [q for s in program.stages_of(r) for q in self.layers[s].parameters()])
                       for r in range(self.p)]
@@ -213,7 +236,8 @@ class DryPipeline:
     def run(self, train: bool) -> list[list]:
         """One step (``train``) or forward on every rank, as ``Pipeline`` runs it (the handshake, then the
         executor); returns each rank's posts ``(kind, peer, tag, tensors)``, the all-gather as
-        ``("all_gather", None, None)``.
+        ``("all_gather", None, None)``, the replicas' agreement (``dp_size > 1``) as ``("all_gather", None,
+        "replicas")``.
 
         Raises:
             RuntimeError: a rank failed (the first failure, naming the rank).

@@ -24,8 +24,8 @@ SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 3}
 def _row(post: Post, num_stages: int) -> tuple:
     """A post as the dry run logs it: (kind, peer, tag, tensors); the all-gather without tag and count."""
     kind, stage, mb = post.message
-    if kind == "opening":
-        return ("all_gather", None, None)
+    if kind in ("opening", "replicas"):  # the replicas' agreement (dp > 1) as the dry run logs it
+        return ("all_gather", None, None if kind == "opening" else "replicas")
     tag = {"loss": TAG_LOSS, "norm": TAG_NORM}.get(kind) or tag_of(kind, stage, mb, num_stages)
     return (post.kind, post.peer, tag, 1 if post.tensors is None else post.tensors)
 

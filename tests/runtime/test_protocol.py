@@ -1,7 +1,8 @@
 """The whole wire protocol, dry-run: for every built-in schedule and option over a hypothesis grid, each rank's
 real handshake and executor (threads of one process, an in-memory group matching messages first in, first out
 whatever their tag) post exactly the messages of the validated program they run, plus the documented opening
-all-gather (which carries the verdict on the target: no message of its own), shape headers and loss
+all-gather (which carries the verdict on the target: no message of its own), with replicas the replicas'
+agreement all-gather over the data-parallel group right after it, shape headers and loss
 (:func:`pipesched.protocol.step_posts`), in that order, with each gradient message carrying the tensors
 :func:`pipesched.protocol.gradient_tensors` says — also where some stage inputs get no gradient (masked
 messages) — and no rank enters a step's all-gather with a message of the previous step not yet waited for."""
@@ -22,8 +23,8 @@ SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 3}  # name -> the most v
 
 def _tag(message, num_stages: int) -> int | None:
     kind, stage, mb = message
-    if kind == "opening":
-        return None
+    if kind in ("opening", "replicas"):
+        return None if kind == "opening" else "replicas"  # as the dry run logs the replicas' agreement
     return TAG_LOSS if kind == "loss" else tag_of(kind, stage, mb, num_stages)
 
 
@@ -37,7 +38,7 @@ def _expected(program, rank: int, learning: bool, early: bool, gradients=None, b
         row = (post.kind, post.peer, _tag(post.message, program.num_stages))
         if kind == "act":
             row += (2 if boundaries and boundaries[stage][2] else 1,)
-        elif kind != "opening":
+        elif kind not in ("opening", "replicas"):
             row += (1 if post.tensors is None else post.tensors,)
         out.append(row)
     return out
