@@ -14,6 +14,18 @@ def as_int(value) -> int | None:
     return int(value)
 
 
+def is_real(value) -> bool:
+    """A real number: an int or float, numpy's too (``np.int64``, ``np.float32``: any ``numbers.Real``), but not a
+    bool (numpy's ``bool_`` is no ``numbers.Real``)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def plain_number(value):
+    """A real number (:func:`is_real`) as a plain ``int`` (an integer) or ``float``: so that no numpy number reaches
+    a timeline, JSON or torch."""
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
 def check_positive(name: str, value, minimum: int = 1) -> int:
     """``value`` as a plain ``int`` if it is an integer (not a bool; numpy integers and any ``numbers.Integral``
     are) >= ``minimum``. Callers use the returned value, not ``value``.

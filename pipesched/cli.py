@@ -6,7 +6,7 @@ import json
 import sys
 
 from . import interop_cli, plan_cli, program_io
-from .api import build, compile_program
+from .api import BACKENDS, build, compile_program
 from .lower import add_recompute, add_tie_reduce, forward_only, split_backward
 from .cli_costs import add_cost_args, cost_from_args, given_costs, named_cost_error, show_value
 from .cost import CostError
@@ -267,6 +267,14 @@ def _cmd_validate(args) -> int:
         if args.json:
             print(json.dumps({"error": f"cannot read {args.file}: {exc.strerror}", "exit_status": 2}))
         return 2
+    if args.backend is not None:  # what Pipeline proves on that backend before any communication, by its functions
+        from .user_programs import backend_programs
+
+        try:
+            backend_programs(program, args.backend)
+        except (ScheduleError, ValueError) as exc:
+            hung = isinstance(exc, DeadlockError) or isinstance(exc.__cause__, DeadlockError)
+            return _report_invalid(args, exc, "deadlock" if hung else type(exc).__name__, args.backend)
     timeline = simulate(program, check=False)
     if args.json:
         print(json.dumps({"valid": True, "compute_only": not has_comm(program),
@@ -274,12 +282,15 @@ def _cmd_validate(args) -> int:
                           "num_microbatches": program.num_microbatches, "dp_size": program.dp_size,
                           "instructions": len(program),
                           "bubble_fraction": timeline.bubble_fraction,
-                          "peak_inflight": list(timeline.peak_inflight)}))
+                          "peak_inflight": list(timeline.peak_inflight),
+                          **({"backend": args.backend} if args.backend else {})}))
     else:
         kind = ("complete, ordered, send/recv-paired and deadlock-free"
                 if has_comm(program) or program.num_ranks == 1 else
                 "complete, ordered and deadlock-free as a compute-only program (no SEND/RECV: transfers between "
                 "ranks are implicit; lower it with pipesched.add_send_recv before running it)")
+        if args.backend:
+            kind += f"; a Pipeline on {args.backend} runs it (its step protocol proven, the learning step included)"
         print(f"valid: {args.file}: {_count(program.num_ranks, 'rank')}, {_count(program.num_stages, 'stage')}, "
               f"{_count(program.num_microbatches, 'microbatch')}, "
               + (f"{program.dp_size} data-parallel replicas, " if program.dp_size > 1 else "")
@@ -292,18 +303,50 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "es" if noun.endswith("h") else "s")
 
 
-def _report_invalid(args, exc: ScheduleError, cause: str) -> int:
+def _report_invalid(args, exc: ScheduleError | ValueError, cause: str, backend: str | None = None) -> int:
+    """Exit 1 with the error; ``backend``: the program is valid, but a Pipeline on that backend refuses it (``exc``:
+    its error, a ``ValueError`` when the program is not one a Pipeline runs)."""
     decided(args, 1)
+    spot = exc.__cause__ if backend and getattr(exc, "rank", None) is None else exc  # a learning step's: its deadlock's
+    rank, instr = getattr(spot, "rank", None), getattr(spot, "instr", None)
     if args.json:
-        print(json.dumps({"valid": False, "cause": cause, "error": type(exc).__name__, "rank": exc.rank,
-                          "instruction": None if exc.instr is None else str(exc.instr), "reason": exc.reason}))
+        print(json.dumps({"valid": False, "cause": cause, "error": type(exc).__name__,
+                          "rank": rank, "instruction": None if instr is None else str(instr),
+                          "reason": getattr(exc, "reason", str(exc)), **({"backend": backend} if backend else {})}))
     else:
-        print(f"invalid: {args.file}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        on = f" on backend {backend}" if backend else ""
+        print(f"invalid{on}: {args.file}: {type(exc).__name__}: {exc}", file=sys.stderr)
     return 1
 
 
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipesched", description=__doc__.splitlines()[0])
+class JsonErrorParser(argparse.ArgumentParser):
+    """The parser of a command line holding ``--json``: a usage error (an unknown option, a bad int, a missing
+    argument; exit 2) is printed as argparse prints it, on stderr, and also on stdout as ``{"error": MESSAGE,
+    "exit_status": 2}``, as the commands' other errors are. Its subcommands' parsers are of this class too."""
+
+    def error(self, message):
+        self.print_usage(sys.stderr)
+        print(json.dumps({"error": message, "exit_status": 2}))
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def asks_json(argv) -> bool:
+    """Whether the command line ``argv`` (without the program) holds ``--json`` (or an abbreviation argparse takes
+    for it, ``--js``), before any ``--``."""
+    for word in argv:
+        if word == "--":
+            return False
+        name = word.split("=", 1)[0] if isinstance(word, str) else ""
+        if len(name) >= 3 and "--json".startswith(name):
+            return True
+    return False
+
+
+def make_parser(json_errors: bool = False) -> argparse.ArgumentParser:
+    """The ``pipesched`` parser; ``json_errors``: a :class:`JsonErrorParser` (``main`` asks for one when ``--json`` is
+    on the command line)."""
+    parser = (JsonErrorParser if json_errors else argparse.ArgumentParser)(
+        prog="pipesched", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"pipesched {_version()}")
     add_schedule_module_arg(parser, dest="global_schedule_modules")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -323,6 +366,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_simulate)
     p = sub.add_parser("validate", help="prove a program file (text or JSON form) runnable")
     interop_cli.add_validate_args(p)
+    p.add_argument("--backend", choices=tuple(BACKENDS), default=None,
+                   help="also prove what a Pipeline on this torch.distributed backend proves before running it "
+                        "(gloo: the step that learns the message shapes; nccl: also one message order per pair of "
+                        "ranks), refusing with its error (exit 1)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_validate)
     plan_cli.add_plan_parser(sub)  # pipesched plan: pipesched/plan_cli.py
@@ -355,7 +402,7 @@ def decided(args, status: int) -> int:
 
 
 def main(argv=None) -> int:
-    parser = make_parser()
+    parser = make_parser(json_errors=asks_json(sys.argv[1:] if argv is None else argv))
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "passes_options", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import math
-import numbers
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from .checks import is_real, plain_number
 
 Number = float | int
 PerStage = Number | Sequence[Number]
@@ -85,7 +86,7 @@ class CostModel:
     def __post_init__(self) -> None:
         for name in _PER_STAGE:
             value = getattr(self, name)
-            if value is None or _is_number(value):
+            if value is None or is_real(value):
                 _check_finite(name, value)
                 continue
             if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
@@ -95,7 +96,7 @@ class CostModel:
                 _check_finite(name, item)
         for name in _SCALAR_SECONDS:
             _check_finite(name, getattr(self, name))
-        if not (_is_number(self.bandwidth) and self.bandwidth > 0):
+        if not (is_real(self.bandwidth) and self.bandwidth > 0):
             raise CostError("bandwidth", f"cost bandwidth must be a number of bytes/s > 0 (inf: free transfers), "
                                          f"got {self.bandwidth!r}")
         self._check_recompute_holds_input()
@@ -106,19 +107,19 @@ class CostModel:
         holding one as a tuple of them), so that none reaches a timeline, JSON or torch."""
         for name in _PER_STAGE + ("latency", "bandwidth", "send_overhead"):
             value = getattr(self, name)
-            if _is_number(value):
+            if is_real(value):
                 if type(value) not in (int, float):
-                    object.__setattr__(self, name, _plain(value))
+                    object.__setattr__(self, name, plain_number(value))
             elif value is not None and any(type(v) not in (int, float) for v in value):
-                object.__setattr__(self, name, tuple(_plain(v) for v in value))
+                object.__setattr__(self, name, tuple(plain_number(v) for v in value))
 
     def _check_recompute_holds_input(self) -> None:
         """``recompute_bytes`` includes the stage input, so it cannot be below ``input_bytes`` (both given)."""
         if self.input_bytes is None or self.recompute_bytes is None:
             return
         held, kept = self.recompute_bytes, self.input_bytes
-        n = next((len(v) for v in (held, kept) if not _is_number(v)), 1)
-        pairs = zip([held] * n if _is_number(held) else held, [kept] * n if _is_number(kept) else kept)
+        n = next((len(v) for v in (held, kept) if not is_real(v)), 1)
+        pairs = zip([held] * n if is_real(held) else held, [kept] * n if is_real(kept) else kept)
         for stage, (h, k) in enumerate(pairs):
             if h < k:
                 raise CostError("recompute_bytes", f"cost recompute_bytes ({h:g} for stage {stage}) must be >= "
@@ -134,7 +135,7 @@ class CostModel:
         value = getattr(self, name)
         if value is None:
             return self._default(name, num_stages)
-        values = [value] * num_stages if _is_number(value) else list(value)
+        values = [value] * num_stages if is_real(value) else list(value)
         if len(values) != num_stages:
             raise CostError(name, f"cost {name} has {len(values)} values but the program has {num_stages} stages")
         return tuple(float(v) for v in values)
@@ -225,21 +226,10 @@ _PER_STAGE = ("forward", "backward", "input_grad", "weight_grad", "recompute", "
               "stash_bytes", "input_bytes", "recompute_bytes", "tie_bytes")
 
 
-def _is_number(value) -> bool:
-    """A real number: an int or float, numpy's too (``np.int64``, ``np.float32``: any ``numbers.Real``), but not a
-    bool (held as a plain ``int`` or ``float``, :meth:`CostModel._hold_plain_numbers`)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy's bool_ is no numbers.Real
-
-
-def _plain(value):
-    """A number as a plain ``int`` (an integer) or ``float``."""
-    return int(value) if isinstance(value, numbers.Integral) else float(value)
-
-
 def _check_finite(name: str, value) -> None:
     if value is None:
         return
-    if not _is_number(value) or not math.isfinite(value) or value < 0:
+    if not is_real(value) or not math.isfinite(value) or value < 0:
         raise CostError(name, f"cost {name} must be a finite number >= 0 (seconds or bytes), got {value!r}")
 
 

@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from fractions import Fraction
 
-from .checks import as_int
+from .checks import as_int, is_real, plain_number
 from .partition_search import evaluate, least_max
 from .partition_v import least_v_load
 from .placement import vshape
@@ -84,6 +84,7 @@ def balance_by_time(layer_costs: Sequence[float], num_stages: int, stage_to_rank
     cut of least slowest stage next to it.
     """
     n, costs, mem, limit, s2r = _checked(layer_costs, num_stages, stage_to_rank, memory, memory_limit)
+    memory_limit = limit  # a plain number (a numpy one given), as the costs and memory
     num_stages = as_int(num_stages)  # _checked refused anything else; numpy integers become plain ints
     if max_nodes is not None:
         nodes = as_int(max_nodes)
@@ -139,7 +140,7 @@ def _checked(layer_costs, num_stages, stage_to_rank, memory, memory_limit):
         if len(mem) != n:
             raise ValueError(f"memory has {len(mem)} values but layer_costs has {n} (one per layer)")
     if memory_limit is not None:
-        _numbers("memory_limit", [memory_limit])
+        memory_limit, = _numbers("memory_limit", [memory_limit])
     if stage_to_rank is None:
         s2r = tuple(range(num_stages))
     else:
@@ -152,13 +153,15 @@ def _checked(layer_costs, num_stages, stage_to_rank, memory, memory_limit):
 
 
 def _numbers(name, values) -> list:
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+    """``values`` as a list of plain ints and floats: any real number but a bool (numpy's: ``np.int64``,
+    ``np.float32``) is accepted, a sequence or a 1-d array of them."""
+    if isinstance(values, (str, bytes)) or not (isinstance(values, Sequence) or getattr(values, "ndim", None) == 1):
         raise ValueError(f"{name} must be a sequence of numbers >= 0, got {values!r}")
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        if not is_real(v) or not math.isfinite(v) or v < 0:
             raise ValueError(f"{name}[{i}] must be a finite number >= 0, got {v!r}" if name != "memory_limit"
                              else f"memory_limit must be a finite number of bytes >= 0, got {v!r}")
-    return list(values)
+    return [plain_number(v) for v in values]
 
 
 def _exact_prefixes(costs, mem, limit):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from .checks import as_int, check_positive
+from .checks import as_int, check_positive, is_real, plain_number
 from .errors import ScheduleArgumentError, UnknownScheduleError
 from .plan_search import Search
 from .registry import get_schedule
@@ -43,11 +43,9 @@ def check_args(profile, world_size, memory_per_rank, global_batch, top, optimize
 
 
 def _plain_number(value):
-    """A numpy integer as a plain int, a numpy float as a plain float; anything else as it is (checked after)."""
-    number = as_int(value)
-    if number is not None:
-        return number
-    return float(value) if isinstance(value, float) else value
+    """A numpy integer as a plain int, any other real number (``np.float32`` too; not a bool) as a plain float;
+    anything else as it is (checked after)."""
+    return plain_number(value) if is_real(value) else value
 
 
 def schedule_names(schedules) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from .checks import as_int
+from .checks import is_real, plain_number
 from .cost import CostModel
 
 FORMAT = "pipesched.LayerProfile"
@@ -90,18 +91,18 @@ class LayerProfile:
             values = getattr(self, name)
             if len(values) != n:
                 raise ValueError(f"LayerProfile.{name} has {len(values)} values but forward has {n} (one per layer)")
-            for i, value in enumerate(values):
-                _check_value(f"{name}[{i}]", value)
+            object.__setattr__(self, name, tuple(_check_value(f"{name}[{i}]", v) for i, v in enumerate(values)))
         if self.layer_names and len(self.layer_names) != n:
             raise ValueError(f"LayerProfile.layer_names has {len(self.layer_names)} names but there are {n} layers")
         size = as_int(self.microbatch_size)
         if size is None or size < 1:
             raise ValueError(f"LayerProfile.microbatch_size must be an int >= 1, got {self.microbatch_size!r}")
         object.__setattr__(self, "microbatch_size", size)  # a numpy integer becomes a plain int (JSON, programs)
-        _check_value("input_bytes", self.input_bytes)
-        _check_value("latency", self.latency)
-        if not (isinstance(self.bandwidth, (int, float)) and self.bandwidth > 0):
+        for name in ("input_bytes", "latency"):  # numpy numbers held as plain ones, as the per-layer fields
+            object.__setattr__(self, name, _check_value(name, getattr(self, name)))
+        if not (is_real(self.bandwidth) and self.bandwidth > 0):
             raise ValueError(f"LayerProfile.bandwidth must be bytes/s > 0 (inf: free), got {self.bandwidth!r}")
+        object.__setattr__(self, "bandwidth", plain_number(self.bandwidth))
         for name, fixed_name in zip(_TIMES, _FIXED):
             self._check_fixed(name, fixed_name)
         if self.boundary_saves is not None:
@@ -114,12 +115,13 @@ class LayerProfile:
         if len(fixed) != len(times):
             raise ValueError(f"LayerProfile.{fixed_name} has {len(fixed)} values but there are {len(times)} layers "
                              f"(one per layer, or none)")
+        checked = []
         for i, (value, total) in enumerate(zip(fixed, times)):
-            _check_value(f"{fixed_name}[{i}]", value)
+            checked.append(_check_value(f"{fixed_name}[{i}]", value))
             if value > total:
                 raise ValueError(f"LayerProfile.{fixed_name}[{i}] = {value!r} s exceeds {name}[{i}] = {total!r} s: "
                                  f"the fixed part of a time must be in [0, the time]")
-        object.__setattr__(self, fixed_name, fixed)
+        object.__setattr__(self, fixed_name, tuple(checked))
 
     @property
     def num_layers(self) -> int:
@@ -261,9 +263,11 @@ class LayerProfile:
             raise ValueError(f"{path}: {exc}") from None
 
 
-def _check_value(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+def _check_value(name: str, value):
+    """``value`` as a plain int or float: any real number but a bool (numpy's too: ``np.float32``), finite, >= 0."""
+    if not is_real(value) or not math.isfinite(value) or value < 0:
         raise ValueError(f"LayerProfile.{name} must be a finite number >= 0 (seconds or bytes), got {value!r}")
+    return plain_number(value)
 
 
 def _checked_saves(saves, activation_bytes) -> tuple:
@@ -282,12 +286,13 @@ def _checked_saves(saves, activation_bytes) -> tuple:
                                       for i in layers) or layers != sorted(set(layers)):
                 raise ValueError(f"{where}: layers {layers} must be distinct, increasing and in {first - 1} .. {last} "
                                  f"(the tensor's producer and the layers it is the input of), at least one")
+            checked = []
             for layer, nbytes in entries:
-                _check_value(f"boundary_saves[{k}] bytes of layer {layer}", nbytes)
+                checked.append((layer, _check_value(f"boundary_saves[{k}] bytes of layer {layer}", nbytes)))
                 if nbytes > activation_bytes[layer]:
                     raise ValueError(f"{where}: layer {layer} saves {nbytes!r} bytes of it, more than its "
                                      f"activation_bytes {activation_bytes[layer]!r}")
-            result.append((first, last, entries))
+            result.append((first, last, tuple(checked)))
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ValueError) and str(exc).startswith("LayerProfile."):
             raise

@@ -25,7 +25,7 @@ What the program decides and what the ``Pipeline`` arguments may still say:
 """
 from __future__ import annotations
 
-from .api import compile_program
+from .api import BACKENDS, StepPrograms, compile_program, step_programs
 from .engine import has_comm
 from .ir import Op, Program
 from .lower import add_tie_reduce
@@ -102,12 +102,41 @@ def _check_shape(program: Program, num_ranks: int, dp_size: int) -> None:
         raise ValueError(f"the program has {program.num_ranks} ranks (num_ranks) but the pipeline has {num_ranks} "
                          f"(world size {num_ranks * dp_size} / dp_size {dp_size}); launch "
                          f"{program.num_ranks} x dp_size processes, or use a program for {num_ranks} ranks")
+    check_pipeline_program(program)
+
+
+def check_pipeline_program(program: Program) -> None:
+    """``program`` is one a ``Pipeline`` runs (whatever its ranks): a lowered training program.
+
+    Raises:
+        ValueError: ``program`` is forward-only, or compute-only with more than one rank (says what to do).
+    """
     if program.forward_only:
         raise ValueError("the program is forward-only (forward_only=True); a Pipeline needs the training program "
                          "and derives the forward-only one itself")
     if program.num_ranks > 1 and not has_comm(program):
         raise ValueError("the program is compute-only (no SEND/RECV); lower it first: "
                          "pipesched.add_send_recv(program), or register its builder (pipesched.register_schedule)")
+
+
+def backend_programs(program: Program, backend: str) -> StepPrograms:
+    """What ``Pipeline(model, schedule=program)`` proves of a validated ``program`` on ``backend`` (``"gloo"``, its
+    CPU backend, or ``"nccl"``, its CUDA one; :data:`~pipesched.api.BACKENDS`) before any communication, with the
+    very functions it calls there: :func:`check_pipeline_program`, then :func:`~pipesched.api.step_programs` with
+    ``early_receives=None`` (the Pipeline's default): gloo proves the step that learns the message shapes (each
+    RECV_F waits until its SEND_F is issued), nccl also one message order per pair of ranks. What depends on the
+    launch and the model is not checked: the ranks (world size / dp_size) and the model's ties (a program without
+    ties gets the model's cross-rank ones added first). ``pipesched validate FILE --backend`` runs it.
+
+    Raises:
+        ValueError: as :func:`check_pipeline_program`, or an unknown ``backend`` (names the known ones).
+        ScheduleError: the Pipeline's refusal on ``backend``, its message unchanged (``PairingError`` on nccl, a
+            ``ScheduleError`` chained to a ``DeadlockError`` for a learning step that would hang).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    check_pipeline_program(program)
+    return step_programs(program, backend)
 
 
 def program_with_ties(program: Program, ties) -> Program:

@@ -273,7 +273,9 @@ def profile_link(group=None, nbytes=(1 << 10, 1 << 16, 1 << 20, 1 << 22), repeat
     The first two ranks of the group send each other messages of ``nbytes`` (a ping-pong, ``repeat`` times per
     size after one warm-up); a message's time is half the median round trip; ``time = latency + bytes /
     bandwidth`` is fitted by least squares over the sizes. ``latency`` is the fit's intercept, or, if that is
-    not positive, the smallest size's time; ``bandwidth`` is ``inf`` when the time does not grow with the size.
+    not positive, the least of the sizes' times (the smallest size's, unless noise made a larger one quicker);
+    ``bandwidth`` is ``inf`` when the time does not grow with the size (the fitted slope is not positive: the
+    latency is then the times' mean).
     Put them into a profile with ``dataclasses.replace(profile, latency=latency, bandwidth=bandwidth)``.
 
     Args:
@@ -307,7 +309,12 @@ def profile_link(group=None, nbytes=(1 << 10, 1 << 16, 1 << 20, 1 << 22), repeat
         result = torch.tensor(_fit(sizes, times), dtype=torch.float64, device=device)
     dist.broadcast(result, src=a, group=group)
     latency, inverse = result.tolist()
-    return latency, (1.0 / inverse if inverse > 0 else float("inf"))
+    return latency, _bandwidth(inverse)
+
+
+def _bandwidth(seconds_per_byte: float) -> float:
+    """Bytes per second of a fitted slope: ``inf`` when the slope is 0 (the time does not grow with the size)."""
+    return 1.0 / seconds_per_byte if seconds_per_byte > 0 else float("inf")
 
 
 def _round_trip(size, first, peer, repeat, group, device):
