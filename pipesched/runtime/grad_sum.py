@@ -48,10 +48,9 @@ def start_sum(group, params: list, what: str) -> PendingSum:
         CommError: the collective could not be started (names ``what``).
     """
     parts = [torch.zeros_like(p) if p.grad is None else _dense(p.grad) for p in params]
-    parts += [torch.full((1,), float(p.grad is not None), dtype=part.dtype, device=part.device)
-              for p, part in zip(params, parts)]
-    parts += [torch.full((1,), float(p.grad is not None and p.grad.is_sparse), dtype=part.dtype, device=part.device)
-              for p, part in zip(params, parts)]  # members whose gradient is sparse (the result's layout)
+    flags = [float(p.grad is not None) for p in params]
+    flags += [float(p.grad is not None and p.grad.is_sparse) for p in params]  # members whose gradient is sparse
+    parts.append(torch.tensor(flags, dtype=parts[-1].dtype, device=parts[-1].device))  # one tensor: one copy
     flat = _flatten_dense_tensors(parts)
     try:
         work = group.allreduce([flat])  # sum
@@ -65,7 +64,7 @@ def finish_sum(pending: PendingSum, divisor: int) -> None:
     had a gradient for it, else ``None``."""
     wait(pending.work, pending.what)
     params, n = pending.params, len(pending.params)
-    totals = _unflatten_dense_tensors(pending.flat, [*params, *(p.new_empty(1) for p in params)])
+    totals = _unflatten_dense_tensors(pending.flat[:-2 * n], params)
     flags = pending.flat[-2 * n:].tolist()  # one read (one device sync), not one per parameter
     for p, total, flag, sparse in zip(params, totals, flags[:n], flags[n:]):
         write_sum(p, total, flag > 0, divisor, sparse=flag > 0 and sparse == flag)
