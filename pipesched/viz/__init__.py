@@ -17,6 +17,7 @@ _EXPORTS = {
     "write_chrome_trace": "trace",
     "bubble_breakdown": "analysis",
     "communication_waits": "analysis",
+    "send_intervals": "analysis",
     "to_chrome_trace": "trace",
     "save_chrome_trace": "trace",
     "plot_bubble_vs_microbatches": "charts",

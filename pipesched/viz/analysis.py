@@ -1,35 +1,43 @@
-"""Where the bubble is: each rank's idle time cut into warmup, steady, cooldown, communication, imbalance.
+"""Where the bubble is: each rank's idle time cut into warmup, steady, cooldown, sending, communication, imbalance.
 
 Pure (no matplotlib): the numbers behind the pictures, for simulated and measured timelines alike.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import replace
 
 from ..deps import message, needs
 from ..ir import BACKWARD_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Op
 from ..timeline import Event, Timeline
 
-CATEGORIES = ("warmup", "steady", "cooldown", "communication", "imbalance")
+CATEGORIES = ("warmup", "steady", "cooldown", "sending", "communication", "imbalance")
 _EPS = 1e-12
 
 
 def bubble_breakdown(timeline: Timeline) -> dict:
-    """Cut every rank's idle time into five disjoint parts that add up to the bubble (seconds).
+    """Cut every rank's idle time into six disjoint parts that add up to the bubble (seconds).
 
     The step runs from ``T0`` (first event start) to ``T1 = T0 + makespan``. On rank ``r`` the idle time
     is ``makespan - busy_r``: the instants in ``[T0, T1]`` not covered by a compute event (F, B, I, W, R).
+    Precedence: an idle instant inside one of the rank's own send calls is ``sending``, else one while
+    a message it waits for is in flight ``communication``, else it is labelled by position; ``imbalance``
+    is then an amount taken out of the positional parts.
 
-    - ``communication``: idle instants while a message the rank waits for is in flight. For the idle
-      gap that ends where a compute ``c`` starts, the message is the one ``c`` consumes
+    - ``sending``: idle instants covered by one of the rank's own ``SEND_F``/``SEND_B`` events: the rank
+      is inside a send call (its own activity: not computing, not waiting for a message). Simulated with
+      ``CostModel.send_overhead`` (LogP's o), measured as the send call's duration (gloo's blocks its rank
+      about 0.1-0.2 ms); 0 where SEND events take no time.
+    - ``communication``: the other idle instants while a message the rank waits for is in flight. For
+      the idle gap that ends where a compute ``c`` starts, the message is the one ``c`` consumes
       (:func:`pipesched.deps.needs`: ``RECV_F(s, mb)`` for ``F(s, mb)``, ``RECV_B(s, mb)`` for
       ``B``/``I(s, mb)``); it is in flight from
       its ``SEND``'s start (with no ``SEND`` event in the timeline: from when the receive was posted) to
       the ``RECV``'s end (when it landed). For the trailing gap after the rank's last compute it is the
       time the rank's ``ALL_REDUCE`` events are still running. A compute-only timeline (no SEND/RECV
       events) has no communication wait.
-    - ``imbalance``: ``min(max_k busy_k - busy_r, idle_r - communication_r)``: the idle the rank has
-      because it computes less than the busiest rank — no schedule can remove it. It is 0 when every
+    - ``imbalance``: ``min(max_k busy_k - busy_r, idle_r - sending_r - communication_r)``: the idle the
+      rank has because it computes less than the busiest rank — no schedule can remove it. It is 0 when every
       rank does the same work (equal stage costs). It is taken out of the positional parts below in
       the order steady, cooldown, warmup (a slower neighbour shows first in the steady phase).
     - The other idle instants are labelled by position on the rank's own timeline:
@@ -54,7 +62,7 @@ def bubble_breakdown(timeline: Timeline) -> dict:
     per_rank = [row for row in rows if row is not None]
     most = max((row["busy"] for row in per_rank), default=0.0)
     for row in per_rank:
-        excess = min(most - row.pop("busy"), row["idle"] - row["communication"])
+        excess = min(most - row.pop("busy"), row["idle"] - row["sending"] - row["communication"])
         for name in ("steady", "cooldown", "warmup"):
             taken = min(excess, row[name])
             row[name] -= taken
@@ -72,10 +80,26 @@ def communication_waits(timeline: Timeline) -> list[list[tuple[float, float, str
     """Per rank, the idle intervals ``(start, end, kind)`` in seconds spent waiting on communication.
 
     ``kind`` is ``"p2p"`` (a SEND/RECV message in flight) or ``"all-reduce"``; the intervals are those
-    :func:`bubble_breakdown` counts as ``communication``, ordered by start.
+    :func:`bubble_breakdown` counts as ``communication``, ordered by start (the rank's own send calls cut
+    out of them: see :func:`send_intervals`).
     """
+    return waits_and_sends(timeline)[0]
+
+
+def send_intervals(timeline: Timeline) -> list[list[tuple[float, float]]]:
+    """Per rank, the idle intervals ``(start, end)`` in seconds the rank spends inside its own send calls.
+
+    They are the parts of the rank's ``SEND_F``/``SEND_B`` events that no compute event covers: those
+    :func:`bubble_breakdown` counts as ``sending``, ordered by start; none where SEND events take no time.
+    """
+    return waits_and_sends(timeline)[1]
+
+
+def waits_and_sends(timeline: Timeline) -> tuple[list, list]:
+    """``(communication_waits(timeline), send_intervals(timeline))``, the timeline split once."""
     shared = _Shared(timeline)
-    return [_split_rank(timeline, rank, shared)[1] for rank in range(timeline.num_ranks)]
+    splits = [_split_rank(timeline, rank, shared) for rank in range(timeline.num_ranks)]
+    return [split[1] for split in splits], [split[2] for split in splits]
 
 
 def starts_after_receives(timeline: Timeline) -> Timeline:
@@ -161,22 +185,27 @@ class MessageFlights:
 
 class _Shared:
     """What every rank's :func:`_split_rank` reads, computed once per timeline (not once per rank: a
-    p=64, m=256 timeline has ~10^5 events): its bounds, message flights, compute events and reduces per rank."""
+    p=64, m=256 timeline has ~10^5 events): its bounds, message flights, compute events, reduces and send
+    calls (those that take time, merged) per rank."""
 
     def __init__(self, timeline: Timeline) -> None:
         self.bounds = _bounds(timeline)
         self.flights = MessageFlights(timeline)
         self.computes: dict[int, list[Event]] = {}
         self.reduces: dict[int, list[tuple[float, float]]] = {}
+        sends: dict[int, list[tuple[float, float]]] = {}
         for e in timeline.events:  # in timeline order, as compute_events(timeline, rank) keeps them
             if e.instr.op in COMPUTE_OPS:
                 self.computes.setdefault(e.rank, []).append(e)
             elif e.instr.op in (Op.ALL_REDUCE, Op.TIE_REDUCE):
                 self.reduces.setdefault(e.rank, []).append((e.start, e.end))
+            elif e.instr.op in SEND_OPS and e.end > e.start + _EPS:
+                sends.setdefault(e.rank, []).append((e.start, e.end))
+        self.sends = {rank: _merge(calls) for rank, calls in sends.items()}
 
 
-def _split_rank(timeline: Timeline, rank: int, shared: _Shared | None = None) -> tuple[dict, list]:
-    """Idle of one rank: seconds per category and the communication-wait intervals."""
+def _split_rank(timeline: Timeline, rank: int, shared: _Shared | None = None) -> tuple[dict, list, list]:
+    """Idle of one rank: seconds per category, the communication-wait intervals and the send-call intervals."""
     shared = shared or _Shared(timeline)
     t0, t1 = shared.bounds
     computes = shared.computes.get(rank, [])
@@ -186,12 +215,15 @@ def _split_rank(timeline: Timeline, rank: int, shared: _Shared | None = None) ->
         starts.setdefault(e.start, e)
     flights = shared.flights
     reduces = shared.reduces.get(rank, [])
+    sends = shared.sends.get(rank, [])
+    send_ends = [end for _, end in sends]  # merged: disjoint, so ordered by start and by end
     backward_starts = [e.start for e in computes if e.instr.op in BACKWARD_OPS]
     warm_end = min(backward_starts) if backward_starts else t1
     forward_ends = [e.end for e in computes if e.instr.op is Op.F]
     cool_start = max([warm_end] + forward_ends)
     result = dict.fromkeys(CATEGORIES, 0.0)
     waits: list = []
+    sending: list = []
     cursor = t0
     gaps = []
     for start, end in busy + [(t1, t1)]:
@@ -200,15 +232,20 @@ def _split_rank(timeline: Timeline, rank: int, shared: _Shared | None = None) ->
         cursor = max(cursor, end)
     for a, b in gaps:
         comm = _gap_waits(a, b, starts.get(b), flights, reduces)
+        own = _within(a, b, sends, send_ends) if sends else []
+        if own:  # the rank's own send calls come first: cut them out of the waits
+            comm = [(lo, hi, kind) for c0, c1, kind in comm for lo, hi in _subtract(c0, c1, own) if hi > lo + _EPS]
+            sending.extend(own)
+            result["sending"] += sum(hi - lo for lo, hi in own)
         waits.extend(comm)
-        for lo, hi in _subtract(a, b, [(c0, c1) for c0, c1, _ in comm]):
+        for lo, hi in _subtract(a, b, own + [(c0, c1) for c0, c1, _ in comm]):
             result["warmup"] += _length(lo, hi, t0, warm_end)
             result["steady"] += _length(lo, hi, warm_end, cool_start)
             result["cooldown"] += _length(lo, hi, cool_start, t1)
         result["communication"] += sum(c1 - c0 for c0, c1, _ in comm)
     result["idle"] = sum(b - a for a, b in gaps)
     result["busy"] = sum(b - a for a, b in busy)
-    return result, waits
+    return result, waits, sending
 
 
 def _gap_waits(a, b, next_compute, flights: MessageFlights, reduces) -> list:
@@ -218,6 +255,20 @@ def _gap_waits(a, b, next_compute, flights: MessageFlights, reduces) -> list:
     window = flights.of(next_compute)
     hit = window and _overlap(a, b, *window)
     return [(hit[0], hit[1], "p2p")] if hit else []
+
+
+def _within(a: float, b: float, spans: list, ends: list) -> list[tuple[float, float]]:
+    """The parts of the disjoint, ordered ``spans`` (``ends`` their ends) inside ``[a, b]`` (a binary search:
+    a rank of a p=64, m=256 timeline has ~500 idle gaps and as many send calls)."""
+    found = []
+    for i in range(bisect_right(ends, a), len(spans)):
+        c, d = spans[i]
+        if c >= b:
+            break
+        hit = _overlap(a, b, c, d)
+        if hit:
+            found.append(hit)
+    return found
 
 
 def _subtract(a: float, b: float, holes) -> list[tuple[float, float]]:

@@ -141,13 +141,15 @@ def _write_readme(out: Path, entries: list[tuple[str, str]]) -> Path:
              "Reading a timeline: one row per rank; blue = forward, vermillion = backward (orange I, green W,",
              "purple recompute); later virtual stages are lighter and hatched; the number is the microbatch; light",
              "grey = idle; grey cross-hatch = waiting for a message in flight (a short wait is a thin grey mark);",
+             "dark-grey half-height bar = the rank inside its own send call (measured; or a send overhead);",
              "black bar = all-reduce. The right margin gives each rank's bubble and peak in-flight microbatches; the",
              "title the overall bubble, the makespan and the costs, all in the time axis's unit (s, ms or µs).",
              "In the bubble-vs-microbatches charts, hollow markers are simulated and lines the closed forms; the",
              "interleaved form holds for m a multiple of p, so it is drawn as filled dots at those m only.",
-             "The breakdown bars split the bubble into warmup, steady, cooldown, communication and imbalance",
-             "(defined in `pipesched.viz.bubble_breakdown`). Render your own: `pipesched render SCHEDULE -p P -m M",
-             "[costs] -o FILE.png|.svg|.json` or `pipesched render --trace RUN.json [--compare] -o FILE.png`.", ""]
+             "The breakdown bars split the bubble into warmup, steady, cooldown, sending, communication and",
+             "imbalance (defined in `pipesched.viz.bubble_breakdown`). Render your own: `pipesched render",
+             "SCHEDULE -p P -m M [costs] -o FILE.png|.svg|.json` or `pipesched render --trace RUN.json [--compare]",
+             "-o FILE.png`.", ""]
     for name, caption in entries:
         lines += [f"## {caption}", "", f"![{caption}]({name})", ""]
     path = out / "README.md"

@@ -4,13 +4,14 @@ from __future__ import annotations
 from ..ir import Op
 from ..timeline import Timeline, peak_inflight
 from . import style
-from .analysis import communication_waits, compute_events, stage_chunks
+from .analysis import compute_events, stage_chunks, waits_and_sends
 
 ROW_IN = 0.42  # inches per rank row
 LABEL_PT = 6.5  # microbatch number font size
 MARGINS_IN = {"left": 0.75, "right": 1.45, "top": 0.75, "bottom": 0.95}
 SEP = "  ·  "
 PATCH_LIMIT = 2000  # fewer compute boxes: one Rectangle (with a gid) per box; this many or more: collections
+SEND_HEIGHT = 0.5  # a send-call box's height, a share of the row's: a mark in the gap, not a compute box
 
 
 def plot_timeline(timeline: Timeline, ax=None, title: str | None = None):
@@ -20,7 +21,9 @@ def plot_timeline(timeline: Timeline, ax=None, title: str | None = None):
     later virtual stages lighter and hatched, with the microbatch number inside where it fits. Idle
     time shows as light-grey gaps; the part of a gap spent waiting for a message in flight
     ("communication wait", see :func:`~pipesched.viz.analysis.bubble_breakdown`) is hatched grey (a
-    short one a thin grey mark, as the legend says), and
+    short one a thin grey mark, as the legend says), the part a rank spends inside its own send calls
+    (``sending``; e.g. ``CostModel.send_overhead``, gloo's blocking sends) is a dark-grey half-height bar
+    (legend "in send call", only when there is any), and
     all-reduces are thin black bars at the bottom of their row. The title names the schedule, p, m, v,
     the source (and, for a timeline of some ranks only, which: ``rank 1 only``) and the cost assumptions,
     and ends with the overall bubble fraction; the right margin gives each rank's bubble fraction and peak
@@ -81,17 +84,19 @@ def axes_width_in(timeline: Timeline) -> float:
 
 def draw_rows(ax, timeline: Timeline, offset: float = 0.0, height: float = 0.8, labels: bool = True,
               tag: str = "", factor: float | None = None, per_box: bool | None = None) -> int:
-    """Draw idle bands, communication waits, compute boxes and all-reduces; return the boxes drawn.
+    """Draw idle bands, communication waits, send calls, compute boxes and all-reduces; return the boxes
+    drawn.
 
     Row ``r`` is centred at ``y = r + offset`` with boxes ``height`` tall (data units). With fewer than
     :data:`PATCH_LIMIT` compute boxes (or ``per_box=True``) every compute box is a ``Rectangle`` whose
-    gid is ``"{tag}compute:{rank}:{instr}"`` (waits ``"{tag}wait:{rank}"``, all-reduces
-    ``"{tag}allreduce:{rank}:{instr}"``); with more (or ``per_box=False``) the same boxes, in the same
-    places, colours and styles, are drawn as collections: gid ``"{tag}compute-boxes:{i}"`` (fill and
-    edge, a path per box) and ``"{tag}compute-hatch:{i}.{j}"`` (a hatch over the boxes that have it;
-    ``wait-``, ``allreduce-`` alike; see :class:`_Shapes`). A patch costs about 1 ms to add and draw, a
-    box in a collection microseconds. ``factor`` converts seconds to the x unit (default: the unit
-    :func:`~pipesched.viz.style.time_unit` picks for the makespan).
+    gid is ``"{tag}compute:{rank}:{instr}"`` (waits ``"{tag}wait:{rank}"``, send calls
+    ``"{tag}send:{rank}"``, all-reduces ``"{tag}allreduce:{rank}:{instr}"``); with more (or
+    ``per_box=False``) the same boxes, in the same places, colours and styles, are drawn as collections:
+    gid ``"{tag}compute-boxes:{i}"`` (fill and edge, a path per box) and ``"{tag}compute-hatch:{i}.{j}"``
+    (a hatch over the boxes that have it; ``wait-``, ``send-``, ``allreduce-`` alike; see
+    :class:`_Shapes`). A patch costs about 1 ms to add and draw, a box in a collection microseconds.
+    ``factor`` converts seconds to the x unit (default: the unit :func:`~pipesched.viz.style.time_unit`
+    picks for the makespan).
     """
     from matplotlib.patches import Rectangle
 
@@ -107,12 +112,18 @@ def draw_rows(ax, timeline: Timeline, offset: float = 0.0, height: float = 0.8, 
         y = rank + offset
         ax.add_patch(Rectangle((0.0, y - half), (t1 - t0) * factor, height,
                                facecolor=style.IDLE, edgecolor="none", zorder=0, gid=f"{tag}idle:{rank}"))
-    for rank, waits in enumerate(communication_waits(timeline)):
+    all_waits, all_sends = waits_and_sends(timeline)
+    for rank, waits in enumerate(all_waits):
         for start, end, kind in waits:
             if kind == "p2p":
                 shapes.add("wait", (start - t0) * factor, rank + offset - half, (end - start) * factor,
                            height, facecolor=style.COMM_WAIT_FILL, edgecolor=style.COMM_WAIT,
                            hatch="xxxx", linewidth=0, zorder=1, gid=f"wait:{rank}")
+    for rank, sends in enumerate(all_sends):
+        for start, end in sends:
+            shapes.add("send", (start - t0) * factor, rank + offset - SEND_HEIGHT * half,
+                       (end - start) * factor, SEND_HEIGHT * height, facecolor=style.SENDING,
+                       edgecolor="none", linewidth=0, zorder=1.5, gid=f"send:{rank}")
     chunks = stage_chunks(timeline)
     counts = _chunk_counts(chunks)
     points_per_unit = _points_per_data_unit(ax, timeline.makespan * factor)
@@ -299,9 +310,12 @@ def add_legend(ax, timeline: Timeline, extra: tuple = ()) -> None:
             handles.append(Patch(facecolor=style.chunk_colour(op, chunk, num_chunks), edgecolor="white",
                                  hatch=style.chunk_hatch(chunk), label=style.KIND_NAME[op] + suffix))
     handles.append(Patch(facecolor=style.IDLE, label="idle (bubble)"))
-    if any(waits for waits in communication_waits(timeline)):
+    all_waits, all_sends = waits_and_sends(timeline)
+    if any(all_waits):
         handles.append(Patch(facecolor=style.COMM_WAIT_FILL, edgecolor=style.COMM_WAIT, hatch="xxxx",
                              label=style.COMM_WAIT_LABEL))
+    if any(all_sends):
+        handles.append(Patch(facecolor=style.SENDING, label=style.SENDING_LABEL))
     if any(e.instr.op is Op.ALL_REDUCE for e in timeline.events):
         handles.append(Patch(facecolor=style.ALL_REDUCE, label="all-reduce"))
     if any(e.instr.op is Op.TIE_REDUCE for e in timeline.events):

@@ -37,9 +37,9 @@ def test_message_latency_is_communication_wait():
     _, timeline = sim("1f1b", 2, 1, cost=CostModel(latency=0.5))
     result = bubble_breakdown(timeline)
     assert result["per_rank"][0] == pytest.approx(
-        {"warmup": 3.5, "steady": 0, "cooldown": 0, "communication": 0.5, "imbalance": 0, "idle": 4})
+        {"warmup": 3.5, "steady": 0, "cooldown": 0, "sending": 0, "communication": 0.5, "imbalance": 0, "idle": 4})
     assert result["per_rank"][1] == pytest.approx(
-        {"warmup": 1.0, "steady": 0, "cooldown": 2.5, "communication": 0.5, "imbalance": 0, "idle": 4})
+        {"warmup": 1.0, "steady": 0, "cooldown": 2.5, "sending": 0, "communication": 0.5, "imbalance": 0, "idle": 4})
     assert communication_waits(timeline) == [[(4.5, 5.0, "p2p")], [(1.0, 1.5, "p2p")]]
 
 
