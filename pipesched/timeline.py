@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 from itertools import accumulate, islice, repeat
 from operator import and_, attrgetter, eq, gt, itemgetter, le
@@ -101,7 +102,7 @@ class Timeline:
             events = sorted(events, key=_BY_RANK_AND_TIME)
         object.__setattr__(self, "events", tuple(events))
 
-    @property
+    @cached_property  # the events are frozen; the bubble of each rank asks for it again
     def makespan(self) -> float:
         """Seconds from the first start to the last end over all ranks (0 for an empty timeline)."""
         if not self.events:
