@@ -241,7 +241,8 @@ def worker(rank: int, cfgs, rounds: int, block: int, warmup: int, profile: bool)
                 dist.barrier()
                 got[key]["steps"] += timed(step, zero, block)
                 if pipe is not None:
-                    got[key]["bubbles"].append(bubbles(pipe)[:3])
+                    *measured, got[key]["costs"] = bubbles(pipe)
+                    got[key]["bubbles"].append(tuple(measured))
         if profile and rank == P - 1:
             for label in ("zb-h1", "zbv"):
                 _profile(*sides["ours", label][:2], rounds * block, f"{label} {cfg}")
@@ -251,7 +252,7 @@ def worker(rank: int, cfgs, rounds: int, block: int, warmup: int, profile: bool)
         for key, (_, _, pipe) in sides.items():
             if pipe is not None:
                 pipe.close()
-        got["zb-auto costs"] = costs
+        got["zb-auto costs"], got["m"] = costs, cfg[2]
         out.append(got)
     return out
 
@@ -310,7 +311,26 @@ def table(results, label: str, block: int = 1) -> list[str]:
             best = (row, t)
     lines.append(f"best at 1F1B's memory: {best[0]}, {best[1] / ref:.2f}x torch's Schedule1F1B; zb-auto built for "
                  f"{results[0]['zb-auto costs'].describe()}")
+    lines.append(ceiling(results[0]))
     return lines
+
+
+def ceiling(result) -> str:
+    """What the split can gain at all here: the simulated makespan of zb-h1 and of zb-auto over 1F1B's, each
+    program under this run's costs (F, B and messages of ours 1f1b's last block, I and W of zb-h1's): the
+    ratio "best at 1F1B's memory / torch's Schedule1F1B" reaches it only if our runtime is as fast as torch's."""
+    import dataclasses
+
+    from pipesched import compile_program, simulate
+
+    fused, split = result["ours", "1f1b"]["costs"], result["ours", "zb-h1"]["costs"]
+    costs = dataclasses.replace(fused, input_grad=split.input_grad, weight_grad=split.weight_grad)
+    m = result["m"]
+    base = simulate(compile_program("1f1b", P, m), costs).makespan
+    ratios = {name: simulate(compile_program(name, P, m, costs=costs) if name == "zb-auto" else
+                             compile_program(name, P, m), costs).makespan / base for name in ("zb-h1", "zb-auto")}
+    return (f"simulated under this run's costs (F, B of 1f1b; I, W of zb-h1; {costs.describe()}): "
+            + ", ".join(f"{name} {r:.3f}x 1f1b" for name, r in ratios.items()) + " (the most the split can gain)")
 
 
 def main(argv=None) -> None:
