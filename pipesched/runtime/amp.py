@@ -9,6 +9,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from .collective import fail_every_rank
+from .failure import PipelineError
 from .transport import wait
 
 #: what ``Pipeline(autocast=...)`` accepts besides ``None``
@@ -103,7 +105,9 @@ class GradScaler(torch.amp.GradScaler):
     loop with ``opt=None``: ``unscale_(None)`` and ``step(None)`` check nothing and step nothing but join the vote
     (so an overflow elsewhere skips every rank's step and ``update()`` changes the scale alike); with ``None``
     there, the other ranks use one optimizer each. ``update()`` without ``unscale_`` or ``step`` since the last
-    update is a ``ValueError`` saying so (torch's is an AssertionError; the other ranks wait in their vote).
+    update is a ``PipelineError`` on every rank caused by a ``ValueError`` saying so (torch's is an AssertionError;
+    the other ranks, waiting in their vote, end at once), as is any error of ``unscale_`` or ``step`` on one rank
+    alone (:meth:`_collective_call`).
 
     Only :meth:`_unscale_grads_` differs from torch's (the one place torch checks gradients, for ``unscale_``
     and for fused optimizers alike): after checking this rank's gradients it all-reduces (MAX) the verdict over
@@ -129,33 +133,60 @@ class GradScaler(torch.amp.GradScaler):
         self.pipe = pipe
         self.scaled_steps = 0
         self._no_optimizer = _NoOptimizer()  # what optimizer=None stands for (one object: torch keys by id)
+        self._in_call = False  # in unscale_ or step (torch's step calls unscale_)
+        self._agreed_checks = False  # between the vote and the end of its checks: what they raise, every rank raises
         if self.is_enabled():  # torch makes the scale at the first scale(), which only the last stage's rank calls
             self.scale(torch.zeros((), device=pipe.device))
 
     def unscale_(self, optimizer) -> None:
-        """torch's ``unscale_``; ``optimizer=None`` on a rank without parameters (see the class)."""
-        return super().unscale_(self._optimizer_or_stand_in(optimizer))
+        """torch's ``unscale_``; ``optimizer=None`` on a rank without parameters (see the class). Collective: an
+        error on this rank alone ends every rank (:meth:`_collective_call`)."""
+        return self._collective_call(super().unscale_, self._optimizer_or_stand_in(optimizer))
 
     def step(self, optimizer, *args, **kwargs):
-        """torch's ``step``; ``optimizer=None`` on a rank without parameters (see the class)."""
-        return super().step(self._optimizer_or_stand_in(optimizer), *args, **kwargs)
+        """torch's ``step``; ``optimizer=None`` on a rank without parameters (see the class). Collective: an
+        error on this rank alone ends every rank (:meth:`_collective_call`)."""
+        return self._collective_call(super().step, self._optimizer_or_stand_in(optimizer), *args, **kwargs)
 
     def update(self, new_scale=None) -> None:
         """torch's ``update``.
 
         Raises:
-            ValueError: neither ``unscale_`` nor ``step`` ran on this rank since the last update (nothing to
-                update from; the other ranks' ``unscale_``/``step`` wait for this rank's vote). Raised before
-                anything changes: calling them (``None`` on a rank without parameters) and ``update()`` again
-                goes on.
+            PipelineError: neither ``unscale_`` nor ``step`` ran on this rank since the last update (nothing to
+                update from; the other ranks' ``unscale_``/``step`` wait for this rank's vote): on every rank,
+                caused by a ``ValueError`` saying what to call (:func:`~pipesched.runtime.collective.fail_every_rank`:
+                the other ranks end at once instead of waiting in their vote until the timeout).
         """
         if self.is_enabled() and new_scale is None and not any(
                 state["found_inf_per_device"] for state in self._per_optimizer_states.values()):
-            raise ValueError(f"scaler: update() on pipeline rank {self.pipe.grid.pp_rank} without unscale_ or step "
-                             f"since the last update(); they are collective (every rank votes on an overflow): call "
-                             f"scaler.step(opt) (and scaler.unscale_(opt) before clipping) on every rank, with "
-                             f"opt=None on a rank without parameters")
+            fail_every_rank(self.pipe, ValueError(
+                f"scaler: update() on pipeline rank {self.pipe.grid.pp_rank} without unscale_ or step since the last "
+                f"update(); they are collective (every rank votes on an overflow): call scaler.step(opt) (and "
+                f"scaler.unscale_(opt) before clipping) on every rank, with opt=None on a rank without parameters"))
         return super().update(new_scale)
+
+    def _collective_call(self, call, *args, **kwargs):
+        """``call(*args, **kwargs)`` (torch's ``unscale_`` or ``step``, which join the overflow vote). An exception it
+        raises on this rank alone -- torch's own checks before the vote (``unscale_`` twice or after ``step``, ``step``
+        twice, since the last ``update``; a ``closure``), the optimizer's ``step`` after it -- ends every
+        rank with a ``PipelineError`` naming this rank and that exception (the other ranks wait for this one in
+        the vote or in the next step); the ``ValueError`` every rank raises alike after the vote (the ranks'
+        step counts or settings differ) leaves the pipeline usable. A disabled scaler votes on nothing: as torch's.
+        """
+        if self._in_call:  # torch's step calls unscale_: the outermost call decides
+            return call(*args, **kwargs)
+        self._in_call, self._agreed_checks = True, False
+        try:
+            return call(*args, **kwargs)
+        except PipelineError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure of this rank must reach the other ranks
+            if self._agreed_checks or not self.is_enabled():
+                raise
+            fail_every_rank(self.pipe, exc)  # raises a PipelineError from exc
+            raise
+        finally:
+            self._in_call = self._agreed_checks = False
 
     def _optimizer_or_stand_in(self, optimizer):
         return self._no_optimizer if optimizer is None else optimizer
@@ -196,6 +227,7 @@ class GradScaler(torch.amp.GradScaler):
             return per_device, all_reduce_over(verdict, "max", (pp_group, dp_group))
 
         per_device, verdict = self.pipe.run_collective(agree)
+        self._agreed_checks = True  # every rank has the same verdict: what it raises below, every rank raises
         found, rows = float(verdict[0]), verdict[1:].view(grid.world_size, len(mine)).tolist()
         steps = [int(row[0]) for row in rows]
         if len(set(steps)) > 1:
@@ -214,6 +246,7 @@ class GradScaler(torch.amp.GradScaler):
                              "pipe.step(x, target=y, scaler=scaler) before scaler.unscale_/step")
         for flag in per_device.values():
             flag.fill_(found)
+        self._agreed_checks = False  # the rest of unscale_/step is this rank's own (the optimizer's step)
         return per_device or {found_inf.device: found_inf.fill_(found)}  # a rank without gradients steps alike
 
 

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..checks import as_int
 from . import rng_state
+from .failure import describe
 from .optim_state import check_owned, flat_state, load_flat_state, wanted_keys
 from .state import first_mismatch, parameter_names, pipe_read_plan, read_plan, saved_state, shared_aliases
 from .vote import Verdict, check_optimizers, check_same, vote
@@ -62,8 +63,9 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
     ``path``; collective: call it on every rank of the job with the same ``path`` and ``step``, and an optimizer on
     every rank or on none (a rank whose stages hold no parameters passes ``None`` either way).
 
-    Every rank checks its arguments, then all ranks vote (a bad argument on one rank is the same error on every
-    rank, before anything is written); each rank writes its own shard file in parallel into a hidden temporary
+    Every rank checks its arguments and collects what it will write, then all ranks vote (a bad argument, or a
+    failure collecting the state, on one rank is the same error on every rank, before anything is written); each
+    rank writes its own shard file in parallel into a hidden temporary
     directory next to ``path``, and world rank 0 renames it to ``path`` once every rank has finished. An existing
     checkpoint at ``path`` is replaced; anything else there is refused. ``path`` must be on a filesystem that every
     rank sees (as DCP's ``FileSystemWriter`` needs).
@@ -84,14 +86,19 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
             that holds parameters (names both ranks), or an optimizer holding another rank's parameters.
         FileExistsError: ``path`` exists and is not a pipesched checkpoint (it is left alone).
         TimeoutError: a rank did not reach the save within ``pipe.timeout`` seconds.
-        RuntimeError: a rank failed while writing (DCP's ``CheckpointException``, naming each failed rank and its
-            error), raised on every rank; ``path`` is untouched. A rank that dies makes the others' DCP collectives
+        RuntimeError: a rank failed while collecting its state (``save_checkpoint: world rank R failed while
+            collecting its state to save: <its error>``; e.g. an optimizer whose ``state_dict()`` refuses) or while
+            writing (DCP's ``CheckpointException``, naming each failed rank and its error), raised on every rank;
+            ``path`` is untouched. A rank that dies makes the others' DCP collectives
             fail (the connection closes) or, at the latest, the votes time out after ``pipe.timeout``.
     """
     rank = dist.get_rank()
+    target = None
     try:
         target = _check_save(path, pipe, optimizer, step, extra, rank)
         step = None if step is None else as_int(step)  # a numpy integer: a plain int in the vote and the metadata
+        state = _named_failure(lambda: _state_to_save(pipe, optimizer, step, extra, rank), "save_checkpoint", rank,
+                               "collecting its state to save")  # before the vote: its error is every rank's
         verdict = Verdict(ok={"path": target, "step": step, **_optimizer_given(pipe, optimizer)})
     except Exception as exc:  # noqa: BLE001 - every rank must learn it
         verdict = Verdict(error=exc)
@@ -101,13 +108,13 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
             check_same(oks, field, "save_checkpoint")
         check_optimizers(oks, "save_checkpoint")
     except Exception:
-        if rank == 0 and verdict.error is None:  # refused: remove the temporary directory rank 0 made
-            shutil.rmtree(_hidden(verdict.ok["path"], _SAVING), ignore_errors=True)
+        if rank == 0 and target is not None:  # refused: remove the temporary directory rank 0 made
+            shutil.rmtree(_hidden(target, _SAVING), ignore_errors=True)
         raise
     target = oks[0]["path"]
     temp = _hidden(target, _SAVING)
     with _failures_named(target, "writing"):
-        dcp.save(_state_to_save(pipe, optimizer, step, extra, rank), checkpoint_id=temp)
+        dcp.save(state, checkpoint_id=temp)
     vote("checkpoint-written", Verdict(ok=True), pipe.timeout)  # every rank has finished writing
     error = None
     if rank == 0:
@@ -148,8 +155,12 @@ def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
             first offending name (missing from the checkpoint, unknown to the model, or of another shape), or the
             optimizer's (no optimizer state saved; a hyperparameter missing: another optimizer). Same on every rank.
         TimeoutError: a rank did not reach the load within ``pipe.timeout`` seconds.
-        RuntimeError: a rank failed while reading the files (names the ranks and errors), on every rank; nothing
-            has been copied into the model or optimizer.
+        RuntimeError: a rank could not allocate its read buffers (``load_checkpoint: world rank R failed while
+            allocating its read buffers: <its error>``, voted before DCP's collectives) or failed while reading the
+            files (names the ranks and errors), on every rank; nothing has been copied into the model or optimizer.
+            Or a rank failed while copying what it read in (``load_checkpoint: world rank R failed while copying
+            ...``, a last vote): on every rank, which must load again (the others' copies are done, that rank's may
+            be partial).
     """
     _agree_load_arguments(path, pipe, optimizer)
     try:
@@ -158,22 +169,34 @@ def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
         found = {name[6:]: _shape(md) for name, md in entries.items() if name.startswith("model.")}
         problem = first_mismatch(found, _firsts(plan), pipe.state_spec, f"checkpoint {target!r}")
         optim_keys = [] if optimizer is None or problem else _optimizer_keys(optimizer, pipe, entries, target)
+        same_layout = [meta.get(k) for k in ("world_size", "pp_size", "dp_size")] == [
+            pipe.grid.world_size, pipe.grid.pp_size, pipe.grid.dp_size]
+        staging = None if problem else _named_failure(  # before the vote (its error is every rank's): buffers
+            lambda: _staging(entries, plan, optim_keys, dist.get_rank() if same_layout else None, pipe.device),
+            "load_checkpoint", dist.get_rank(), "allocating its read buffers")
         verdict = Verdict(ok={"problem": problem})
     except Exception as exc:  # noqa: BLE001 - every rank must learn it
         verdict = Verdict(error=exc)
     problems = [ok["problem"] for ok in vote("checkpoint-load", verdict, pipe.timeout) if ok["problem"]]
     if problems:
         raise ValueError(min(problems)[1])  # the same on every rank: missing names by model position, then the rest
-    same_layout = [meta.get(k) for k in ("world_size", "pp_size", "dp_size")] == [
-        pipe.grid.world_size, pipe.grid.pp_size, pipe.grid.dp_size]
-    staging = _staging(entries, plan, optim_keys, dist.get_rank() if same_layout else None, pipe.device)
     with _failures_named(target, "reading"):
         dcp.load(staging, checkpoint_id=target)  # collective; raises on every rank if any rank fails to read
-    _copy_in(plan, staging["model"])
-    if optimizer is not None:
-        load_flat_state(optimizer, parameter_names(pipe), staging["optim"])
     rng = staging.get("rng", {}).get(str(dist.get_rank()), {})
-    rng_state.restore(rng, pipe.device)
+
+    def copy_in():
+        _copy_in(plan, staging["model"])
+        if optimizer is not None:
+            load_flat_state(optimizer, parameter_names(pipe), staging["optim"])
+        rng_state.restore(rng, pipe.device)
+
+    try:
+        _named_failure(copy_in, "load_checkpoint", dist.get_rank(), "copying what it read into its model, optimizer "
+                       "and random generators")
+        verdict = Verdict(ok=True)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn it (it would meet the others' next step)
+        verdict = Verdict(error=exc)
+    vote("checkpoint-loaded", verdict, pipe.timeout)
     return CheckpointInfo(meta.get("step"), _extra(meta, staging), bool(rng))
 
 
@@ -392,6 +415,16 @@ def _staging(entries: dict, plan: dict, optim_keys, rng_rank: int | None, device
         available = [name.split(".")[-1] for name in entries if name.startswith(f"rng.{rng_rank}.")]
         staging["rng"] = {str(rng_rank): rng_state.placeholders(device, available)}
     return staging
+
+
+def _named_failure(run, caller: str, rank: int, doing: str):
+    """``run()``; an exception it raises becomes a ``RuntimeError`` naming ``caller``, this world rank, what it was
+    ``doing`` and the original (``"ExceptionType: message"``), so the vote that follows raises a message naming the
+    rank that failed on every rank (the others would otherwise wait in DCP's collectives)."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - every rank must learn it, naming this one
+        raise RuntimeError(f"{caller}: world rank {rank} failed while {doing}: {describe(exc)}") from exc
 
 
 @contextlib.contextmanager

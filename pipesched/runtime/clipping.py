@@ -207,10 +207,62 @@ def nonfinite_message(norm_type: float) -> str:
             "and scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
 
 
+def _refusal_key(group, calls: int, world_rank: int) -> str:
+    return f"pipesched/clip-refused/{group.group_name}/{calls}/{world_rank}"
+
+
+def refuse(pipe, error: ValueError) -> None:
+    """This rank refused its arguments (``error``): join the other pipeline ranks' all-gather anyway, with a row
+    whose ``max_norm`` and ``norm_type`` are nan (no valid call sends nan), after writing ``error``'s message to
+    the default store, so they raise a ``ValueError`` quoting it (:func:`check_refusals`) instead of waiting for
+    this rank until the timeout. Counted as a call (:meth:`NormParts.refused
+    <pipesched.runtime.norm_parts.NormParts.refused>`), so the ranks stay in step. Nothing to do on a closed or
+    failed pipeline, or one pipeline rank. The caller raises ``error``.
+
+    Raises:
+        PipelineError: a rank failed or was lost meanwhile (as :meth:`Pipeline.run_collective
+            <pipesched.runtime.Pipeline.run_collective>`).
+    """
+    if pipe.grid.pp_size == 1 or pipe._closed or pipe._broken is not None:
+        return
+    parts = pipe._norm_parts
+    parts.refused()
+
+    def work(pp_group, _dp_group):
+        store = dist.distributed_c10d._get_default_store()
+        store.set(_refusal_key(pp_group, parts.calls, pipe.grid.world_rank), str(error))
+        gather_parts([], math.nan, math.nan, None, pp_group, pipe.device, parts.calls)
+
+    pipe.run_collective(work)
+
+
+def check_refusals(pipe, rows: list, calls: int) -> None:
+    """Raise when a pipeline rank refused its arguments (its row's ``max_norm`` is nan: :func:`refuse`).
+
+    Raises:
+        ValueError: ``clip_grad_norm_: world rank W (pipeline rank P) refused its arguments: <its message>; no
+            gradient was changed`` (the first refusing rank); the pipeline stays usable.
+    """
+    refusing = [r for r, row in enumerate(rows) if math.isnan(row[-2])]
+    if not refusing:
+        return
+    grid, rank = pipe.grid, refusing[0]
+    world = grid.pipeline_ranks(grid.dp_rank)[rank]
+    store = dist.distributed_c10d._get_default_store()
+    message = store.get(_refusal_key(pipe._pp_group, calls, world)).decode()
+    raise ValueError(f"clip_grad_norm_: world rank {world} (pipeline rank {rank}) refused its arguments: {message}; "
+                     f"no gradient was changed")
+
+
 def clip_grad_norm_(pipe, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None) -> torch.Tensor:
     """:meth:`Pipeline.clip_grad_norm_ <pipesched.runtime.Pipeline.clip_grad_norm_>`: check, the anticipated
-    parts or a gather, agree, scale."""
-    value, norm_type = check_clip_arguments(max_norm, norm_type, error_if_nonfinite, foreach)
+    parts or a gather, agree, scale. Arguments this rank refuses still join the other ranks' gather
+    (:func:`refuse`), so a bad argument on one rank is a ``ValueError`` on every rank."""
+    try:
+        value, norm_type = check_clip_arguments(max_norm, norm_type, error_if_nonfinite, foreach)
+    except ValueError as exc:
+        refuse(pipe, exc)
+        raise
     pipe._check_local(None, None)  # closed or broken: the error step() gives, on either path
     parts = pipe._norm_parts  # anticipated clipping (runtime/norm_parts.py)
     with torch.no_grad():
@@ -219,6 +271,7 @@ def clip_grad_norm_(pipe, max_norm, norm_type=2.0, error_if_nonfinite=False, for
             rows = pipe.run_collective(lambda pp_group, _: gather_parts(list(pipe.owned_parameters()), value,
                                                                         norm_type, foreach, pp_group, pipe.device,
                                                                         parts.calls, parts.fell_back))
+            check_refusals(pipe, rows, parts.calls)  # before check_same: a refusal row carries no arguments
             check_same(rows)  # outside run_collective: a ValueError, the pipeline stays usable
         parts.wanted = (value, norm_type)  # the next steps anticipate these
         total = total_norm(rows, norm_type, pipe.device)

@@ -2,7 +2,8 @@
 <pipesched.runtime.Pipeline.run_collective>`: the caller's work, ``gather_timeline``, ``clip_grad_norm_``, the
 GradScaler's agreement) fails as a step does: a peer that closed its connection is a :class:`CommError`, so the
 Pipeline reads the failure record of the rank that failed first, or names the lost rank
-(:mod:`~pipesched.runtime.lost_rank`), instead of blaming the calling rank."""
+(:mod:`~pipesched.runtime.lost_rank`), instead of blaming the calling rank. A public collective call that fails on
+this rank alone, before or instead of joining its collective, ends every rank through :func:`fail_every_rank`."""
 from __future__ import annotations
 
 from .failure import CommError
@@ -28,3 +29,24 @@ def peer_loss_as_comm_error(run, what: str):
         if peer_closed_connection(exc):
             raise CommError(what, exc) from None
         raise
+
+
+def fail_every_rank(pipe, exc: BaseException):
+    """Raise ``exc`` -- this rank's own failure in a collective call (a bad argument, a misuse torch refuses, an error
+    before this rank joined the collective the other ranks wait in) -- as every rank learns a failed step: this rank
+    publishes its failure record and tears its groups down (:meth:`Pipeline.run_collective
+    <pipesched.runtime.Pipeline.run_collective>`), so the other ranks, blocked in that collective or the next one,
+    end at once with a ``PipelineError`` naming this rank and ``exc`` instead of waiting until the timeout.
+
+    Raises:
+        PipelineError: always, from ``exc``, on a pipeline of several ranks (the pipeline is unusable afterwards).
+        BaseException: ``exc`` itself on a pipeline of one rank (nobody waits for it: the pipeline stays usable).
+    """
+    if pipe.grid.world_size == 1:
+        raise exc
+
+    def work(_pp_group, _dp_group):
+        raise exc
+
+    pipe.run_collective(work)
+    raise AssertionError("run_collective returned from a failing work")  # unreachable: work always raises

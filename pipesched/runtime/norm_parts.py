@@ -179,6 +179,14 @@ class NormParts:
         self.used += 1
         return rows
 
+    def refused(self) -> None:
+        """Count a call whose arguments this rank refused (it joins the collective with a refusal row,
+        :func:`~pipesched.runtime.clipping.refuse`), as the other ranks' :meth:`take` counts theirs; the step's
+        rows are dropped, as theirs are."""
+        self.calls += 1
+        self.rows = self._sent = None
+        self.fell_back = False
+
 
 def _inverse_scale(scaler):
     """``None``: the gradients are as the step left them (no ``GradScaler``, or ``unscale_`` not called since);

@@ -12,7 +12,7 @@ from .comm import backend_for, init_default_group, make_groups, world_and_rank
 from .accounting import cuda_memory_base, cuda_peak_since
 from .amp import autocast_context, checked_autocast, loss_scaling
 from .clipping import clip_grad_norm_ as clip_all_stages
-from .collective import peer_loss_as_comm_error
+from .collective import fail_every_rank, peer_loss_as_comm_error
 from .agreement import agree, describe, refuse
 from .construction import local_setup
 from .devices import move_to
@@ -279,7 +279,10 @@ class Pipeline:
 
         Raises:
             ValueError: a bad ``max_norm`` (a number or 0-dim tensor > 0), ``norm_type`` (> 0 or inf),
-                ``error_if_nonfinite`` or ``foreach``, before any communication; the message names the argument.
+                ``error_if_nonfinite`` or ``foreach``; the message names the argument. This rank still joins the
+                others' all-gather with a refusal (:func:`~pipesched.runtime.clipping.refuse`), so they raise a
+                ``ValueError`` quoting it and naming this rank instead of waiting; gradients unchanged, the pipeline
+                stays usable.
             ValueError: the pipeline ranks passed different ``max_norm`` or ``norm_type`` (names the argument and
                 each value with its ranks): on every rank, gradients unchanged, the pipeline stays usable.
             PipelineError: after an anticipating step, the ranks' calls differed (arguments, or gradients changed
@@ -364,10 +367,15 @@ class Pipeline:
     def gather_timeline(self, kind: str = "step"):
         """The whole pipeline's measured timeline of the last training :meth:`step` (``kind="forward"``: of
         the last :meth:`forward`); collective over the pipeline's ranks, through :meth:`run_collective` (a closed
-        or failed pipeline, or a rank lost or failed meanwhile: the error :meth:`step` gives, on every rank)."""
-        record = self._record(kind)
-        if record is None:
-            raise RuntimeError(f"gather_timeline(kind={kind!r}) needs a finished {kind}()")
+        or failed pipeline, or a rank lost or failed meanwhile: the error :meth:`step` gives, on every rank). A bad
+        ``kind``, or no finished ``kind``, is a ``PipelineError`` on every rank caused by this rank's ``ValueError``
+        / ``RuntimeError`` (:func:`~pipesched.runtime.collective.fail_every_rank`; one rank: that error itself)."""
+        try:
+            record = self._record(kind)
+            if record is None:
+                raise RuntimeError(f"gather_timeline(kind={kind!r}) needs a finished {kind}()")
+        except (ValueError, RuntimeError) as exc:  # the other ranks would wait in the all-gather
+            fail_every_rank(self, exc)
         return self.run_collective(lambda pp_group, _: gather_timeline(record, self.program, self.pp_rank, pp_group,
                                                                        self.device))
 

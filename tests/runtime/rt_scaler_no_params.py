@@ -34,8 +34,9 @@ LAYOUTS = {"pp2xdp2": dict(schedule="1f1b", dp_size=2, balance=[8, 1]),
 def documented_loop(rank, layout, paramless="none", steps=4):
     """README's loop on every rank, ``opt = None`` where the rank holds no parameters: ``paramless="none"`` calls
     ``scaler.unscale_(opt)``, ``pipe.clip_grad_norm_``, ``scaler.step(opt)``, ``scaler.update()`` there too;
-    ``"update first"`` (no clipping) tries ``scaler.update()`` alone there first (a ValueError, recorded), then
-    ``scaler.step(None)`` and ``update()``. Boom armed in step 2 (an overflow on the rank holding stage 0 only).
+    ``"step only"`` (no unscale_, no clipping): ``scaler.step(opt)`` alone joins the vote, then ``update()``
+    (``update()`` alone on a rank ends every rank: tests/runtime/test_one_rank_fault_collectives.py). Boom armed
+    in step 2 (an overflow on the rank holding stage 0 only).
     Per step: skipped (weights bitwise unchanged), this rank's scale and the reference's, weights bitwise equal
     to the reference's (every replica gets the same batch: the average is the unsplit gradient)."""
     model = _model()
@@ -56,11 +57,6 @@ def documented_loop(rank, layout, paramless="none", steps=4):
             scaler.unscale_(opt)
             pipe.clip_grad_norm_(1e9)  # collective, on every rank; never clips (coefficient 1): gradients bitwise
             ref_scaler.unscale_(ref_opt), torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
-        elif opt is None:
-            try:
-                scaler.update()
-            except ValueError as exc:
-                out["errors"].append(str(exc))
         scaler.step(opt)
         ref_scaler.step(ref_opt)
         scaler.update(), ref_scaler.update()
@@ -94,6 +90,6 @@ def none_on_a_rank_with_parameters(rank):
 
 def suite(rank):
     out = {(layout, paramless): documented_loop(rank, layout, paramless)
-           for layout in LAYOUTS for paramless in ("none", "update first")}
+           for layout in LAYOUTS for paramless in ("none", "step only")}
     out["misuse"] = none_on_a_rank_with_parameters(rank)
     return out
