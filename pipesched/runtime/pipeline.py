@@ -89,7 +89,8 @@ class Pipeline:
             on every rank, else construction fails naming the differing program). ``costs=None``: measured. The
             first training ``step()`` runs a safe program with I and W split (``zb-h1``, or ``zb-auto`` for the
             default costs where ``zb-h1`` exceeds ``memory_limit``) and measures per stage the median F, I, W
-            (and R) seconds and, by a ping between neighbouring ranks, the one-way time of an activation message;
+            (and R) seconds, the median seconds inside a SEND call and, by a ping between neighbouring ranks, the
+            one-way time of an activation message;
             at its end every rank of the job agrees on one ``CostModel`` (each stage's numbers from the rank that
             owns it, the maximum over data-parallel replicas) and compiles ``zb-auto`` from it, which every later
             step runs (:mod:`pipesched.runtime.measured_costs`). A ``forward()`` before that runs the safe program.
@@ -112,7 +113,7 @@ class Pipeline:
         costs: the :class:`~pipesched.CostModel` ``zb-auto`` was compiled from: the given ``costs``, or, measured,
             ``None`` until the first training step ends, then the agreed costs (per-stage ``forward``,
             ``input_grad``, ``weight_grad``, ``backward = I + W``, ``recompute`` (``None`` without recompute) and
-            ``latency``, in seconds; identical on every rank of the job). ``None`` for other schedules.
+            ``latency`` and ``send_overhead``, in seconds; identical on every rank of the job). ``None`` for other schedules.
         autocast: the checked ``autocast`` argument (``None``, ``torch.bfloat16`` or ``torch.float16``); read only.
         ties: the parameters used by two stages or more, frozen ones too
             (:class:`~pipesched.runtime.ties.TiedParameter`: names in the unsplit model, stages, ranks, owning
