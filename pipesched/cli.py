@@ -371,8 +371,9 @@ def make_parser(json_errors: bool = False) -> argparse.ArgumentParser:
                         "(gloo: the step that learns the message shapes; nccl: also one message order per pair of "
                         "ranks), refusing with its error (exit 1)")
     p.add_argument("--json", action="store_true")
+    add_schedule_module_arg(p)  # also after the command, as for the others (before FILE or after it)
     p.set_defaults(func=_cmd_validate)
-    plan_cli.add_plan_parser(sub)  # pipesched plan: pipesched/plan_cli.py
+    add_schedule_module_arg(plan_cli.add_plan_parser(sub))  # pipesched plan: pipesched/plan_cli.py (--schedules NAME)
     _add_optional_commands(sub)
     return parser
 

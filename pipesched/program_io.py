@@ -19,9 +19,10 @@ JSON form::
      "ranks": [[{"op": "F", "stage": 0, "microbatch": 0, "peer": null}, ...], ...]}
 
 ``num_microbatches``, ``stage_to_rank`` and ``ranks`` are required; ``dp_size`` defaults to 1 and
-``schedule`` to ``"custom"``; other keys are ignored. Both readers are strict about types: an integer field is a
-JSON integer (not ``true``, ``0.0`` or ``"0"``; a list where a list is meant) or, in the text form, ASCII digits;
-in the text form each header line comes once, before the first ``rank N:`` line. Anything else is a
+``schedule`` to ``"custom"``; any other key (top level or in an instruction) is a ``ProgramFormatError`` naming it,
+where it is and the valid keys, as an unknown text header line is. Both readers are strict about types: an integer
+field is a JSON integer (not ``true``, ``0.0`` or ``"0"``; a list where a list is meant) or, in the text form,
+ASCII digits; in the text form each header line comes once, before the first ``rank N:`` line. Anything else is a
 ``ProgramFormatError`` naming the field (``ranks[0][3].microbatch``) or line, the value and what is valid. A forward-only program
 (:attr:`~pipesched.ir.Program.forward_only`) has the header line ``forward_only: true`` and the JSON key
 ``"forward_only": true``; both are left out for a training program (the default). A program with ties
@@ -45,6 +46,10 @@ from .ir import OVERLAP_PAIRS, Instr, Op, Program
 
 _HEADER_KEYS = ("schedule", "microbatches", "stage_to_rank", "dp_size", "forward_only", "ties", OVERLAP_PAIRS)
 _RANK_LINE = re.compile(r"^rank\s+(\d+)\s*:(.*)$", re.ASCII)
+#: the keys of the JSON form: the program's (top level) and an instruction's; any other is refused
+_JSON_KEYS = ("schedule", "num_microbatches", "stage_to_rank", "dp_size", "ranks", "forward_only", "ties",
+              OVERLAP_PAIRS)
+_INSTR_KEYS = ("op", "stage", "microbatch", "peer")
 
 
 def to_text(program: Program) -> str:
@@ -254,6 +259,7 @@ def _instr_of(where: str, d) -> Instr:
         raise ProgramFormatError(f"JSON program: {where} must be an instruction object with at least \"op\" and "
                                  f"\"stage\", e.g. {{\"op\": \"F\", \"stage\": 0, \"microbatch\": 0, \"peer\": null}}, "
                                  f"got {_shown(d)}")
+    _refuse_unknown_keys(d, _INSTR_KEYS, f"in {where}", "an instruction's")
     op = d["op"]
     if not isinstance(op, str) or op not in Op.__members__:
         raise ProgramFormatError(f"JSON program: {where}.op must be one of {', '.join(Op.__members__)}, "
@@ -268,12 +274,28 @@ def _instr_of(where: str, d) -> Instr:
         raise ProgramFormatError(f"JSON program: {where} {_shown(d)}: {exc}") from None
 
 
+def _refuse_unknown_keys(data: dict, valid: tuple[str, ...], where: str, whose: str) -> None:
+    """Raise ``ProgramFormatError`` naming the keys of ``data`` not in ``valid`` (a typo such as ``overlap_pair`` would
+    otherwise be dropped silently), ``where`` they are, the closest valid key and the valid keys."""
+    unknown = [key for key in data if key not in valid]
+    if not unknown:
+        return
+    import difflib
+
+    named = ", ".join(_shown(key) for key in unknown)
+    close = difflib.get_close_matches(unknown[0], valid, n=1) if isinstance(unknown[0], str) else []
+    hint = f" (did you mean {_shown(close[0])}?)" if close else ""
+    raise ProgramFormatError(f"JSON program: unknown key{'s' if len(unknown) > 1 else ''} {named} {where}{hint}; "
+                             f"{whose} keys are {', '.join(valid)}")
+
+
 def from_json_dict(data: dict) -> Program:
     """Build a Program from the JSON form. Raises ``ProgramFormatError`` naming the missing or bad field, its
     value and what is valid: integers must be JSON integers (not ``true``, ``1.0`` or ``"1"``)."""
     if not isinstance(data, dict):
         raise ProgramFormatError(f"a JSON program is an object with the keys ranks, num_microbatches, "
                                  f"stage_to_rank, got {type(data).__name__}")
+    _refuse_unknown_keys(data, _JSON_KEYS, "at the top level", "a program's")  # first: a typo explains a missing key
     for key in ("ranks", "num_microbatches", "stage_to_rank"):
         if key not in data:
             raise ProgramFormatError(f"JSON program lacks the key {key!r} (needs ranks, num_microbatches, stage_to_rank)")

@@ -16,17 +16,17 @@ DESCRIPTION = "Train a small GPT (byte level) across pipeline ranks with pipesch
 def options(argv=None, prog: str | None = None) -> argparse.Namespace:
     """Parse and check the command line; a bad option exits 2 with a message naming it and what is valid."""
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
-    parser.add_argument("--schedule", default="1f1b",
+    parser.add_argument("--schedule", default=None,
                         help="any schedule name (`pipesched list`: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv, "
                              "dualpipev, zb-auto, registered ones; default 1f1b)")
     parser.add_argument("--ranks", type=int, default=4, help="pipeline ranks (pipesched demo only; torchrun: "
                         "world size / dp)")
-    parser.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default 4)")
+    parser.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default 4)")
     parser.add_argument("--virtual-stages", type=int, default=None,
                         help="stages per rank (default: the schedule's: 2 for interleaved-1f1b, else 1)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
-    parser.add_argument("--recompute", action="store_true", help="recompute activations in backward")
-    parser.add_argument("--balance", default="params",
+    parser.add_argument("--recompute", action="store_true", default=None, help="recompute activations in backward")
+    parser.add_argument("--balance", default=None,
                         help="'params' (default: equal parameters per stage), 'layers', or layer counts like 2,2,2,1")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
@@ -70,9 +70,17 @@ def options(argv=None, prog: str | None = None) -> argparse.Namespace:
 
 #: what ``--plan`` chooses: giving one of these with it is an error, not silently overridden
 _PLANNED = ("schedule", "microbatches", "virtual_stages", "recompute", "balance")
+#: the defaults of the options :data:`_PLANNED`: their parser default is ``None``, so that one given explicitly (even
+#: at its default value, ``--plan --schedule 1f1b``) is told apart from one left out; ``virtual_stages`` stays ``None``
+#: (the schedule's default, resolved in :func:`_fit_model_to_stages`)
+_PLANNED_DEFAULTS = {"schedule": "1f1b", "microbatches": 4, "recompute": False, "balance": "params"}
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    given = [name for name in _PLANNED if getattr(args, name) is not None]  # on the command line, whatever the value
+    for name, default in _PLANNED_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     for name in ("ranks", "microbatches", "virtual_stages", "dp", "steps", "batch", "context", "width", "depth",
                  "heads", "checkpoint_every", "plan_top"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -94,8 +102,7 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(why)
     if why := folder_problem("--out", args.out):
         parser.error(why)
-    decided = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in _PLANNED
-               if args.plan and getattr(args, name) != parser.get_default(name)]
+    decided = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in given if args.plan]
     if decided:
         parser.error(f"{', '.join(decided)}: --plan decides the schedule, microbatches, virtual stages, balance and "
                      f"recompute; leave these out, or drop --plan")
