@@ -58,7 +58,8 @@ def backward_input(roots, grads, inputs, params, plans: SplitPlans | None = None
     ``grads`` (``None``: ``roots`` are scalars, gradient 1).
 
     Args:
-        roots: tensors that require grad.
+        roots: tensors that require grad (a leaf among them, a parameter returned as an output, gets its gradient
+            at ``W``); one that does not fails with torch's own error, as the fused backward does.
         grads: one gradient per root (same shape and dtype), or ``None``.
         inputs: the stage's input tensors (leaves); those that require grad get a gradient.
         params: the stage's parameters that require grad.
@@ -69,12 +70,15 @@ def backward_input(roots, grads, inputs, params, plans: SplitPlans | None = None
         depends on it, as ``.grad`` after a fused backward), and the :class:`WeightGrad` to pass to
         :func:`backward_weight`.
     """
+    _refuse_roots_without_grad(roots, grads)
     need = [t for t in inputs if t.requires_grad]
     if not need or not roots:
         return (None,) * len(need), WeightGrad([], (roots, grads) if roots else None)
-    nodes, index, kids = _walk([_node(r) for r in roots])
+    tops = [_node(r) for r in roots]
+    nodes, index, kids = _walk(tops)
     leaf = _leaves(nodes, kids)
-    key = (kids,  # the shape: edges, then where the inputs and the parameters are (None: not in the graph)
+    key = (kids, len({index[n] for n in tops}),  # the shape: edges and how many tops (they come first), then where
+           # the inputs and the parameters are (None: not in the graph)
            tuple(index.get(t.grad_fn) if t.grad_fn is not None else leaf.get(id(t)) for t in need),
            tuple(leaf.get(id(p)) for p in params))
     if plans is not None and plans.key == key:
@@ -139,11 +143,34 @@ def _accumulate(edges, values, params) -> None:
 
 # ---- the autograd graph ----------------------------------------------------------------------------
 
+def _refuse_roots_without_grad(roots, grads) -> None:
+    """Fail as ``torch.autograd.backward(roots, grads)`` does when a root does not require grad (a detached loss
+    or output): torch itself raises its ``RuntimeError`` ("element 0 of tensors does not require grad and does not
+    have a grad_fn"), from its check of every root before the engine runs, so no gradient is computed."""
+    if all(r.requires_grad for r in roots):
+        return
+    torch.autograd.backward(roots, grads)
+    raise RuntimeError("a root of the split backward does not require grad and does not have a grad_fn")  # (torch
+    # raised above on every version checked; this keeps the refusal if one did not)
+
+
+_gradient_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
+
+
+def _edge(t: torch.Tensor):
+    """``(node, output index)`` where ``t``'s gradient enters the graph: its ``grad_fn``, or a leaf's accumulate
+    node (index 0). ``t`` requires grad."""
+    if t.grad_fn is not None:
+        return t.grad_fn, t.output_nr
+    if _gradient_edge is not None:  # also under no_grad
+        edge = _gradient_edge(t)
+        return edge.node, edge.output_nr
+    return t.view_as(t).grad_fn.next_functions[0]
+
+
 def _node(t: torch.Tensor):
     """The autograd node that receives ``t``'s gradient: its ``grad_fn``, or a leaf's accumulate node."""
-    if t.grad_fn is not None:
-        return t.grad_fn
-    return t.view_as(t).grad_fn.next_functions[0][0]
+    return _edge(t)[0]
 
 
 def _walk(tops):
@@ -173,9 +200,10 @@ def _leaves(nodes, kids) -> dict:
             if not kids[i] and type(node).__name__ == "AccumulateGrad"}
 
 
-def _plan(kids, need, params):
+def _plan(kids, tops, need, params):
     """The analysis of a graph's shape: ``(closure, boundary, groups)``. ``closure``: the node indices on a
-    path from a top to an input that needs a gradient (``need``: indices, None for an input not in the graph);
+    path from a top to an input that needs a gradient (``tops``: how many nodes are roots' nodes, indices 0 to
+    ``tops - 1``; ``need``: indices, None for an input not in the graph);
     ``boundary``: the closure's nodes that parameters' gradients pass through (``I`` records what flows into
     them); ``groups``: ``[(boundary node indices, parameter positions)]`` (``params``: per parameter the index
     of its accumulate node, None when the graph does not reach it), a group's ``W`` restarting at its nodes."""
@@ -184,7 +212,7 @@ def _plan(kids, need, params):
         for k in row:
             parents[k].append(i)
     closure = frozenset(_upward({i for i in need if i is not None}, parents, stop=()))
-    groups = _groups(params, parents, closure)
+    groups = _groups(params, parents, closure, range(tops))
     boundary = sorted({i for nodes, _ in groups for i in nodes if i in closure})
     return closure, tuple(boundary), tuple(groups)
 
@@ -201,16 +229,18 @@ def _upward(starts, parents, stop) -> set:
     return seen
 
 
-def _groups(params, parents, closure) -> list:
+def _groups(params, parents, closure, tops) -> list:
     """Parameters grouped by the boundary nodes their gradient passes through: ``[(node indices, parameter
     positions)]``; groups that share a node merge. A boundary node is in the input closure, or is a top
-    outside it (a root that does not depend on the inputs). Parameters the graph does not reach are left out."""
+    outside it (a root that does not depend on the inputs: ``W`` seeds it with the root's gradient, also where
+    another root's graph passes through it, or where it is a parameter's accumulate node). Parameters the graph
+    does not reach are left out."""
     groups: list = []
     for position, node in enumerate(params):
         if node is None:
             continue
         above = _upward({node}, parents, stop=closure)
-        nodes = {n for n in above if n in closure or not parents[n]}
+        nodes = {n for n in above if n in closure or n in tops}
         group = [nodes, [position]]
         for other in [g for g in groups if not g[0].isdisjoint(nodes)]:
             group = [group[0] | other[0], other[1] + group[1]]
@@ -238,10 +268,14 @@ def _given(grads):
 
 
 def _root_seeds(roots, grads, closure, index) -> dict:
-    """{root node index: {output index: gradient}}, for roots outside the input closure (``W`` restarts there)."""
+    """{root node index: {output index: gradient}}, for roots outside the input closure (``W`` restarts there);
+    a leaf root's node is its accumulate node. A tensor given twice as a root gets the sum of its gradients, in
+    order, as autograd's input buffer adds them."""
     seeds: dict = {}
     for k, r in enumerate(roots):
-        node = r.grad_fn
-        if node is not None and index[node] not in closure:
-            seeds.setdefault(index[node], {})[r.output_nr] = torch.ones_like(r) if grads is None else grads[k]
+        node, nr = _edge(r)
+        if index[node] not in closure:
+            grad = torch.ones_like(r) if grads is None else grads[k]
+            given = seeds.setdefault(index[node], {})
+            given[nr] = given[nr] + grad if nr in given else grad
     return seeds
