@@ -39,6 +39,9 @@ class FailureRecord:
             ranks that read it.
         lost: ``rank``'s process was lost (killed, crashed) and left no record; the first rank to notice published
             this one (:func:`~pipesched.runtime.lost_rank.lost_record`).
+        ended: ``rank`` left on purpose while others could still wait on it: ``"closed"`` (``pipe.close()``) or
+            ``"exited"`` (its process or launch ``fn`` ended without closing the Pipeline), published by that rank
+            before its connections closed (:mod:`pipesched.runtime.departure`); else ``None``.
     """
 
     rank: int | None
@@ -51,6 +54,7 @@ class FailureRecord:
     traceback: str = ""
     id: str | None = None
     lost: bool = False
+    ended: str | None = None
 
     @classmethod
     def local(cls, rank: int, instr, exc: BaseException, pp_rank: int | None = None) -> FailureRecord:
@@ -94,7 +98,9 @@ class PipelineError(RuntimeError):
     Pipeline's); the 2 s are at most 1 s looking for a failure record in the store, the probe of closed
     connections and the teardown of its groups. As the operating system closes a lost process's connections, a
     rank waiting on it directly ends after about 1 s, and each rank between it and the lost one adds about 1 s.
-    A rank still computing in a layer ends when it next waits.
+    A rank still computing in a layer ends when it next waits. A rank that left on purpose (``pipe.close()``, or its
+    process or launch ``fn`` ended without closing) is named as such instead (``record.ended``; see
+    :mod:`pipesched.runtime.departure`).
 
     Attributes:
         record: the :class:`FailureRecord` every rank read.
@@ -118,7 +124,7 @@ class PipelineError(RuntimeError):
         super().__init__(self._message())
 
     def _message(self) -> str:
-        if self.record.lost:
+        if self.record.lost or self.record.ended:
             text = f"pipeline rank failure: {self.cause}"
         else:
             if self.instr is not None:
@@ -204,7 +210,7 @@ class FailureChannel:
         until all ``world_size`` ranks have read it, at most ``grace_s`` seconds."""
         if world_size > 1 and record.id is not None:
             global _registered
-            readers = world_size - 1 if record.lost else world_size  # a lost rank never reads
+            readers = world_size - 1 if record.lost or record.ended else world_size  # nor does a rank that left
             _origins.append((self.store, _seen_key(record), readers, grace_s))
             if not _registered:
                 _registered = True

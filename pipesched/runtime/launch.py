@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ast
 import codecs
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -421,6 +422,7 @@ def _child(rank, world_size, port, threads, fn, args, results, grace, released) 
     finally:
         results.close()
         results.join_thread()
+        gc.collect()  # the Pipelines fn left unclosed announce it to peers still waiting (runtime/departure.py)
         _close_groups(dist)  # peers blocked on this rank fail at once, as if it had exited
         if rank == 0 and store is not None:
             released.wait(grace)  # the store host stays until every other rank's fn has ended (or died)

@@ -24,6 +24,7 @@ from .heap import keep_freed_memory
 from .settings import fingerprint
 from .failure import CommError, FailureChannel, FailureRecord, PipelineError
 from .lost_rank import lost_record
+from .departure import announce_close, forget, watch
 from .loss import needs_target
 from .measured import StepRecord, gather_timeline, local_timeline
 from .measured_costs import costs_field, measure_and_compile
@@ -182,6 +183,7 @@ class Pipeline:
         self._records: dict[str, StepRecord | None] = {"step": None, "forward": None}  # the last step()'s, forward()'s
         self._broken: PipelineError | None = None
         self._closed = False
+        self._departure = watch(self, self._failures, self.grid)  # said to peers still waiting if it goes unclosed
 
     @classmethod
     def from_plan(cls, model, plan, loss_fn=None, **kwargs) -> "Pipeline":
@@ -382,7 +384,9 @@ class Pipeline:
 
     def close(self) -> None:
         """Destroy this pipeline's process groups (collective: call it on every rank); the Pipeline is
-        unusable afterwards. The default process group is left alone."""
+        unusable afterwards. The default process group is left alone. A peer still waiting on this rank in a step or
+        collective raises a ``PipelineError`` saying this rank closed its Pipeline (``runtime/departure.py``)."""
+        announce_close(self._departure)  # before the teardown closes the connections the peers may be blocked on
         self._teardown()
         self._closed = True
 
@@ -501,6 +505,7 @@ class Pipeline:
             self._failures.keep_alive_for(record, self.grid.world_size, _ORIGIN_GRACE_S)
         if exc.__traceback__ is not None:
             traceback.clear_frames(exc.__traceback__)  # drop frame references to pending messages
+        forget(self._departure)  # its own record is published: nothing to announce at close() or exit
         self._teardown()
         self._broken = PipelineError(record, me, note)  # note: what this rank waited for
         return self._broken
