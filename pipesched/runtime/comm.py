@@ -5,9 +5,11 @@ Rank layout: with ``p`` pipeline ranks and ``d = dp_size`` replicas, world rank 
 data-parallel group of pipeline rank ``r`` is world ranks ``r, r + p, ..., r + (d-1)*p``.
 
 A message is a tensor or a tuple of tensors. A tuple travels as one packed ``uint8`` buffer (each part
-16-byte aligned); a single tensor travels as itself, unless NCCL cannot send its dtype (int16, complex):
-then as bytes too. Activation messages have a *meta* (per tensor:
-shape, dtype, requires_grad, plus whether it was a tuple); while a rank is learning the metas of a new
+16-byte aligned); a single tensor travels as itself, unless gloo or NCCL cannot send its dtype (int16, uint16/32/64,
+complex, float8, ...: everything but :data:`NATIVE_DTYPES`): then as bytes too, and the receiver views them back
+as the dtype the meta names. Every dtype torch can hold (:data:`DTYPES`) travels; only quantized tensors (their
+scale and zero point are not in their bytes) are refused, before any message. Activation messages have a *meta*
+(per tensor: shape, dtype, requires_grad, plus whether it was a tuple); while a rank is learning the metas of a new
 input signature it sends a fixed-size ``int64`` header before each activation, afterwards none.
 Gradient messages never need a header: their shapes are those of the activations they answer.
 Every message of a step has its own tag (kind, stage, microbatch), so a receive matches exactly one send
@@ -26,10 +28,31 @@ import torch.distributed as dist
 
 from .elastic import attempt_store
 
-#: dtypes that may cross a stage boundary, by wire code
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-          torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
-DTYPE_CODE = {dt: i for i, dt in enumerate(DTYPES)}
+#: the dtypes that may cross a stage boundary, by wire code (a fixed list of names, so the codes are the same on
+#: every rank; a name this torch lacks keeps its code, as ``None``). Every dtype torch 2.x can hold except the
+#: quantized ones; the ones gloo/NCCL cannot send (all but :data:`NATIVE_DTYPES`) travel as their bytes.
+DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+               "complex64", "complex128",
+               "uint16", "uint32", "uint64", "complex32",
+               "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+               "float4_e2m1fn_x2",
+               "bits1x8", "bits2x4", "bits4x2", "bits8", "bits16",
+               "int1", "int2", "int3", "int4", "int5", "int6", "int7",
+               "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7")
+DTYPES = tuple(getattr(torch, name, None) for name in DTYPE_NAMES)
+DTYPE_CODE = {dt: i for i, dt in enumerate(DTYPES) if dt is not None}
+
+
+def unsendable(dtype) -> str | None:
+    """Why a tensor of ``dtype`` cannot cross a stage boundary, in words; ``None`` when it can."""
+    if dtype in DTYPE_CODE:
+        return None
+    if dtype in (torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, getattr(torch, "quint2x4", None)):
+        return (f"a quantized tensor (dtype {dtype}) cannot cross a stage boundary: its scale and zero point are "
+                f"not in its bytes; dequantize() it first, or pass its int_repr() and its quantization parameters "
+                f"as tensors")
+    return (f"a tensor of dtype {dtype} cannot cross a stage boundary: pipesched does not know this dtype "
+            f"(every other dtype travels: {', '.join(n for n, d in zip(DTYPE_NAMES, DTYPES) if d is not None)})")
 HEADER_LEN = 256  # int64 words of a meta header
 _ALIGN = 16
 
@@ -205,7 +228,7 @@ def encode_meta(meta: Meta) -> torch.Tensor:
     words = [int(is_tuple), len(parts)]
     for shape, dtype, requires_grad in parts:
         if dtype not in DTYPE_CODE:
-            raise ValueError(f"cannot send a tensor of dtype {dtype} between stages; supported: {DTYPES}")
+            raise ValueError(unsendable(dtype))
         words += [DTYPE_CODE[dtype], int(requires_grad), len(shape), *shape]
     if len(words) > HEADER_LEN:
         raise ValueError(f"a stage output with {len(parts)} tensors is too large to describe "
@@ -220,6 +243,10 @@ def decode_meta(header: torch.Tensor) -> Meta:
     for _ in range(count):
         code, requires_grad, ndim = words[pos:pos + 3]
         shape = tuple(words[pos + 3:pos + 3 + ndim])
+        if not 0 <= code < len(DTYPES) or DTYPES[code] is None:
+            name = DTYPE_NAMES[code] if 0 <= code < len(DTYPE_NAMES) else f"code {code}"
+            raise ValueError(f"a peer sent a tensor of dtype {name}, which this torch ({torch.__version__}) lacks: "
+                             f"run the same torch version on every rank")
         parts.append((shape, DTYPES[code], bool(requires_grad)))
         pos += 3 + ndim
     return (is_tuple, tuple(parts))
@@ -251,15 +278,31 @@ def _as_itself(specs) -> bool:
     return len(specs) == 1 and specs[0][1] in NATIVE_DTYPES
 
 
+#: an integer dtype of each element size: a same-size view of any tensor (any strides, 0-dim too) that torch copies
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t``'s values, in row-major order: a flat contiguous ``uint8`` tensor. A conjugate or negative
+    view is resolved first (its storage does not hold its values); a non-contiguous tensor is copied as a
+    same-size integer view, since torch has no copy for some dtypes (float8 on some builds, int1..uint7)."""
+    t = t.detach().resolve_conj().resolve_neg()
+    size = t.element_size()
+    if size in _SAME_SIZE_INT and t.dtype != _SAME_SIZE_INT[size]:
+        t = t.view(_SAME_SIZE_INT[size])
+    return t.contiguous().reshape(-1).view(torch.uint8)  # reshape first: a 0-dim tensor cannot change element size
+
+
 def pack(tensors) -> torch.Tensor:
     """One tensor of a native dtype (:data:`NATIVE_DTYPES`): itself (contiguous). Otherwise (several tensors,
-    or one int16 or complex tensor): one ``uint8`` buffer holding each, 16-byte aligned."""
+    or one tensor of another dtype: int16, uint16/32/64, complex, float8...): one ``uint8`` buffer holding the bytes
+    of each, 16-byte aligned."""
     if _as_itself([(t.shape, t.dtype) for t in tensors]):
-        return tensors[0].detach().contiguous()
+        return tensors[0].detach().resolve_neg().contiguous()  # a real tensor can be a negative view (x.conj().imag)
     offsets, total = _offsets([(t.shape, t.dtype) for t in tensors])
     buf = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
     for t, off in zip(tensors, offsets):
-        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)  # (nbytes,)
+        flat = _bytes(t)  # (nbytes,)
         buf[off:off + flat.numel()].copy_(flat)
     return buf
 

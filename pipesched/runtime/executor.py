@@ -14,7 +14,7 @@ import torch
 from ..ir import Op
 from .accounting import SavedBytes, tensor_bytes
 from .grad_sum import finish_sum, start_sum
-from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, describe_change, grad_specs, meta_of, tag_of
+from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, describe_change, grad_specs, meta_of, tag_of, unsendable
 from .microbatch import as_tuple, stage_output
 from .recompute import check_no_forward_hooks, keep_nothing, replay_rng, rng_state
 from .settings import SETTINGS
@@ -211,6 +211,9 @@ class Executor:
         st = self.step
         st.fwd_out[(s, mb)] = (outs, is_tuple)
         if st.io.learning:
+            for k, t in enumerate(outs):  # on every placement, before any message: not only where it is sent
+                if unsendable(t.dtype):
+                    raise TypeError(f"element {k} of the output of stage {s}: {unsendable(t.dtype)}")
             st.io.metas[("out", s, mb)] = meta_of(outs, is_tuple)
         return outs
 

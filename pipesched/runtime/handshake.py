@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from .comm import DTYPE_CODE
+from .comm import DTYPE_CODE, unsendable
 from .microbatch import batch_size, split
 from .transport import gather_rows
 
@@ -302,7 +302,7 @@ def encode_signature(train, m, micro, is_tuple) -> list[int]:
     words = [0, int(train), m, total, int(is_tuple), len(first)]
     for t in first:
         if t.dtype not in DTYPE_CODE:
-            raise TypeError(f"x has a tensor of dtype {t.dtype}, which cannot cross a stage boundary")
+            raise TypeError(f"x: {unsendable(t.dtype)}")
         words += [DTYPE_CODE[t.dtype], t.dim() - 1, *t.shape[1:]]
     if len(words) > SIG_LEN:
         raise ValueError(f"x has too many tensors or dimensions to describe ({len(words)} > {SIG_LEN} words)")
