@@ -20,25 +20,22 @@ import contextlib
 import json
 import os
 import shutil
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..checks import as_int
 from . import rng_state
 from .failure import describe
-from .optim_state import check_owned, flat_state, load_flat_state, wanted_keys
+from .optim_state import check_owned, flat_state, load_flat_state
 from .state import first_mismatch, parameter_names, pipe_read_plan, read_plan, saved_state, shared_aliases
+from .checkpoint_read import (FORMAT, REPLACED, SAVING, as_path, copy_in, empty_for, extra_of, firsts, hidden,
+                              optimizer_keys, read_checkpoint, read_locally, shape_of, staging_for)
 from .vote import Verdict, check_optimizers, check_same, vote
 
-FORMAT = "pipesched-checkpoint/1"
-_SAVING, _REPLACED = ".saving", ".replaced"  # suffixes of a save's hidden temporary directories
 
 
 @dataclass(frozen=True)
@@ -109,10 +106,10 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
         check_optimizers(oks, "save_checkpoint")
     except Exception:
         if rank == 0 and target is not None:  # refused: remove the temporary directory rank 0 made
-            shutil.rmtree(_hidden(target, _SAVING), ignore_errors=True)
+            shutil.rmtree(hidden(target, SAVING), ignore_errors=True)
         raise
     target = oks[0]["path"]
-    temp = _hidden(target, _SAVING)
+    temp = hidden(target, SAVING)
     with _failures_named(target, "writing"):
         dcp.save(state, checkpoint_id=temp)
     vote("checkpoint-written", Verdict(ok=True), pipe.timeout)  # every rank has finished writing
@@ -164,15 +161,15 @@ def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
     """
     _agree_load_arguments(path, pipe, optimizer)
     try:
-        target, entries, meta = _read_checkpoint(path)
+        target, entries, meta = read_checkpoint(path)
         plan = pipe_read_plan(pipe)  # stored name -> this rank's tensors read from it
-        found = {name[6:]: _shape(md) for name, md in entries.items() if name.startswith("model.")}
-        problem = first_mismatch(found, _firsts(plan), pipe.state_spec, f"checkpoint {target!r}")
-        optim_keys = [] if optimizer is None or problem else _optimizer_keys(optimizer, pipe, entries, target)
+        found = {name[6:]: shape_of(md) for name, md in entries.items() if name.startswith("model.")}
+        problem = first_mismatch(found, firsts(plan), pipe.state_spec, f"checkpoint {target!r}")
+        optim_keys = [] if optimizer is None or problem else optimizer_keys(optimizer, pipe, entries, target)
         same_layout = [meta.get(k) for k in ("world_size", "pp_size", "dp_size")] == [
             pipe.grid.world_size, pipe.grid.pp_size, pipe.grid.dp_size]
         staging = None if problem else _named_failure(  # before the vote (its error is every rank's): buffers
-            lambda: _staging(entries, plan, optim_keys, dist.get_rank() if same_layout else None, pipe.device),
+            lambda: staging_for(entries, plan, optim_keys, dist.get_rank() if same_layout else None, pipe.device),
             "load_checkpoint", dist.get_rank(), "allocating its read buffers")
         verdict = Verdict(ok={"problem": problem})
     except Exception as exc:  # noqa: BLE001 - every rank must learn it
@@ -184,20 +181,20 @@ def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
         dcp.load(staging, checkpoint_id=target)  # collective; raises on every rank if any rank fails to read
     rng = staging.get("rng", {}).get(str(dist.get_rank()), {})
 
-    def copy_in():
-        _copy_in(plan, staging["model"])
+    def restore():
+        copy_in(plan, staging["model"])
         if optimizer is not None:
             load_flat_state(optimizer, parameter_names(pipe), staging["optim"])
         rng_state.restore(rng, pipe.device)
 
     try:
-        _named_failure(copy_in, "load_checkpoint", dist.get_rank(), "copying what it read into its model, optimizer "
+        _named_failure(restore, "load_checkpoint", dist.get_rank(), "copying what it read into its model, optimizer "
                        "and random generators")
         verdict = Verdict(ok=True)
     except Exception as exc:  # noqa: BLE001 - every rank must learn it (it would meet the others' next step)
         verdict = Verdict(error=exc)
     vote("checkpoint-loaded", verdict, pipe.timeout)
-    return CheckpointInfo(meta.get("step"), _extra(meta, staging), bool(rng))
+    return CheckpointInfo(meta.get("step"), extra_of(meta, staging), bool(rng))
 
 
 def load_into(model, path, strict: bool = True) -> CheckpointInfo:
@@ -212,20 +209,20 @@ def load_into(model, path, strict: bool = True) -> CheckpointInfo:
         FileNotFoundError, ValueError: as :func:`load_checkpoint` (a missing, incomplete or foreign directory; the
             first name or shape that does not fit ``model``).
     """
-    target, entries, meta = _read_checkpoint(path)
+    target, entries, meta = read_checkpoint(path)
     local = model.state_dict()
     spec = {name: tuple(t.shape) for name, t in local.items()}
     plan = read_plan(local, shared_aliases(model))  # a tied weight is read from its first name
-    found = {name[6:]: _shape(md) for name, md in entries.items() if name.startswith("model.")}
-    problem = first_mismatch(found, _firsts(plan), spec, f"checkpoint {target!r}", strict)
+    found = {name[6:]: shape_of(md) for name, md in entries.items() if name.startswith("model.")}
+    problem = first_mismatch(found, firsts(plan), spec, f"checkpoint {target!r}", strict)
     if problem:
         raise ValueError(problem[1])
     plan = {name: ts for name, ts in plan.items() if name in found}
-    staging = {"model": {n: _empty(entries[f"model.{n}"]) for n in plan}}
-    staging["extra"] = {n: _empty(entries[f"extra.{n}"]) for n in meta.get("extra_tensors", [])}
-    _read_locally(staging, target)
-    _copy_in(plan, staging["model"])
-    return CheckpointInfo(meta.get("step"), _extra(meta, staging), False)
+    staging = {"model": {n: empty_for(entries[f"model.{n}"]) for n in plan}}
+    staging["extra"] = {n: empty_for(entries[f"extra.{n}"]) for n in meta.get("extra_tensors", [])}
+    read_locally(staging, target)
+    copy_in(plan, staging["model"])
+    return CheckpointInfo(meta.get("step"), extra_of(meta, staging), False)
 
 
 def latest_checkpoint(directory) -> str | None:
@@ -242,7 +239,7 @@ def latest_checkpoint(directory) -> str | None:
         if name.startswith("."):
             continue
         try:
-            target, _, meta = _read_checkpoint(os.path.join(directory, name))
+            target, _, meta = read_checkpoint(os.path.join(directory, name))
         except (OSError, ValueError):
             continue
         step = meta.get("step")
@@ -266,7 +263,7 @@ def _agree_load_arguments(path, pipe, optimizer) -> None:
     try:
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be None or a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        verdict = Verdict(ok={"path": _as_path(path), **_optimizer_given(pipe, optimizer)})
+        verdict = Verdict(ok={"path": as_path(path), **_optimizer_given(pipe, optimizer)})
     except Exception as exc:  # noqa: BLE001 - every rank must learn it
         verdict = Verdict(error=exc)
     oks = vote("checkpoint-load-arguments", verdict, pipe.timeout)
@@ -278,22 +275,22 @@ def _agree_load_arguments(path, pipe, optimizer) -> None:
 
 
 def _check_save(path, pipe, optimizer, step, extra, rank: int) -> str:
-    target = _as_path(path)
+    target = as_path(path)
     if step is not None and (as_int(step) is None or step < 0):
         raise ValueError(f"step must be None or an int >= 0, got {step!r}")
-    _split_extra(extra)
+    _splitextra_of(extra)
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be None or a torch.optim.Optimizer, got {type(optimizer).__name__}")
         check_owned(optimizer, parameter_names(pipe))
     if os.path.lexists(target):
         try:
-            _read_checkpoint(target)
+            read_checkpoint(target)
         except (OSError, ValueError):
             raise FileExistsError(f"path {target!r} exists and is not a pipesched checkpoint; refusing to replace "
                                   f"it (save elsewhere or remove it)") from None
     if rank == 0:  # a stale temporary directory of a save that died is removed; the new one made
-        temp = _hidden(target, _SAVING)
+        temp = hidden(target, SAVING)
         shutil.rmtree(temp, ignore_errors=True)
         os.makedirs(temp)
     return target
@@ -304,7 +301,7 @@ def _state_to_save(pipe, optimizer, step, extra, rank: int) -> dict:
     if optimizer is not None:
         state["optim"] = flat_state(optimizer, parameter_names(pipe))
     if rank == 0:
-        text, tensors = _split_extra(extra)
+        text, tensors = _splitextra_of(extra)
         grid = pipe.grid
         state["pipesched"] = {"format": FORMAT, "step": step, "world_size": grid.world_size, "pp_size": grid.pp_size,
                               "dp_size": grid.dp_size, "extra": text, "extra_tensors": list(tensors)}
@@ -329,7 +326,7 @@ def _commit(temp: str, target: str) -> None:
     """Rename the finished temporary directory to ``target`` (replacing a checkpoint there) and sync the parent."""
     old = None
     if os.path.lexists(target):
-        old = _hidden(target, _REPLACED)
+        old = hidden(target, REPLACED)
         shutil.rmtree(old, ignore_errors=True)
         os.rename(target, old)
     os.rename(temp, target)
@@ -342,7 +339,7 @@ def _commit(temp: str, target: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _split_extra(extra) -> tuple[str, dict]:
+def _splitextra_of(extra) -> tuple[str, dict]:
     tensors = {}
     plain = extra
     if isinstance(extra, dict):
@@ -359,62 +356,6 @@ def _split_extra(extra) -> tuple[str, dict]:
     except (TypeError, ValueError) as exc:
         raise TypeError(f"extra must be JSON-serialisable (dict, list, str, int, float, bool, None), or a dict whose "
                         f"top-level values may also be tensors; got {extra!r} ({exc})") from None
-
-
-# ---- load ----------------------------------------------------------------------------------------------------
-
-
-def _read_checkpoint(path) -> tuple[str, dict, dict]:
-    """(absolute path, DCP entries by name, the ``pipesched.*`` values) of a complete pipesched checkpoint."""
-    target = _as_path(path)
-    if not os.path.lexists(target):
-        raise FileNotFoundError(f"checkpoint {target!r} does not exist")
-    name = os.path.basename(target)
-    if name.startswith(".") and name.endswith((_SAVING, _REPLACED)):
-        raise ValueError(f"checkpoint {target!r} is the temporary directory of a save that did not finish; load the "
-                         f"checkpoint it was saved as, or latest_checkpoint() of its folder")
-    if not os.path.isdir(target) or not os.path.isfile(os.path.join(target, ".metadata")):
-        raise ValueError(f"checkpoint {target!r} is incomplete or not a checkpoint: it has no .metadata (written "
-                         f"last, when every rank has finished)")
-    try:
-        entries = FileSystemReader(target).read_metadata().state_dict_metadata
-    except Exception as exc:  # noqa: BLE001 - a damaged file: name the path
-        raise ValueError(f"checkpoint {target!r} has an unreadable .metadata: {type(exc).__name__}: {exc}") from None
-    if "pipesched.format" not in entries:
-        raise ValueError(f"checkpoint {target!r} is not a pipesched checkpoint (a DCP checkpoint without "
-                         f"'pipesched.format'); load_into() reads model.* entries only of pipesched checkpoints")
-    meta = {name[10:]: None for name in entries if name.startswith("pipesched.")}
-    _read_locally({"pipesched": meta}, target)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"checkpoint {target!r} has format {meta.get('format')!r}; this version reads {FORMAT!r}")
-    return target, entries, meta
-
-
-def _optimizer_keys(optimizer, pipe, entries: dict, target: str) -> list[str]:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be None or a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    names = parameter_names(pipe)
-    check_owned(optimizer, names)
-    available = [name[6:] for name in entries if name.startswith("optim.")]
-    if not available:
-        raise ValueError(f"checkpoint {target!r} has no optimizer state (it was saved without optimizer=); "
-                         f"load it with optimizer=None")
-    keys, problem = wanted_keys(optimizer, names, available)
-    if problem:
-        raise ValueError(f"checkpoint {target!r} {problem}")
-    return keys
-
-
-def _staging(entries: dict, plan: dict, optim_keys, rng_rank: int | None, device) -> dict:
-    """New buffers for everything this rank reads (DCP reads into the tensors it is given; objects replace None)."""
-    staging: dict = {"model": {name: _empty(entries[f"model.{name}"]) for name in plan}}
-    staging["optim"] = {key: _empty(entries[f"optim.{key}"]) for key in optim_keys}
-    extras = [name[6:] for name in entries if name.startswith("extra.")]
-    staging["extra"] = {name: _empty(entries[f"extra.{name}"]) for name in extras}
-    if rng_rank is not None:
-        available = [name.split(".")[-1] for name in entries if name.startswith(f"rng.{rng_rank}.")]
-        staging["rng"] = {str(rng_rank): rng_state.placeholders(device, available)}
-    return staging
 
 
 def _named_failure(run, caller: str, rank: int, doing: str):
@@ -436,53 +377,3 @@ def _failures_named(target: str, doing: str):
     except CheckpointException as exc:
         ranks = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(exc.failures.items()))
         raise RuntimeError(f"checkpoint {target!r}: ranks failed while {doing} it ({ranks})") from exc
-
-
-def _read_locally(state: dict, target: str) -> None:
-    """``dcp.load`` in this process only (no collective), without DCP's warning that it assumes so."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=target, no_dist=True)
-
-
-def _firsts(plan: dict) -> dict:
-    return {name: tensors[0] for name, tensors in plan.items()}
-
-
-def _copy_in(plan: dict, read: dict) -> None:
-    """Copy each entry read into every tensor it fills (``Tensor.copy_``: to the tensor's dtype and device)."""
-    with torch.no_grad():
-        for name, tensors in plan.items():
-            for tensor in tensors:
-                tensor.copy_(read[name])
-
-
-def _extra(meta: dict, staging: dict):
-    extra = json.loads(meta.get("extra") or "null")
-    tensors = staging.get("extra", {})
-    if tensors:
-        extra = dict(extra or {})
-        extra.update(tensors)
-    return extra
-
-
-def _empty(md):
-    """A CPU tensor to read a tensor entry into, or ``None`` for an object entry."""
-    if isinstance(md, TensorStorageMetadata):
-        return torch.empty(md.size, dtype=md.properties.dtype)
-    return None
-
-
-def _shape(md):
-    return tuple(md.size) if isinstance(md, TensorStorageMetadata) else None
-
-
-def _hidden(target: str, suffix: str) -> str:
-    return os.path.join(os.path.dirname(target), f".{os.path.basename(target)}{suffix}")
-
-
-def _as_path(path) -> str:
-    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise TypeError(f"path must be a non-empty str or os.PathLike, got {path!r}")
-    return os.path.abspath(os.fspath(path))
-

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipesched.runtime import GradScaler, Pipeline, checkpoint, load_checkpoint, save_checkpoint
+from pipesched.runtime import GradScaler, Pipeline, checkpoint_read, load_checkpoint, save_checkpoint
 
 WIDTH = 8
 TIMEOUT = 60.0  # the Pipeline's; a rank left waiting would end only after it, naming itself
@@ -197,16 +197,16 @@ def load_buffers_fail(rank, root):
     pipe.step(x, target=y)
     torch.optim.SGD(pipe.parameters(), lr=0.5).step()
     before = [p.detach().clone() for p in pipe.parameters()]
-    real = checkpoint._empty
+    real = checkpoint_read.empty_for
 
     def no_memory(md):
         raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 256 bytes.")
 
-    checkpoint._empty = no_memory if rank == 1 else real
+    checkpoint_read.empty_for = no_memory if rank == 1 else real
     try:
         got = run_case(rank, "load buffers fail", 1, {r: (lambda: load_checkpoint(path, pipe)) for r in (0, 1)})
     finally:
-        checkpoint._empty = real
+        checkpoint_read.empty_for = real
     got["then"] = (all(torch.equal(a, b) for a, b in zip(before, pipe.parameters()))
                    and float(pipe.step(x, target=y)) > 0)
     pipe.close()
