@@ -68,7 +68,10 @@ def all_reduce_over(tensor: torch.Tensor, op: str, groups) -> torch.Tensor:
 
 def loss_scaling(scaler, pipe):
     """What ``pipe.step(..., scaler=scaler)`` multiplies each microbatch's loss by before its backward: ``None``
-    (no scaler: nothing) or ``scaler.scale`` (the loss times the current scale); counts the step on ``scaler``.
+    (no scaler: nothing) or ``scaler.scale`` (the loss times the current scale). A local check, before the step's
+    opening: the Pipeline carries its error in this rank's row of the opening, so every rank refuses the step
+    alike (:func:`~pipesched.runtime.handshake.judge_own_checks`), and counts the step on ``scaler``
+    (:attr:`GradScaler.scaled_steps`) only once every rank accepted it.
 
     Raises:
         TypeError: ``scaler`` is not a :class:`GradScaler` (a plain ``torch.amp.GradScaler`` would let ranks
@@ -82,7 +85,6 @@ def loss_scaling(scaler, pipe):
                         f"overflow across every rank), got {type(scaler).__module__}.{type(scaler).__name__}")
     if scaler.pipe is not pipe:
         raise ValueError("scaler was built for another Pipeline; build one per Pipeline: GradScaler(pipe)")
-    scaler.scaled_steps += 1
     return scaler.scale
 
 
@@ -118,7 +120,8 @@ class GradScaler(torch.amp.GradScaler):
         pipe: the Pipeline whose ``step`` this scaler scales; the scale lives on its device (CPU or CUDA).
         init_scale, growth_factor, backoff_factor, growth_interval, enabled: as ``torch.amp.GradScaler``.
     Attributes:
-        scaled_steps: the ``pipe.step`` calls on this rank that got this scaler (every rank must count the same).
+        scaled_steps: the ``pipe.step`` calls on this rank that got this scaler and that every rank accepted (a
+            step refused in its opening, on any rank, does not count; every rank must count the same).
     Raises:
         TypeError: ``pipe`` is not a Pipeline.
     """

@@ -7,13 +7,15 @@ With data parallelism a second all-gather, over each data-parallel group, lets t
 (:meth:`Handshake.signature`): a step one replica refuses is refused on all.
 
 Each rank's row of the all-gather is ``ROW_LEN`` int64 words: ``[OPENING_MARK, settings, train, no_grad,
-clip calls, clip max_norm, clip norm_type, *signature, *verdict]`` (``verdict``: ``VERDICT_LEN`` words,
-:func:`verdict_words`, zeros but on the last stage's rank in a training step). ``clip_grad_norm_``'s all-gather
-on the same group (``runtime/clipping.py``) has rows of the same shape opening with ``CLIP_MARK`` and the count of
-clip calls, so
-where ranks are out of step (some in a step's opening, some in a clip's collective, or with different counts of
-clip calls) every rank that meets them raises the same clear error (:func:`check_rows_meet`) instead of
-misreading the rows."""
+clip calls, clip max_norm, clip norm_type, *signature, *verdict]`` (``signature``: stage 0's rank's description
+of x or its refusal, zeros on the other ranks, or, on any rank whose own checks of its call failed before the
+opening (a bad ``scaler=``, no ``loss_fn``), ``[OWN_REFUSAL, kind, 0, *text]`` instead: every rank then raises
+that error, :func:`judge_own_checks`, so none waits for a rank that raised alone; ``verdict``: ``VERDICT_LEN``
+words, :func:`verdict_words`, zeros but on the last stage's rank in a training step). ``clip_grad_norm_``'s
+all-gather on the same group (``runtime/clipping.py``) has rows of the same shape opening with ``CLIP_MARK`` and
+the count of clip calls, so where ranks are out of step (some in a step's opening, some in a clip's collective,
+or with different counts of clip calls) every rank that meets them raises the same clear error
+(:func:`check_rows_meet`) instead of misreading the rows."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -31,6 +33,11 @@ ROW_LEN = HEAD + SIG_LEN + VERDICT_LEN  # int64 words of each rank's row in the 
 OPENING_MARK, CLIP_MARK = 0x5354_4550, 0x434C_4950  # the first word of a step's row, of a clip's row
 TIMELINE_MARK = 0x5449_4D45  # the first word of gather_timeline()'s row (its all-gather of rows before the events)
 REPLICA_MARK = 0x5245_504C  # the first word of a replica's row in a step's agreement over the data-parallel group
+#: the first word of a row's signature block: stage 0's rank's description of x (0) or refusal of it (1), or any
+#: rank's refusal of its own call (its own checks before the opening failed: ``[OWN_REFUSAL, kind, 0, *text]``)
+OWN_REFUSAL = 2
+#: the exception a refusal raises on every rank, by the code its row carries (``kind``; 0: no refusal)
+REFUSAL_KINDS = {1: ValueError, 2: TypeError}
 #: the call each mark stands for, in errors about ranks in different calls
 CALLS = {OPENING_MARK: "opened the next step (step() or forward())", CLIP_MARK: "are in clip_grad_norm_'s collective",
          TIMELINE_MARK: "are in gather_timeline()"}
@@ -96,8 +103,13 @@ class TargetVerdict(NamedTuple):
 
 
 class Rejected(ValueError):
-    """Internal marker: a rank refused the step's input or target before any work; the ``Pipeline``
-    re-raises it as a plain ``ValueError`` (the pipeline stays usable)."""
+    """Internal marker: a rank refused the step's input, target or call before any work; the ``Pipeline``
+    re-raises it as a plain ``kind`` (``ValueError``, or ``TypeError`` where a rank's own check of its call raised
+    one: :func:`judge_own_checks`) with the same message and cause (the pipeline stays usable)."""
+
+    def __init__(self, text: str, kind: type = ValueError) -> None:
+        super().__init__(text)
+        self.kind = kind
 
 
 class Handshake:
@@ -118,19 +130,22 @@ class Handshake:
         self.clip_words: list = []  # the last opening's clip words, by pipeline rank (see :meth:`signature`)
 
     def signature(self, x, train: bool, to_device, settings: int, clip=(0, 0, 0),
-                  verdict: TargetVerdict | None = None):
+                  verdict: TargetVerdict | None = None, refusal: Exception | None = None):
         """Every rank learns the step's input (stage 0's rank describes ``x`` or rejects it), the last stage's
         rank's ``verdict`` on the step's target (a training step; ``None`` on the other ranks and in a
-        ``forward()``), every rank's settings fingerprint (:func:`~pipesched.runtime.settings.fingerprint`) and its
-        three words of anticipated clipping (``clip``: :meth:`NormParts.opening_words
-        <pipesched.runtime.norm_parts.NormParts.opening_words>`, by pipeline rank in :attr:`clip_words`
-        afterwards), in one all-gather over the pipeline group: the step's only message before its program.
+        ``forward()``), every rank's ``refusal`` of its own call (the ``ValueError`` or ``TypeError`` its own
+        checks raised before the opening, e.g. a bad ``scaler=``; ``None``), every rank's settings fingerprint
+        (:func:`~pipesched.runtime.settings.fingerprint`) and its three words of anticipated clipping
+        (``clip``: :meth:`NormParts.opening_words <pipesched.runtime.norm_parts.NormParts.opening_words>`, by
+        pipeline rank in :attr:`clip_words` afterwards), in one all-gather over the pipeline group: the step's only
+        message before its program.
 
         Returns:
             ``(key, microbatches, is_tuple)``: the :class:`StepKey` (the input's description and every pipeline
             rank's fingerprint); ``microbatches`` is ``None`` on the other ranks.
         Raises:
-            Rejected: on every rank, with the same message, checked in this order: stage 0's rank refused ``x``;
+            Rejected: on every rank, with the same message, checked in this order: some rank refused its own call
+                (:func:`judge_own_checks`: that rank's exception type, naming it); stage 0's rank refused ``x``;
                 ranks disagree on ``step()`` versus ``forward()``; a training step with gradients disabled; the
                 target's batch size is not x's; the last stage's rank refused the target (:func:`judge_target`).
             RuntimeError: some ranks are in ``clip_grad_norm_``'s collective, or made other numbers of clip calls
@@ -141,23 +156,26 @@ class Handshake:
         refusing replica's next step): ``Rejected`` also where another replica refused or made another call.
         """
         try:
-            decided, refusal = self._decide(x, train, to_device, settings, clip, verdict), None
+            decided, rejected = self._decide(x, train, to_device, settings, clip, verdict, refusal), None
         except Rejected as exc:
-            decided, refusal = None, exc
+            decided, rejected = None, exc
         if self.dp_group is not None:
-            self._agree_replicas(train, refusal)
-        if refusal is not None:
-            raise refusal
+            self._agree_replicas(train, rejected)
+        if rejected is not None:
+            raise rejected
         return decided
 
     def _agree_replicas(self, train: bool, refusal: Rejected | None) -> None:
-        """One all-gather over the data-parallel group of ``[REPLICA_MARK, train, refused, *its text]``.
+        """One all-gather over the data-parallel group of ``[REPLICA_MARK, train, refused, *its text]``
+        (``refused``: 0, or the :data:`REFUSAL_KINDS` code of the exception it raises).
 
         Raises:
             Rejected: replicas made different calls (names each replica's); or another replica refused its step
-                (its message, prefixed by ``replica R refused its step:``); a replica that refused raises its own.
+                (its message, prefixed by ``replica R refused its step:``, of its kind); a replica that refused
+                raises its own.
         """
-        mine = encode_text([REPLICA_MARK, int(train), int(refusal is not None)], str(refusal or ""))
+        mine = encode_text([REPLICA_MARK, int(train), 0 if refusal is None else kind_code(refusal.kind)],
+                           str(refusal or ""))
         rows = gather_rows(mine, self.dp_group, self.program.dp_size, torch.int64, self.device,
                            "the replicas' agreement on the step")
         calls = ("forward()", "step()")
@@ -166,14 +184,19 @@ class Handshake:
                 f"replica {k} called {calls[row[1]]}" for k, row in enumerate(rows)))
         refused = [k for k, row in enumerate(rows) if row[2]]
         if refused and refusal is None:
-            raise Rejected(f"replica {refused[0]} refused its step: {decode_text(rows[refused[0]])}")
+            row = rows[refused[0]]
+            raise Rejected(f"replica {refused[0]} refused its step: {decode_text(row)}",
+                           REFUSAL_KINDS.get(row[2], ValueError))
 
-    def _decide(self, x, train: bool, to_device, settings: int, clip, verdict: TargetVerdict | None):
+    def _decide(self, x, train: bool, to_device, settings: int, clip, verdict: TargetVerdict | None,
+                refusal: Exception | None = None):
         """What every rank of the pipeline decides alike from the opening's all-gather (see :meth:`signature`)."""
         first = self.program.stage_to_rank[0]
         m = self.program.num_microbatches
         words, micro, is_tuple = [0] * SIG_LEN, None, False
-        if self.pp_rank == first:
+        if refusal is not None:  # in its signature block (stage 0's rank: in place of x's description)
+            words = encode_text([OWN_REFUSAL, kind_code(type(refusal)), 0], str(refusal))
+        elif self.pp_rank == first:
             try:
                 if x is None:
                     raise ValueError(f"the rank of stage 0 (pipeline rank {first}) got no input x; pass the batch "
@@ -186,6 +209,7 @@ class Handshake:
                              *clip] + words + verdict_words(verdict if train else None))
         check_rows_meet([row[:1] + row[4:5] for row in rows], OPENING_MARK)
         self.clip_words = [row[4:HEAD] for row in rows]
+        judge_own_checks([row[HEAD:HEAD + SIG_LEN] for row in rows], self.pp_rank, refusal)
         last_verdict = rows[self.program.stage_to_rank[-1]][HEAD + SIG_LEN:]
         rows = [row[1:4] + row[HEAD:HEAD + SIG_LEN] for row in rows]  # settings, train, no_grad, signature
         words = rows[first][3:]
@@ -269,6 +293,33 @@ def judge_target(words: list[int], total: int, last: int, pp_rank: int, verdict:
         return
     raise Rejected(text if pp_rank == last else
                    f"the rank of the last stage (pipeline rank {last}) rejected the step's target: {text}")
+
+
+def kind_code(kind: type) -> int:
+    """The :data:`REFUSAL_KINDS` code of the exception class ``kind`` (a ``TypeError``: 2; anything else: 1)."""
+    return 2 if issubclass(kind, TypeError) else 1
+
+
+def judge_own_checks(blocks: list[list[int]], pp_rank: int, refusal: Exception | None) -> None:
+    """Every rank's ruling on the ranks' refusals of their own calls (``blocks``: each pipeline rank's signature
+    block from the opening; ``refusal``: this rank's own exception, ``None`` if its checks passed).
+
+    Raises:
+        Rejected: some rank refused. Every rank refused alike (the same type and text: the same bad argument
+            everywhere): each raises its own message, as it did before the opening. Else every rank raises the
+            first refusing rank's type with ``pipeline rank R refused its step: <its text>`` (naming the other
+            refusing ranks), caused on ``R`` by its own exception; so no rank waits for one that raised alone.
+    """
+    refused = [r for r, words in enumerate(blocks) if words[0] == OWN_REFUSAL]
+    if not refused:
+        return
+    said = {(blocks[r][1], decode_text(blocks[r])) for r in refused}
+    if len(refused) == len(blocks) and len(said) == 1:
+        raise Rejected(str(refusal), REFUSAL_KINDS[kind_code(type(refusal))]) from refusal
+    first = refused[0]
+    also = f" (pipeline ranks {refused[1:]} refused theirs too)" if len(refused) > 1 else ""
+    raise Rejected(f"pipeline rank {first} refused its step{also}: {decode_text(blocks[first])}",
+                   REFUSAL_KINDS.get(blocks[first][1], ValueError)) from (refusal if pp_rank == first else None)
 
 
 def encode_text(head: list[int], text: str, length: int = SIG_LEN) -> list[int]:

@@ -1,6 +1,7 @@
 """``Pipeline``: an ``nn.Sequential`` trained with a compiled pipeline schedule over torch.distributed."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import traceback
 from collections import OrderedDict
@@ -25,6 +26,7 @@ from .settings import fingerprint
 from .failure import CommError, FailureChannel, FailureRecord, PipelineError
 from .lost_rank import lost_record
 from .departure import announce_close, forget, watch
+from .stalled import silent_members, stall_note
 from .loss import needs_target
 from .measured import StepRecord, gather_timeline, local_timeline
 from .measured_costs import costs_field, measure_and_compile
@@ -309,7 +311,8 @@ class Pipeline:
             target: ``(N, ...)`` tensor or tuple, needed on the rank of the last stage; others may pass None.
             scaler: ``None``, or this pipeline's :class:`~pipesched.runtime.GradScaler` (on every rank): the last
                 stage backpropagates each microbatch's ``loss * scaler.get_scale()``; the returned loss is unscaled.
-                Else a ``TypeError`` (``ValueError``: one built for another Pipeline) before any communication.
+                Else a ``TypeError`` (``ValueError``: one built for another Pipeline), ruled on in the opening (see
+                Raises).
         Returns:
             The loss, the same on every rank of this pipeline: a 0-dim tensor (shape ``()`` whatever shape of one
             element ``loss_fn`` returns) of the dtype ``loss_fn`` returns, on this rank's device, not requiring
@@ -317,7 +320,12 @@ class Pipeline:
             in microbatch order in that dtype (the full-batch mean loss for a mean ``loss_fn``). With
             ``dp_size > 1`` it is this replica's loss.
         Raises:
-            ValueError: no ``loss_fn``; or the first stage's rank rejects ``x`` (``N < num_microbatches``, tensors
+            ValueError, TypeError: this rank's own checks, before the opening: no ``loss_fn`` (``ValueError``), a bad
+                ``scaler`` (above). The error travels in this rank's row of the opening all-gather: where every rank
+                failed alike, each raises its own error; else every rank raises the first failing rank's type with
+                ``pipeline rank R refused its step: <its message>``, at once (no rank waits for the others); the
+                pipeline stays usable.
+            ValueError: the first stage's rank rejects ``x`` (``N < num_microbatches``, tensors
                 of different batch sizes, not tensors, missing); or the last stage's rank rejects ``target``
                 (missing while ``loss_fn`` takes ``(output, target)``, batch size other than ``N``). A plain
                 ``ValueError`` raised on every rank, carrying the checking rank's message; the pipeline stays usable.
@@ -327,12 +335,15 @@ class Pipeline:
                 the store carrying the failure record), keep their processes up at exit until every rank has
                 read the record (at most 30 s), so a rank that is still computing learns the true origin.
         """
-        if self.loss_fn is None:
-            raise ValueError("step() needs a loss_fn; pass loss_fn= to Pipeline (forward() needs none)")
         self._check_local(x, target)
-        scale = loss_scaling(scaler, self)  # None, or the scaler's scale(); counted on the scaler
-        self._norm_parts.scaler = scaler  # its unscale_ rescales the anticipated norm parts
-        return self._guarded(lambda: self._run(x, target, train=True, scale=scale))
+        scale = refusal = None
+        try:  # this rank's own checks: a failure is ruled on in the opening, so no rank waits for this one
+            if self.loss_fn is None:
+                raise ValueError("step() needs a loss_fn; pass loss_fn= to Pipeline (forward() needs none)")
+            scale = loss_scaling(scaler, self)  # None, or the scaler's scale()
+        except (TypeError, ValueError) as exc:
+            refusal = exc
+        return self._guarded(lambda: self._run(x, target, train=True, scale=scale, scaler=scaler, refusal=refusal))
 
     def forward(self, x=None):
         """Forward only (no autograd graph, no loss): the model's output on the rank of the last stage,
@@ -429,17 +440,21 @@ class Pipeline:
     def _guarded(self, run):
         try:
             return run()
-        except Rejected as exc:
-            raise ValueError(str(exc)) from None
+        except Rejected as exc:  # every rank refused the call alike: a plain ValueError (TypeError), no record
+            raise exc.kind(str(exc)) from exc.__cause__
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
             error = self._fail(exc)
             raise error from (None if isinstance(exc, CommError) else exc)
 
-    def _run(self, x, target, train: bool, scale=None):
+    def _run(self, x, target, train: bool, scale=None, scaler=None, refusal=None):
         verdict = self._targets(target) if train and self.pp_rank == self.program.stage_to_rank[-1] else None
         key, micro, is_tuple = self._handshake.signature(x, train, lambda batch: _to(batch, self.device),
                                                          fingerprint(self.stages, self.device, self.autocast),
-                                                         self._norm_parts.opening_words(), verdict)
+                                                         self._norm_parts.opening_words(), verdict, refusal)
+        if train:  # the step is accepted on every rank: it counts on the scaler (the same count everywhere)
+            self._norm_parts.scaler = scaler  # its unscale_ rescales the anticipated norm parts
+            if scaler is not None:
+                scaler.scaled_steps += 1
         self._norm_parts.agree(self._handshake.clip_words, train)  # does this step send its norm parts?
         m, total = self.program.num_microbatches, key.batch_size
         sizes = split_sizes(total, m)
@@ -498,6 +513,10 @@ class Pipeline:
         origin = record is None
         if origin:
             record = FailureRecord.local(me, instr, exc, self.pp_rank)
+            if isinstance(exc, CommError) and not exc.connection_lost:  # timed out: name who did not (stalled.py)
+                members = set(self.grid.pipeline_ranks(self.grid.dp_rank)) | set(self.grid.dp_ranks(self.pp_rank))
+                note = stall_note(silent_members(self._failures, me, members), self.grid.pp_size, self.timeout)
+                record = dataclasses.replace(record, cause=record.cause + note) if note else record
         if not record.lost:
             self._failures.publish(record)  # the origin's record, or passed on to this rank's other group (DP)
         self._failures.seen(record)

@@ -77,7 +77,8 @@ def test_a_stalled_rank_ends_the_others_after_the_timeout(failures):
     waiting = failures[0]["hang"]
     assert waiting["type"] == "PipelineError"
     assert waiting["rank"] == 0 and "Timed out" in waiting["message"] and "pipeline rank 1" in waiting["message"]
-    # timeout=3 s, plus at most 1 s looking for a remote record, plus slack for a loaded machine
+    assert "world rank 1 (pipeline rank 1) did not time out within 1 s of this rank" in waiting["message"]  # stalled.py
+    # timeout=3 s, plus at most 1 s looking for a remote record and 1 s of roll call, plus slack for a loaded machine
     assert 3.0 <= waiting["elapsed"] < 3.0 + 9.0
     stalled = failures[1]["hang"]  # wakes after 9 s, finds its peer gone and the record of rank 0
     assert stalled["type"] == "PipelineError" and stalled["rank"] == 0

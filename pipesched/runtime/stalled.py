@@ -1,0 +1,53 @@
+"""A wait that timed out while its peers' connections stayed open: which ranks may be the stalled one.
+
+A rank that stops answering without failing (a hang or a long pause in the user's code between its calls, a data
+loader that blocks) leaves no record and closes no connection: the first rank to time out waiting for it would
+otherwise publish only its own timeout, and be blamed. So, when a wait timed out and no failure record turned up,
+the timed-out rank answers a **roll call** in the store (one key per rank, under its groups' failure keys, written
+only on this path: nothing per step), waits up to ``ROLL_CALL_S`` for the other members of its groups to answer
+theirs, and names the members that did not: they had not timed out by then, so they were not waiting on the same
+thing long enough: the stalled rank is among them (with 2 ranks: it is the other one). A rank that began waiting
+much later than this one (it was computing, then waited on the stalled rank) may be named too; the text says so.
+"""
+from __future__ import annotations
+
+import time
+
+from .failure import FailureChannel
+
+ROLL_CALL_S = 1.0  #: seconds a timed-out rank waits for the other timed-out ranks to answer the roll call
+
+
+def roll_call_keys(failures: FailureChannel, world_rank: int) -> list[str]:
+    """The roll-call key of ``world_rank`` under each of the channel's group keys."""
+    return [f"{key}/timed-out/{world_rank}" for key in failures.keys]
+
+
+def silent_members(failures: FailureChannel, world_rank: int, members, wait_s: float = ROLL_CALL_S) -> list[int]:
+    """Answer the roll call as ``world_rank``, then the ``members`` (world ranks of this rank's groups) that did not
+    answer theirs within ``wait_s`` seconds, ascending; ``[]`` if the store does not answer (nothing can be said)."""
+    try:
+        for key in roll_call_keys(failures, world_rank):
+            failures.store.set(key, "1")
+    except Exception:  # noqa: BLE001 - a store that is gone: no roll call
+        return []
+    others = sorted(set(members) - {world_rank})
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            silent = [r for r in others if not any(failures.store.check([key]) for key in roll_call_keys(failures, r))]
+        except Exception:  # noqa: BLE001 - as above
+            return []
+        if not silent or time.monotonic() >= deadline:
+            return silent
+        time.sleep(0.05)
+
+
+def stall_note(silent: list[int], pp_size: int, timeout: float) -> str:
+    """The sentence added to a timed-out rank's failure naming the ranks that did not time out with it."""
+    if not silent:
+        return ""
+    named = ", ".join(f"world rank {r} (pipeline rank {r % pp_size})" for r in silent)
+    return (f"; {named} did not time out within {ROLL_CALL_S:g} s of this rank and kept their connections open: alive "
+            f"but not at this point of the step within timeout={timeout:g} s. The stall is there (a hang or a long "
+            f"pause in that rank's code between its pipeline calls), or that rank began waiting later, on one that is")
