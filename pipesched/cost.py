@@ -84,6 +84,11 @@ class CostModel:
     send_overhead: float = 0.0
 
     def __post_init__(self) -> None:
+        self._unwrap_0d_arrays()
+        for name in _PER_STAGE + _SCALAR_SECONDS:
+            if getattr(self, name) is None and name not in _OPTIONAL:
+                raise CostError(name, f"cost {name} must be a finite number >= 0 (seconds or bytes), got None (only "
+                                      f"{', '.join(_OPTIONAL)} may be None: they have defaults)")
         for name in _PER_STAGE:
             value = getattr(self, name)
             if value is None or is_real(value):
@@ -101,6 +106,13 @@ class CostModel:
                                          f"got {self.bandwidth!r}")
         self._check_recompute_holds_input()
         self._hold_plain_numbers()
+
+    def _unwrap_0d_arrays(self) -> None:
+        """A 0-d array given for a field (``np.array(0.5)``, a 0-d tensor) is held as the one number it holds."""
+        for name in _PER_STAGE + _SCALAR_SECONDS + ("bandwidth",):
+            value = getattr(self, name)
+            if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+                object.__setattr__(self, name, value.item())
 
     def _hold_plain_numbers(self) -> None:
         """A numpy number given (``np.int64(4)``, an array of them) is held as a plain int or float (a sequence
@@ -221,6 +233,7 @@ class CostModel:
 
 _SECONDS = ("forward", "backward", "input_grad", "weight_grad", "recompute")
 _SCALAR_SECONDS = ("latency", "send_overhead")  # one number for every message, not per stage
+_OPTIONAL = ("input_grad", "weight_grad", "recompute", "stash_bytes", "input_bytes", "recompute_bytes")  # None: default
 _HELD = ("stash_bytes", "input_bytes", "recompute_bytes")
 _PER_STAGE = ("forward", "backward", "input_grad", "weight_grad", "recompute", "activation_bytes", "grad_bytes",
               "stash_bytes", "input_bytes", "recompute_bytes", "tie_bytes")

@@ -98,3 +98,14 @@ def test_fitted_costs_of_a_timeline_read_the_overhead_back():
     fitted = fit_cost(measured)
     assert fitted.send_overhead == pytest.approx(5e-5) and fitted.latency == pytest.approx(1e-4)
     assert predict_for(measured).makespan == pytest.approx(timeline.makespan)
+
+
+def test_none_is_refused_where_a_field_has_no_default_and_0d_arrays_are_numbers():
+    for name in ("send_overhead", "latency", "forward", "backward", "activation_bytes", "grad_bytes", "tie_bytes"):
+        with pytest.raises(CostError, match=f"cost {name} must be a finite number >= 0 .* got None") as err:
+            CostModel(**{name: None})
+        assert err.value.field == name
+    assert CostModel(input_grad=None, weight_grad=None, recompute=None).per_stage("input_grad", 2) == (1.0, 1.0)
+    held = CostModel(forward=np.array(0.5), send_overhead=np.array(0.25), bandwidth=np.array(1e9))
+    assert (held.forward, held.send_overhead, held.bandwidth) == (0.5, 0.25, 1e9)
+    assert type(held.forward) is float
