@@ -16,9 +16,11 @@
    step a receive completes only when its rank gets to wait for it, so its time mixes transfer and compute. The
    ping runs after every message of the step was delivered, pair by pair (ranks ``(0, 1), (2, 3), ...``, then
    ``(1, 2), (3, 4), ...``) on control tags no step message uses, so it meets no message of a step. It also takes
-   the **send overhead** (:func:`send_seconds`): the median time the rank spent inside its step's ``SEND`` calls
-   (on gloo the send call blocks its rank while it copies and hands the message over, ~0.1 ms here), which the
-   simulator charges to the sending rank; the latency is the ping's one-way time less that overhead (at least 0).
+   the **send overhead**: the median time the ping's send calls took on this rank (on gloo the send call blocks its
+   rank while it copies and hands the message over, ~0.1 ms here), which the simulator charges to the sending rank;
+   the latency is the ping's one-way time less that overhead (at least 0). Not the first step's own ``SEND`` calls:
+   that step learns the message shapes (a header before each activation, each receive blocking) and runs cold, so
+   its sends took 10-50 times as long as a later step's.
 3. **Agreement** (:func:`agree_costs`): an all-gather over the pipeline group gives every rank each stage's numbers
    from the rank that owns it, and the latency and send overhead of every rank (the largest of each is kept); with ``dp_size > 1`` an
    all-gather over the data-parallel group then gives every rank every replica's vector, and the element-wise
@@ -128,12 +130,6 @@ def cost_vector(medians: dict, num_stages: int, latency: float, send_overhead: f
     return per_stage + [float(latency), float(send_overhead)]
 
 
-def send_seconds(events) -> float:
-    """The median seconds this rank spent inside a SEND call (``(instr, start, end)`` events,
-    :meth:`StepRecord.seconds`), 0 if it sent nothing: the send overhead of :class:`~pipesched.cost.CostModel`."""
-    times = [end - start for instr, start, end in events if instr.op in (Op.SEND_F, Op.SEND_B)]
-    return statistics.median(times) if times else 0.0
-
 
 def combine(rows, stage_to_rank) -> list:
     """One vector from the pipeline ranks' :func:`cost_vector` rows (by pipeline rank): each stage's numbers from
@@ -171,45 +167,60 @@ def activation_bytes(sent: dict, peer: int) -> int:
     return max([n for instr, n in sent.items() if instr.op is Op.SEND_F and instr.peer == peer], default=8)
 
 
-def ping_latency(transport, pp_rank: int, num_ranks: int, nbytes: int) -> float:
+def ping_latency(transport, pp_rank: int, num_ranks: int, nbytes: int) -> tuple[float, float]:
     """This rank's measured one-way time (seconds) of a message of ``nbytes`` to pipeline rank ``pp_rank + 1``
-    (0.0 on the last rank); collective over the pipeline group (see the module docstring).
+    (0.0 on the last rank), and the median time its send calls of the ping took (the send overhead: the rank's own
+    time per message, measured warm, apart from any step); collective over the pipeline group (see the module
+    docstring).
 
     Raises:
         CommError: a peer is gone or a wait timed out.
     """
-    latency = 0.0
+    latency, calls = 0.0, []
     for phase in (0, 1):
         if pp_rank % 2 == phase and pp_rank + 1 < num_ranks:
-            latency = _initiate(transport, pp_rank + 1, nbytes)
+            latency = _initiate(transport, pp_rank + 1, nbytes, calls)
         elif pp_rank % 2 != phase and pp_rank >= 1:
-            _serve(transport, pp_rank - 1)
-    return latency
+            _serve(transport, pp_rank - 1, calls)
+    return latency, statistics.median(calls) if calls else 0.0
 
 
-def _initiate(transport, peer: int, nbytes: int) -> float:
+def _initiate(transport, peer: int, nbytes: int, calls: list) -> float:
+    """Round trips to ``peer`` (one untimed first); every pong's receive is posted before any ping is sent, as the
+    steps post receives early, so a send call's time is this rank's own (a send to a peer that has not posted its
+    receive waits for it on gloo)."""
     device = transport.device
     _settled(transport.send((torch.tensor([nbytes], dtype=torch.int64, device=device),), peer, _TAG_HEADER))
     payload = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    pongs = [transport.post([((nbytes,), torch.uint8)], peer, _TAG_PONG, f"the latency ping of {peer}")
+             for _ in range(_REPEATS + 1)]
     best = float("inf")
-    for _ in range(_REPEATS):
+    for k, pong in enumerate(pongs):
         start = time.perf_counter()
         sent = transport.send((payload,), peer, _TAG_PING)
-        transport.wait(transport.post([((nbytes,), torch.uint8)], peer, _TAG_PONG, f"the latency ping of {peer}"))
+        call = time.perf_counter() - start
+        transport.wait(pong)
         _settled(sent)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
+        if k:  # the first round trip warms up (and the peer posts its receives meanwhile)
+            calls.append(call)
+            best = min(best, time.perf_counter() - start)
     return best / 2
 
 
-def _serve(transport, peer: int) -> None:
+def _serve(transport, peer: int, calls: list) -> None:
     what = f"the latency ping from pipeline rank {peer}"
     (header,), _ = transport.wait(transport.post([((1,), torch.int64)], peer, _TAG_HEADER, what))
     nbytes = int(header.item())
-    for _ in range(_REPEATS):
-        (payload,), _ = transport.wait(transport.post([((nbytes,), torch.uint8)], peer, _TAG_PING, what))
-        _settled(transport.send((payload,), peer, _TAG_PONG))
+    pings = [transport.post([((nbytes,), torch.uint8)], peer, _TAG_PING, what) for _ in range(_REPEATS + 1)]
+    for k, ping in enumerate(pings):
+        (payload,), _ = transport.wait(ping)
+        start = time.perf_counter()
+        sent = transport.send((payload,), peer, _TAG_PONG)
+        if k:
+            calls.append(time.perf_counter() - start)
+        _settled(sent)
 
 
 def _settled(sent) -> None:
@@ -284,8 +295,8 @@ def measure_and_compile(plan: MeasurePlan, record, executor: Executor, groups, t
     program, pp_rank, device = executor.program, executor.pp_rank, executor.device
     medians = stage_seconds(record.seconds(), program.stages_of(pp_rank))
     nbytes = activation_bytes(record.sent, pp_rank + 1)
-    overhead = send_seconds(record.seconds())
-    latency = max(0.0, ping_latency(executor.transport, pp_rank, program.num_ranks, nbytes) - overhead)
+    one_way, overhead = ping_latency(executor.transport, pp_rank, program.num_ranks, nbytes)
+    latency = max(0.0, one_way - overhead)
     sizes = (program.num_ranks, plan.dp_size)
     costs = agree_costs(cost_vector(medians, program.num_stages, latency, overhead), program.stage_to_rank, groups,
                         sizes, device)

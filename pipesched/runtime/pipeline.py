@@ -92,8 +92,8 @@ class Pipeline:
             on every rank, else construction fails naming the differing program). ``costs=None``: measured. The
             first training ``step()`` runs a safe program with I and W split (``zb-h1``, or ``zb-auto`` for the
             default costs where ``zb-h1`` exceeds ``memory_limit``) and measures per stage the median F, I, W
-            (and R) seconds, the median seconds inside a SEND call and, by a ping between neighbouring ranks, the
-            one-way time of an activation message;
+            (and R) seconds and, by a ping between neighbouring ranks, the one-way time of an activation message and
+            the median seconds of a send call;
             at its end every rank of the job agrees on one ``CostModel`` (each stage's numbers from the rank that
             owns it, the maximum over data-parallel replicas) and compiles ``zb-auto`` from it, which every later
             step runs (:mod:`pipesched.runtime.measured_costs`). A ``forward()`` before that runs the safe program.
@@ -285,11 +285,13 @@ class Pipeline:
         Raises:
             ValueError: a bad ``max_norm`` (a number or 0-dim tensor > 0), ``norm_type`` (> 0 or inf),
                 ``error_if_nonfinite`` or ``foreach``; the message names the argument. This rank still joins the
-                others' all-gather with a refusal (:func:`~pipesched.runtime.clipping.refuse`), so they raise a
-                ``ValueError`` quoting it and naming this rank instead of waiting; gradients unchanged, the pipeline
-                stays usable.
-            ValueError: the pipeline ranks passed different ``max_norm`` or ``norm_type`` (names the argument and
-                each value with its ranks): on every rank, gradients unchanged, the pipeline stays usable.
+                others' all-gathers with a refusal (:func:`~pipesched.runtime.clipping.refuse`), so every other rank
+                of the job (every replica) raises a ``ValueError`` quoting it and naming this rank instead of waiting
+                or clipping; gradients unchanged, the pipeline stays usable.
+            ValueError: ranks passed different ``max_norm``, ``norm_type``, ``error_if_nonfinite`` or ``foreach``
+                (names the argument and each value with its ranks; data-parallel replicas compared too, in one more
+                small all-gather over the data-parallel group): on every rank of the job, gradients unchanged, the
+                pipeline stays usable.
             PipelineError: after an anticipating step, the ranks' calls differed (arguments, or gradients changed
                 since the step on some ranks only): on every rank, at the next collective of the pipeline group.
             RuntimeError: ``error_if_nonfinite`` and ``total`` is nan or inf: on every rank, gradients unscaled.

@@ -10,7 +10,7 @@ import pipesched as ps
 from pipesched.ir import Instr, Op
 from pipesched.runtime import launch
 from pipesched.runtime.measured_costs import (MeasurePlan, activation_bytes, combine, cost_model, cost_vector,
-                                              replicas_max, safe_program, send_seconds, stage_seconds)
+                                              replicas_max, safe_program, stage_seconds)
 
 import rt_zb_auto_measured as rt
 
@@ -134,13 +134,6 @@ def test_costs_combine_each_stage_from_its_owner_and_replicas_by_max():
     assert with_r.recompute == (0.5, 0.75)
     with pytest.raises(ValueError, match=r"no measured I time for stages \[1\]"):
         cost_model([1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0], 2)
-
-
-def test_send_seconds_is_the_median_time_inside_send_calls():
-    events = _record([("F0.0", 1.0), ("SEND_F0.0>1", 0.25), ("F0.1", 1.0), ("SEND_F0.1>1", 0.5),
-                      ("RECV_B0.0<1", 3.0), ("SEND_F0.2>1", 0.125)])
-    assert send_seconds(events) == pytest.approx(0.25)
-    assert send_seconds(_record([("F0.0", 1.0), ("RECV_B0.0<1", 2.0)])) == 0.0  # sent nothing: no overhead
 
 
 def test_activation_bytes_is_the_largest_send_f_to_the_peer():
