@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from . import strict_json
 from .checks import as_int
 from .checks import is_real, plain_number
 from .cost import CostModel
@@ -254,11 +255,12 @@ class LayerProfile:
         """Read a profile written by :meth:`save`.
 
         Raises:
-            FileNotFoundError: no file at ``path``. ValueError: not JSON, or not a valid profile (names the path).
+            FileNotFoundError: no file at ``path``. ValueError: not JSON, a JSON object giving a key twice, or not
+                a valid profile (names the path).
         """
         text = Path(path).read_text()
         try:
-            return cls.from_json(json.loads(text))
+            return cls.from_json(strict_json.loads(text))  # a key given twice: refused, not the last kept
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{path}: {exc}") from None
 

@@ -20,7 +20,9 @@ JSON form::
 
 ``num_microbatches``, ``stage_to_rank`` and ``ranks`` are required; ``dp_size`` defaults to 1 and
 ``schedule`` to ``"custom"``; any other key (top level or in an instruction) is a ``ProgramFormatError`` naming it,
-where it is and the valid keys, as an unknown text header line is. Both readers are strict about types: an integer
+where it is and the valid keys, as an unknown text header line is; so is a key given twice in one object
+(``json.loads`` would keep the last value silently: a second ``"overlap_pairs": []`` would drop every pair), and a
+JSON document that is not an object (a list holding a program: JSON of the wrong shape). Both readers are strict about types: an integer
 field is a JSON integer (not ``true``, ``0.0`` or ``"0"``; a list where a list is meant) or, in the text form,
 ASCII digits; in the text form each header line comes once, before the first ``rank N:`` line. Anything else is a
 ``ProgramFormatError`` naming the field (``ranks[0][3].microbatch``) or line, the value and what is valid. A forward-only program
@@ -40,6 +42,7 @@ import hashlib
 import json
 import re
 
+from . import strict_json
 from .checks import as_int
 from .errors import ProgramFormatError
 from .ir import OVERLAP_PAIRS, Instr, Op, Program
@@ -50,6 +53,7 @@ _RANK_LINE = re.compile(r"^rank\s+(\d+)\s*:(.*)$", re.ASCII)
 _JSON_KEYS = ("schedule", "num_microbatches", "stage_to_rank", "dp_size", "ranks", "forward_only", "ties",
               OVERLAP_PAIRS)
 _INSTR_KEYS = ("op", "stage", "microbatch", "peer")
+_REQUIRED_KEYS = ("ranks", "num_microbatches", "stage_to_rank")
 
 
 def to_text(program: Program) -> str:
@@ -293,8 +297,7 @@ def from_json_dict(data: dict) -> Program:
     """Build a Program from the JSON form. Raises ``ProgramFormatError`` naming the missing or bad field, its
     value and what is valid: integers must be JSON integers (not ``true``, ``1.0`` or ``"1"``)."""
     if not isinstance(data, dict):
-        raise ProgramFormatError(f"a JSON program is an object with the keys ranks, num_microbatches, "
-                                 f"stage_to_rank, got {type(data).__name__}")
+        raise ProgramFormatError(_not_an_object(data))
     _refuse_unknown_keys(data, _JSON_KEYS, "at the top level", "a program's")  # first: a typo explains a missing key
     for key in ("ranks", "num_microbatches", "stage_to_rank"):
         if key not in data:
@@ -328,6 +331,21 @@ def from_json_dict(data: dict) -> Program:
     return _with_groups(program, groups)
 
 
+def _not_an_object(data) -> str:
+    """Why ``data`` (JSON's top level) is no program: a program is one JSON object."""
+    if isinstance(data, (list, tuple)):
+        kind = f"a list of {len(data)} item{'s' if len(data) != 1 else ''}" if data else "an empty list"
+        if any(isinstance(d, dict) for d in data):
+            kind += " (a list holding a program? write the program's object itself, one program per file)"
+    else:
+        kind = {str: "a string", bool: "true or false", type(None): "null"}.get(
+            type(data), "a number" if isinstance(data, (int, float)) else f"a {type(data).__name__}")
+    optional = ", ".join(k for k in _JSON_KEYS if k not in _REQUIRED_KEYS)
+    return (f"JSON program of the wrong shape: the JSON is {kind}; a program is a JSON object with the keys "
+            f"{', '.join(_REQUIRED_KEYS)} (and optionally {optional}), e.g. "
+            f'{{"num_microbatches": 2, "stage_to_rank": [0, 1], "ranks": [[...], [...]]}}')
+
+
 def _json_flag(value) -> bool:
     """The JSON ``forward_only`` value. Raises ``TypeError`` unless it is a bool."""
     if not isinstance(value, bool):
@@ -340,12 +358,16 @@ def to_json(program: Program, indent: int | None = None) -> str:
 
 
 def loads(text: str) -> Program:
-    """Parse either form: JSON when the text starts with ``{``, the text form otherwise."""
-    if text.lstrip().startswith("{"):
+    """Parse either form: JSON when the text starts with ``{`` or ``[`` (a list is refused as JSON of the wrong
+    shape), the text form otherwise. A JSON object giving a key twice is refused (``json.loads`` would keep the last
+    value silently)."""
+    if text.lstrip()[:1] in ("{", "["):
         try:
-            data = json.loads(text)
+            data = strict_json.loads(text)
         except json.JSONDecodeError as exc:
             raise ProgramFormatError(f"invalid JSON: {exc}") from None
+        except strict_json.DuplicateKeyError as exc:
+            raise ProgramFormatError(f"JSON program: {exc}") from None
         return from_json_dict(data)
     return from_text(text)
 

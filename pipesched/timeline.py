@@ -14,6 +14,7 @@ from typing import NamedTuple
 from itertools import accumulate, islice, repeat
 from operator import and_, attrgetter, eq, gt, itemgetter, le
 
+from . import strict_json
 from .deps import STASH_CHANGE
 from .ir import COMPUTE_OPS, Instr
 
@@ -174,8 +175,16 @@ class Timeline:
 
     @classmethod
     def load(cls, path) -> "Timeline":
+        """Read a timeline written by :meth:`save`.
+
+        Raises:
+            OSError: the file cannot be read. json.JSONDecodeError: not JSON.
+            pipesched.strict_json.DuplicateKeyError: a JSON object gives a key twice (a ValueError naming the key
+                and where it is; ``json.load`` would keep the last value silently).
+            KeyError, TypeError: a missing or bad field.
+        """
         with open(path, encoding="utf-8") as handle:
-            return cls.from_json_dict(json.load(handle))
+            return cls.from_json_dict(strict_json.loads(handle.read()))
 
 
 def peak_inflight(streams) -> tuple[int, ...]:

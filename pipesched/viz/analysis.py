@@ -12,7 +12,9 @@ from ..ir import BACKWARD_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Op
 from ..timeline import Event, Timeline
 
 CATEGORIES = ("warmup", "steady", "cooldown", "sending", "communication", "imbalance")
-_EPS = 1e-12
+#: two instants closer than this times the makespan are one instant (float rounding of sums of op times): relative,
+#: so that the parts add up to the bubble whatever the time unit (op times of 1e-15 s as of 1e12 s)
+_REL_EPS = 1e-12
 
 
 def bubble_breakdown(timeline: Timeline) -> dict:
@@ -51,7 +53,8 @@ def bubble_breakdown(timeline: Timeline) -> dict:
         ``{"makespan": s, "idle": rank-seconds, "seconds": {category: rank-seconds, "total": ...},
         "fraction": {category: rank-seconds / (ranks * makespan), "total": bubble fraction},
         "per_rank": [{category: seconds, "idle": seconds}, ...]}``. ``fraction["total"]`` equals
-        ``timeline.bubble_fraction`` and the categories sum to it. A timeline of some ranks only
+        ``timeline.bubble_fraction`` and the categories sum to it, in any time unit: instants closer than
+        :func:`tolerance` (1e-12 x the makespan, not an absolute time) count as one. A timeline of some ranks only
         (``timeline.ranks``, e.g. ``Pipeline.timeline()``) is broken down over those: ``per_rank`` has
         ``None`` for the others.
     """
@@ -139,19 +142,24 @@ def _bounds(timeline: Timeline) -> tuple[float, float]:
     return t0, t0 + timeline.makespan
 
 
-def _merge(intervals) -> list[tuple[float, float]]:
+def tolerance(timeline: Timeline) -> float:
+    """Seconds under which the breakdown takes two instants of ``timeline`` as one: ``1e-12 * makespan``."""
+    return _REL_EPS * timeline.makespan
+
+
+def _merge(intervals, eps: float) -> list[tuple[float, float]]:
     merged: list[list[float]] = []
     for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1] + _EPS:
+        if merged and start <= merged[-1][1] + eps:
             merged[-1][1] = max(merged[-1][1], end)
         else:
             merged.append([start, end])
     return [(a, b) for a, b in merged]
 
 
-def _overlap(a: float, b: float, c: float, d: float) -> tuple[float, float] | None:
+def _overlap(a: float, b: float, c: float, d: float, eps: float) -> tuple[float, float] | None:
     lo, hi = max(a, c), min(b, d)
-    return (lo, hi) if hi > lo + _EPS else None
+    return (lo, hi) if hi > lo + eps else None
 
 
 class MessageFlights:
@@ -190,6 +198,7 @@ class _Shared:
 
     def __init__(self, timeline: Timeline) -> None:
         self.bounds = _bounds(timeline)
+        self.eps = eps = tolerance(timeline)
         self.flights = MessageFlights(timeline)
         self.computes: dict[int, list[Event]] = {}
         self.reduces: dict[int, list[tuple[float, float]]] = {}
@@ -199,17 +208,18 @@ class _Shared:
                 self.computes.setdefault(e.rank, []).append(e)
             elif e.instr.op in (Op.ALL_REDUCE, Op.TIE_REDUCE):
                 self.reduces.setdefault(e.rank, []).append((e.start, e.end))
-            elif e.instr.op in SEND_OPS and e.end > e.start + _EPS:
+            elif e.instr.op in SEND_OPS and e.end > e.start + eps:
                 sends.setdefault(e.rank, []).append((e.start, e.end))
-        self.sends = {rank: _merge(calls) for rank, calls in sends.items()}
+        self.sends = {rank: _merge(calls, eps) for rank, calls in sends.items()}
 
 
 def _split_rank(timeline: Timeline, rank: int, shared: _Shared | None = None) -> tuple[dict, list, list]:
     """Idle of one rank: seconds per category, the communication-wait intervals and the send-call intervals."""
     shared = shared or _Shared(timeline)
     t0, t1 = shared.bounds
+    eps = shared.eps
     computes = shared.computes.get(rank, [])
-    busy = _merge((e.start, e.end) for e in computes)
+    busy = _merge(((e.start, e.end) for e in computes), eps)
     starts = {}
     for e in computes:
         starts.setdefault(e.start, e)
@@ -227,14 +237,14 @@ def _split_rank(timeline: Timeline, rank: int, shared: _Shared | None = None) ->
     cursor = t0
     gaps = []
     for start, end in busy + [(t1, t1)]:
-        if start > cursor + _EPS:
+        if start > cursor + eps:
             gaps.append((cursor, start))
         cursor = max(cursor, end)
     for a, b in gaps:
-        comm = _gap_waits(a, b, starts.get(b), flights, reduces)
-        own = _within(a, b, sends, send_ends) if sends else []
+        comm = _gap_waits(a, b, starts.get(b), flights, reduces, eps)
+        own = _within(a, b, sends, send_ends, eps) if sends else []
         if own:  # the rank's own send calls come first: cut them out of the waits
-            comm = [(lo, hi, kind) for c0, c1, kind in comm for lo, hi in _subtract(c0, c1, own) if hi > lo + _EPS]
+            comm = [(lo, hi, kind) for c0, c1, kind in comm for lo, hi in _subtract(c0, c1, own) if hi > lo + eps]
             sending.extend(own)
             result["sending"] += sum(hi - lo for lo, hi in own)
         waits.extend(comm)
@@ -248,16 +258,16 @@ def _split_rank(timeline: Timeline, rank: int, shared: _Shared | None = None) ->
     return result, waits, sending
 
 
-def _gap_waits(a, b, next_compute, flights: MessageFlights, reduces) -> list:
+def _gap_waits(a, b, next_compute, flights: MessageFlights, reduces, eps: float) -> list:
     if next_compute is None:  # the trailing gap: waiting for the step's all-reduces
-        found = [_overlap(a, b, c, d) for c, d in _merge(reduces)]
+        found = [_overlap(a, b, c, d, eps) for c, d in _merge(reduces, eps)]
         return [(lo, hi, "all-reduce") for lo, hi in filter(None, found)]
     window = flights.of(next_compute)
-    hit = window and _overlap(a, b, *window)
+    hit = window and _overlap(a, b, *window, eps)
     return [(hit[0], hit[1], "p2p")] if hit else []
 
 
-def _within(a: float, b: float, spans: list, ends: list) -> list[tuple[float, float]]:
+def _within(a: float, b: float, spans: list, ends: list, eps: float) -> list[tuple[float, float]]:
     """The parts of the disjoint, ordered ``spans`` (``ends`` their ends) inside ``[a, b]`` (a binary search:
     a rank of a p=64, m=256 timeline has ~500 idle gaps and as many send calls)."""
     found = []
@@ -265,7 +275,7 @@ def _within(a: float, b: float, spans: list, ends: list) -> list[tuple[float, fl
         c, d = spans[i]
         if c >= b:
             break
-        hit = _overlap(a, b, c, d)
+        hit = _overlap(a, b, c, d, eps)
         if hit:
             found.append(hit)
     return found

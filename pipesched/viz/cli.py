@@ -116,6 +116,7 @@ def _simulate(args: argparse.Namespace):
 
 
 def _load(path: str, as_recorded: bool):
+    from ..strict_json import DuplicateKeyError
     from ..timeline import Timeline
     from .analysis import starts_after_receives
 
@@ -126,6 +127,8 @@ def _load(path: str, as_recorded: bool):
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not JSON ({exc.msg} at line {exc.lineno}); expected a file written "
                          f"by Timeline.save") from None
+    except DuplicateKeyError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{path} is not a saved Timeline (missing or bad field {exc})") from None
     if as_recorded:

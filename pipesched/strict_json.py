@@ -1,0 +1,97 @@
+"""Reading JSON a user writes: :func:`loads` is ``json.loads`` that refuses a key given twice in one object.
+
+``json.loads`` keeps the last value of a repeated key and drops the others without a word: a second
+``"overlap_pairs": []`` in a hand-edited program would drop every pair, ``{"op": "B", "op": "F"}`` would read as
+an ``F``. The program reader (:mod:`pipesched.program_io`), :meth:`pipesched.timeline.Timeline.load` and
+:meth:`pipesched.profile.LayerProfile.load` read through :func:`loads`, and each turns a
+:class:`DuplicateKeyError` into its own error, naming the key and where it is.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object gives one key more than once.
+
+    Attributes:
+        key: the repeated key.
+        times: how many times the object gives it.
+        path: where the object is: ``()`` for the top level, else its keys and list indices from the top
+            (``("ranks", 0, 3)``).
+        where: ``path`` in words: ``"at the top level"`` or ``"in ranks[0][3]"``.
+    """
+
+    def __init__(self, key: str, times: int, path: tuple) -> None:
+        self.key, self.times, self.path = key, times, tuple(path)
+        self.where = "at the top level" if not self.path else f"in {format_path(self.path)}"
+        super().__init__(f"duplicate key {json.dumps(key)} {self.where} (given {_times(times)}: only the last "
+                         f"would be kept); give each key once")
+
+
+def _times(n: int) -> str:
+    return "twice" if n == 2 else f"{n} times"
+
+
+def format_path(path) -> str:
+    """``("ranks", 0, 3, "op")`` as ``ranks[0][3].op`` (a key that is not a Python name as ``["a b"]``)."""
+    text = ""
+    for part in path:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif part.isidentifier():
+            text += f".{part}" if text else part
+        else:
+            text += f"[{json.dumps(part)}]"
+    return text
+
+
+class _Repeated(dict):
+    """An object that gave some keys more than once (the last value kept, as ``json.loads`` keeps it); ``repeated``:
+    those keys and how many times each, in the order of their first appearance."""
+
+    __slots__ = ("repeated",)
+
+
+def loads(text: str):
+    """``json.loads(text)``, except that an object giving a key more than once raises :class:`DuplicateKeyError`
+    naming the key and where the object is (the first such object in document order, an object before those it
+    holds: a repeated key there may have dropped a value holding another repeat).
+
+    Raises:
+        json.JSONDecodeError: ``text`` is not JSON. DuplicateKeyError: a key given twice in one object.
+    """
+    seen = []  # set when an object repeats a key: then (and only then) the document is searched for where
+
+    def pairs_hook(pairs):
+        data = dict(pairs)
+        if len(data) == len(pairs):
+            return data
+        repeated = _Repeated(pairs)
+        repeated.repeated = {k: n for k, n in Counter(k for k, _ in pairs).items() if n > 1}
+        seen.append(repeated)
+        return repeated
+
+    data = json.loads(text, object_pairs_hook=pairs_hook)
+    if seen:
+        # one is in the document: a repeating object not in it was dropped by a repeated key of the object holding it
+        obj, path = _first_repeat(data, ())
+        key, times = next(iter(obj.repeated.items()))
+        raise DuplicateKeyError(key, times, path)
+    return data
+
+
+def _first_repeat(value, path: tuple):
+    """``(object, path)`` of the first object that repeats a key, in document order (an object before what it
+    holds); ``None`` if none does."""
+    stack = [(value, path)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, _Repeated):
+            return value, path
+        if isinstance(value, dict):
+            stack.extend(reversed([(v, path + (k,)) for k, v in value.items()]))
+        elif isinstance(value, list):
+            stack.extend(reversed([(v, path + (i,)) for i, v in enumerate(value)]))
+    return None
