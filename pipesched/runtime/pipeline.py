@@ -185,6 +185,7 @@ class Pipeline:
         self._records: dict[str, StepRecord | None] = {"step": None, "forward": None}  # the last step()'s, forward()'s
         self._broken: PipelineError | None = None
         self._closed = False
+        self._running = 0  # calls (step, forward, collectives) in progress on this Pipeline
         self._departure = watch(self, self._failures, self.grid)  # said to peers still waiting if it goes unclosed
 
     @classmethod
@@ -398,7 +399,15 @@ class Pipeline:
     def close(self) -> None:
         """Destroy this pipeline's process groups (collective: call it on every rank); the Pipeline is
         unusable afterwards. The default process group is left alone. A peer still waiting on this rank in a step or
-        collective raises a ``PipelineError`` saying this rank closed its Pipeline (``runtime/departure.py``)."""
+        collective raises a ``PipelineError`` saying this rank closed its Pipeline (``runtime/departure.py``).
+
+        Raises:
+            RuntimeError: a ``step()``, ``forward()`` or collective call of this Pipeline is running (close() from a
+                layer's forward, a hook or another thread); nothing is closed."""
+        if self._running:
+            raise RuntimeError("close() was called while this Pipeline's step(), forward() or collective call is "
+                               "running (from a layer's forward, a hook, or another thread); call it after the "
+                               "call returns, on every rank")
         announce_close(self._departure)  # before the teardown closes the connections the peers may be blocked on
         self._teardown()
         self._closed = True
@@ -440,6 +449,7 @@ class Pipeline:
             raise PipelineError(self._broken.record, self.grid.world_rank, "this Pipeline failed in an earlier step")
 
     def _guarded(self, run):
+        self._running += 1  # close() refuses to run inside a call (a layer's forward, a hook, another thread)
         try:
             return run()
         except Rejected as exc:  # every rank refused the call alike: a plain ValueError (TypeError), no record
@@ -447,6 +457,8 @@ class Pipeline:
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
             error = self._fail(exc)
             raise error from (None if isinstance(exc, CommError) else exc)
+        finally:
+            self._running -= 1
 
     def _run(self, x, target, train: bool, scale=None, scaler=None, refusal=None):
         verdict = self._targets(target) if train and self.pp_rank == self.program.stage_to_rank[-1] else None

@@ -73,3 +73,26 @@ def close_everywhere(rank: int, steps: int) -> dict:
     report = _report(run)
     report["closed"] = pipe._closed
     return report
+
+
+def close_inside_a_layer(rank: int) -> dict:
+    """Rank 1's last layer calls its Pipeline's close() during a step's forward: its step fails naming that (not an
+    internal AttributeError), the other rank learns of the failure, and close() afterwards works."""
+    holder = {}
+
+    class Closer(nn.Module):
+        def forward(self, x):
+            if holder.get("armed"):
+                holder["pipe"].close()
+            return x
+
+    torch.manual_seed(0)
+    pipe = Pipeline(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), Closer()), num_microbatches=2, loss_fn=F.mse_loss,
+                    timeout=60, balance=[1, 2])
+    holder["pipe"] = pipe
+    x, y = _batch()
+    pipe.step(x, y)
+    holder["armed"] = rank == 1
+    report = _report(lambda: pipe.step(x, y))
+    pipe.close()
+    return report

@@ -44,3 +44,11 @@ def test_a_peer_whose_launch_fn_returned_without_close_is_named_as_exited():
 def test_close_on_every_rank_after_the_last_step_raises_nowhere(steps):
     for rank, got in enumerate(launch(rt_close_peer.close_everywhere, 2, steps, timeout=120, start_method="fork")):
         assert (got["type"], got["closed"]) == (None, True), (rank, got)
+
+
+def test_close_inside_a_running_step_is_refused_with_a_clear_error():
+    reports = launch(rt_close_peer.close_inside_a_layer, 2, timeout=120, start_method="fork")
+    for got in reports:
+        assert got["type"] == "PipelineError" and got["rank"] == 1, got
+        assert "close() was called while this Pipeline's step(), forward() or collective call is running" in \
+            got["message"], got
