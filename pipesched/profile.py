@@ -39,6 +39,8 @@ class LayerProfile:
         input_bytes: bytes of the model's input for one microbatch.
         latency: seconds added to every message between two ranks (0: not measured).
         bandwidth: bytes per second of a link between two ranks (``inf``: not measured).
+        send_overhead: seconds of the sending rank's own time per message (:class:`~pipesched.cost.CostModel`'s
+            ``send_overhead``; 0: not measured, and profiles saved before this field).
         layer_names: the layers' class names, to tell a profile of another model.
         device: where it was measured (``"cpu"``, ``"cuda:0"``), for the reader.
         forward_fixed, input_grad_fixed, weight_grad_fixed: per layer, the seconds of ``forward``, ``input_grad``,
@@ -80,6 +82,7 @@ class LayerProfile:
     input_grad_fixed: tuple[float, ...] = ()
     weight_grad_fixed: tuple[float, ...] = ()
     boundary_saves: tuple[tuple[int, int, tuple[tuple[int, float], ...]], ...] | None = None
+    send_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         for name in _PER_LAYER:
@@ -99,7 +102,7 @@ class LayerProfile:
         if size is None or size < 1:
             raise ValueError(f"LayerProfile.microbatch_size must be an int >= 1, got {self.microbatch_size!r}")
         object.__setattr__(self, "microbatch_size", size)  # a numpy integer becomes a plain int (JSON, programs)
-        for name in ("input_bytes", "latency"):  # numpy numbers held as plain ones, as the per-layer fields
+        for name in ("input_bytes", "latency", "send_overhead"):  # numpy numbers held as plain ones
             object.__setattr__(self, name, _check_value(name, getattr(self, name)))
         if not (is_real(self.bandwidth) and self.bandwidth > 0):
             raise ValueError(f"LayerProfile.bandwidth must be bytes/s > 0 (inf: free), got {self.bandwidth!r}")
@@ -165,7 +168,7 @@ class LayerProfile:
         once: :attr:`boundary_saves`), the message (its last layer's output), its input (the previous stage's
         message; stage 0: the model's input), what it holds after a recompute (its input and the stash, the
         saved bytes of the input counted once) and its gradients (its parameter bytes); the link's latency and
-        bandwidth. With :attr:`boundary_saves` these are the bytes ``stage_activation_bytes`` measures for the
+        bandwidth, and the send overhead. With :attr:`boundary_saves` these are the bytes ``stage_activation_bytes`` measures for the
         same cut; without (``None``), the layers' bytes are summed and a stage's first layer is taken to save its
         input (input bytes at most the stash; held after a recompute: the larger of the two).
 
@@ -190,7 +193,8 @@ class LayerProfile:
         return CostModel(forward=per_stage("forward"), backward=tuple(i + w for i, w in zip(I, W)), input_grad=I,
                          weight_grad=W, recompute=per_stage("forward") if recompute_seconds else None,
                          activation_bytes=outputs, stash_bytes=stash, input_bytes=inputs, recompute_bytes=held,
-                         grad_bytes=per_stage("param_bytes"), latency=self.latency, bandwidth=self.bandwidth)
+                         grad_bytes=per_stage("param_bytes"), latency=self.latency, bandwidth=self.bandwidth,
+                         send_overhead=self.send_overhead)
 
     def _stage_bytes(self, spans, sums, inputs):
         """Per stage ``[a, b)``, the stash (``sums``, each tensor of :attr:`boundary_saves` counted once: the most

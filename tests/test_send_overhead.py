@@ -109,3 +109,20 @@ def test_none_is_refused_where_a_field_has_no_default_and_0d_arrays_are_numbers(
     held = CostModel(forward=np.array(0.5), send_overhead=np.array(0.25), bandwidth=np.array(1e9))
     assert (held.forward, held.send_overhead, held.bandwidth) == (0.5, 0.25, 1e9)
     assert type(held.forward) is float
+
+
+def test_a_profile_carries_the_send_overhead_into_its_costs_and_files(tmp_path):
+    from pipesched.profile import LayerProfile
+
+    profile = LayerProfile(forward=(1.0, 2.0), input_grad=(1.0, 1.0), weight_grad=(1.0, 1.0),
+                           activation_bytes=(8, 8), output_bytes=(4, 4), param_bytes=(16, 16), microbatch_size=2,
+                           latency=0.5, send_overhead=np.float64(0.25))
+    assert type(profile.send_overhead) is float
+    assert profile.costs([1, 1]).send_overhead == 0.25
+    profile.save(tmp_path / "p.json")
+    assert LayerProfile.load(tmp_path / "p.json") == profile
+    old = {k: v for k, v in profile.to_json().items() if k != "send_overhead"}  # saved before the field
+    assert LayerProfile.from_json(old).send_overhead == 0.0
+    with pytest.raises(ValueError, match="send_overhead"):
+        LayerProfile(forward=(1.0,), input_grad=(1.0,), weight_grad=(1.0,), activation_bytes=(8,), output_bytes=(4,),
+                     param_bytes=(16,), microbatch_size=1, send_overhead=-1.0)
