@@ -29,6 +29,15 @@ has seen a ``clip_grad_norm_`` call, its training steps *anticipate* the next on
    raises a ``PipelineError`` saying so
    (:func:`~pipesched.runtime.handshake.check_rows_meet`), instead of hanging or clipping differently
    unseen. Set ``pipe.anticipate_clip = False`` on every rank for such loops.
+4. Rows whose total is not finite are not used: every rank holds the same rows, so every rank takes the collective,
+   which compares ``error_if_nonfinite`` (a rank raising while another scales by nan otherwise).
+5. Data parallelism: each replica's ranks anticipate and use their own pipeline's rows (no collective), and the
+   replicas hold the same gradients, so they agree when every rank calls alike. A replica whose call differs from
+   the anticipated one (another ``max_norm`` there, ``anticipate_clip`` set there only, gradients changed there
+   only) takes the collective, whose agreement of the replicas (``clipping.agree_replicas``) then meets the other
+   replicas' next step over the data-parallel groups: it raises a ``PipelineError`` there, and they a
+   ``ValueError`` from the step's agreement of the replicas ("replica R refused its step: it is in clip_grad_norm_'s
+   agreement ...") — after they clipped by their own rows, as in 3.
 """
 from __future__ import annotations
 
@@ -38,7 +47,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from ..protocol import norm_end_posts, norm_post_position
-from .clipping import local_part
+from .clipping import local_part, total_norm
 from .transport import wait
 
 TAG_NORM = 4  #: the control tag of the norm-part messages (0..15 control tags; 2: loss)
@@ -176,6 +185,8 @@ class NormParts:
         if not torch.equal(now.view(torch.int64), sent.view(torch.int64)):  # bitwise: nan too
             self.fell_back = True
             return None  # differs here: the collective (on every rank when every rank differs)
+        if not bool(total_norm(rows, norm_type, torch.device("cpu")).isfinite()):
+            return None  # every rank holds these rows: all take the collective, which compares error_if_nonfinite
         self.used += 1
         return rows
 
