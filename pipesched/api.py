@@ -10,7 +10,7 @@ from .errors import PairingError, ScheduleArgumentError, ScheduleError
 from .gcpause import paused_gc
 from .ir import Program
 from .protocol import check_step
-from . import lower
+from . import lower, progress
 from .registry import get_schedule  # built-in or registered
 from .validate import validate
 
@@ -52,9 +52,9 @@ def simulated_makespan(program: Program, costs) -> float:
     """Seconds :func:`pipesched.simulate` gives the compute-only ``program`` lowered by
     :func:`~pipesched.lower.add_send_recv` under ``costs`` (``None``: ``CostModel()``): how ``zb-auto`` ranks its
     candidates."""
-    from .sim import simulate
+    from .sim import makespan
 
-    return simulate(lower.add_send_recv(program, check=False), costs, check=False).makespan
+    return makespan(lower.add_send_recv(program, check=False), costs, check=False)  # simulate()'s, no Timeline
 
 
 def _flags(name: str, value, num_stages: int):
@@ -119,7 +119,9 @@ def compile_program(
     """
     dp_size = check_positive("dp_size", dp_size)  # plain ints from here on (a numpy integer is accepted)
     early_receives = check_positive("early_receives", early_receives, 0)
+    progress.note(f"building {schedule}")
     program = build(schedule, num_ranks, num_microbatches, virtual_stages, costs=costs, memory_limit=memory_limit)
+    progress.note(f"lowering {schedule}: {len(program)} instructions")
     if split_backward is not False:
         program = lower.split_backward(program, _flags("split_backward", split_backward, program.num_stages))
     if recompute is not False:
@@ -132,6 +134,7 @@ def compile_program(
             raise ScheduleArgumentError(str(exc), argument="ties") from None
     if forward_only:
         program = lower.forward_only(program)
+    progress.note(f"validating {schedule}: {len(program)} instructions")
     return validate(lower.post_receives_early(program, early_receives))
 
 

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from . import interop_cli, plan_cli, program_io
+from . import interop_cli, plan_cli, program_io, progress
 from .api import BACKENDS, build, compile_program
 from .lower import add_recompute, add_tie_reduce, forward_only, split_backward
 from .cli_costs import add_cost_args, cost_from_args, given_costs, named_cost_error, show_value
@@ -229,6 +229,7 @@ def _cmd_show(args) -> int:
 
 def _cmd_simulate(args) -> int:
     program, timeline = simulate_from_args(args)
+    progress.note("summarizing the timeline")
     summary = timeline.summary()
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -394,6 +395,20 @@ def _add_optional_commands(sub) -> None:
         add_demo_parser(sub)
 
 
+#: the commands that show progress on a terminal (:mod:`pipesched.progress`) while they build, simulate, draw
+_PROGRESS_COMMANDS = ("show", "simulate", "render")
+#: instructions (p * m * v; zb-auto: 20 times that, for its candidates) from which work is known to take seconds
+LONG_WORK = 500_000
+
+
+def long_work(args) -> bool:
+    """Whether the program the options name is big enough to take seconds: progress is then shown from the start
+    (else after :data:`pipesched.progress.AFTER_SECONDS`)."""
+    size = (getattr(args, "ranks", 0) or 0) * (getattr(args, "microbatches", 0) or 0) * (
+        getattr(args, "virtual_stages", None) or 1)
+    return size * (20 if getattr(args, "schedule", None) == "zb-auto" else 1) >= LONG_WORK
+
+
 def decided(args, status: int) -> int:
     """Record ``status`` on ``args`` as the exit status of the running command before it prints its report, and
     return it: if the reader of the output goes away meanwhile (``pipesched validate BAD | head -1``:
@@ -413,7 +428,10 @@ def main(argv=None) -> int:
         try:
             _import_schedule_modules(getattr(args, "global_schedule_modules", []) +
                                      getattr(args, "schedule_modules", []))
-            return args.func(args)
+            if args.command not in _PROGRESS_COMMANDS:
+                return args.func(args)
+            with progress.on_terminal(show_now=long_work(args)):  # stderr only, and only if it is a TTY
+                return args.func(args)
         except (ScheduleError, ValueError) as exc:
             decided(args, 2)
             print(f"error: {exc}", file=sys.stderr)

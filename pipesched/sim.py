@@ -13,7 +13,7 @@ import math
 from itertools import accumulate
 
 from .cost import CostModel
-from . import engine
+from . import engine, progress
 from .deps import STASH_CHANGE
 from .gcpause import paused_gc
 from .ir import Program
@@ -41,12 +41,9 @@ def simulate(program: Program, cost: CostModel | None = None, check: bool = True
             large that the step's seconds or held bytes add up past the largest float (names the fields).
     """
     cost = cost or CostModel()
-    plan, starts, ends = time_instructions(program, cost, check)
-    if max(ends, default=0.0) == math.inf:  # finite costs whose sum overflows: never an inf makespan, silently
-        raise cost.overflow_error(program.num_stages, len(ends))
-    peak_bytes = peak_activation_bytes(program, cost)
-    if peak_bytes is not None and max(peak_bytes, default=0.0) == math.inf:
-        raise cost.overflow_error(program.num_stages, program.num_microbatches, seconds=False)
+    progress.note(f"simulating: timing {len(program)} instructions")
+    plan, starts, ends, peak_bytes = _timed(program, cost, check)
+    progress.note(f"simulating: the timeline of {len(ends)} instructions")
     events = events_from_columns(plan.rank_of(), plan.instrs, starts, ends)
     # a rank's simulated starts never decrease (each instruction starts when its rank is free, or
     # later), so its events are in timeline order unless two that start together have decreasing ends
@@ -69,6 +66,25 @@ def simulate(program: Program, cost: CostModel | None = None, check: bool = True
         peak_inflight=(0,) * program.num_ranks if program.forward_only else _peak_inflight(plan),  # no_grad
         peak_activation_bytes=peak_bytes,
     )
+
+
+@paused_gc()
+def makespan(program: Program, cost: CostModel | None = None, check: bool = True) -> float:
+    """``simulate(program, cost, check).makespan`` (the same float, and the same errors) without making the
+    :class:`Timeline`: for callers that rank many programs by their makespan (``zb-auto``'s candidates)."""
+    _, starts, ends, _ = _timed(program, cost or CostModel(), check)
+    return max(ends) - min(starts) if ends else 0.0  # Timeline.makespan: one event per instruction
+
+
+def _timed(program: Program, cost: CostModel, check: bool):
+    """The plan, starts, ends and peak activation bytes of :func:`simulate`, with its overflow checks."""
+    plan, starts, ends = time_instructions(program, cost, check)
+    if max(ends, default=0.0) == math.inf:  # finite costs whose sum overflows: never an inf makespan, silently
+        raise cost.overflow_error(program.num_stages, len(ends))
+    peak_bytes = peak_activation_bytes(program, cost)
+    if peak_bytes is not None and max(peak_bytes, default=0.0) == math.inf:
+        raise cost.overflow_error(program.num_stages, program.num_microbatches, seconds=False)
+    return plan, starts, ends, peak_bytes
 
 
 def _peak_inflight(plan: engine.Plan) -> tuple[int, ...]:

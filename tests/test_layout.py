@@ -57,7 +57,8 @@ def _core_modules() -> list[Path]:
 @pytest.mark.parametrize("path", sorted((PACKAGE / "schedules").glob("*.py")), ids=lambda p: p.name)
 def test_schedule_builders_do_not_import_the_engine_or_passes(path):
     # a builder is a pure function of a few integers to a compute-only program: the IR, placement and checks
-    allowed = {"pipesched", "pipesched.ir", "pipesched.placement", "pipesched.checks", "pipesched.errors"}
+    allowed = {"pipesched", "pipesched.ir", "pipesched.placement", "pipesched.checks", "pipesched.errors",
+               "pipesched.progress"}  # progress: a leaf (the standard library only) that long builders report to
     imported = {m for m in _imported_modules(path) if not m.startswith("pipesched.schedules")}
     assert imported <= allowed, f"{path.name} imports {sorted(imported - allowed)}"
 

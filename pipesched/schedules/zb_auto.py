@@ -38,10 +38,13 @@ microbatch-stages, not bytes.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from collections import deque
+from itertools import accumulate
+from operator import itemgetter
 
-from .. import placement
+from .. import placement, progress
 from ..checks import check_positive
 from ..errors import ScheduleArgumentError
 from ..ir import Instr, Op, Program
@@ -104,7 +107,16 @@ def build_zb_auto(num_ranks: int, num_microbatches: int, virtual_stages: int = 1
     p, m = check_one_stage_sizes(NAME, num_ranks, num_microbatches, virtual_stages)
     limit = check_memory_limit(memory_limit, p, m)
     score = score or timed_makespan
-    scored = [(name, prog, score(prog, costs)) for name, prog in candidates(p, m, limit, costs)]
+    scored, distinct = [], []  # distinct: (program, seconds) of each different program scored so far
+    found = candidates(p, m, limit, costs)
+    for number, (name, prog) in enumerate(found, 1):
+        # candidates often coincide (e.g. "fill" and "fit" when no W ever has to wait): score each program once
+        span = next((seconds for other, seconds in distinct if other.ranks == prog.ranks), None)
+        if span is None:
+            progress.note(f"zb-auto: scoring candidate {number} of {len(found)}")
+            span = score(prog, costs)
+            distinct.append((prog, span))
+        scored.append((name, prog, span))
     name, best, _ = min(scored, key=lambda item: item[2])
     meta = {**best.meta, "zb_auto": {"chosen": name, "memory_limit": list(limit),
                                      "makespans": {n: span for n, _, span in scored}}}
@@ -114,8 +126,18 @@ def build_zb_auto(num_ranks: int, num_microbatches: int, virtual_stages: int = 1
 def candidates(p: int, m: int, limit, costs) -> list:
     """``(name, compute-only program)`` of every candidate within ``limit``: the greedy for each warmup shape
     (:data:`WARMUPS`), order and fill, then ``zb-h1`` and ``zb-h2``."""
-    times = _stage_times(costs, p)
-    found = [(f"greedy-{order}-{fill}-w{a}x+{b}", greedy_streams(p, m, limit, times, (order, fill), warmup(p, a, b)))
+    times, runs = _stage_times(costs, p), {}
+
+    def greedy(mode, ahead):
+        # F runs only while fewer than limit[r] are held (F ran, W not), and held >= F's lead over I: a lead cap
+        # of limit[r] - 1 or more never binds, so warmups that differ only above it give one same run
+        key = (mode, tuple(min(a, cap - 1) for a, cap in zip(ahead, limit)))
+        if key not in runs:
+            progress.note(f"zb-auto: greedy candidate {len(runs) + 1} of at most {4 * len(WARMUPS)}")
+            runs[key] = greedy_streams(p, m, limit, times, mode, ahead)
+        return runs[key]
+
+    found = [(f"greedy-{order}-{fill}-w{a}x+{b}", greedy((order, fill), warmup(p, a, b)))
              for a, b in WARMUPS for fill in ("fill", "fit") for order in ("alternate", "i-first")]
     found += [(name, build(p, m).ranks) for name, build in (("zb-h1", build_zb_h1), ("zb-h2", build_zb_h2))]
     return [(name, program(NAME, streams, placement.contiguous(p), m)) for name, streams in found
@@ -124,11 +146,10 @@ def candidates(p: int, m: int, limit, costs) -> list:
 
 def inflight_peak(stream) -> int:
     """The most microbatch-stages in flight (``F`` ran, ``W`` not) along one rank's F/I/W stream."""
-    held = peak = 0
-    for instr in stream:
-        held += (instr.op is Op.F) - (instr.op is Op.W)
-        peak = max(peak, held)
-    return peak
+    return max(accumulate(map(_HELD_CHANGE.__getitem__, map(itemgetter(0), stream)), initial=0))  # one C loop
+
+
+_HELD_CHANGE = {op: (op is Op.F) - (op is Op.W) for op in Op}  # per op, its change of the in-flight count
 
 
 def timed_makespan(prog: Program, costs) -> float:
@@ -196,73 +217,92 @@ def greedy_streams(p: int, m: int, limit, times: dict, mode, ahead) -> list:
     (1F1B's steady state: rank 0's ``I`` unblocks nobody, its ``F`` feeds the pipe); fill "fill": a pending ``W``
     runs whenever nothing is ready; "fit": only if nothing is expected to become ready before the ``W`` would end.
     An ``F`` runs only ``ahead[r]`` microbatches ahead of the rank's ``I`` at most (and within the limit)."""
-    f_end = [[math.inf] * m for _ in range(p)]
-    i_end = [[math.inf] * m for _ in range(p)]
+    order, fill = mode
+    inf, fit, alternate = math.inf, fill != "fill", order == "alternate"
+    t_f, t_i, t_w, msg = times["F"], times["I"], times["W"], times["msg"]
+    f_end = [[inf] * m for _ in range(p)]
+    i_end = [[inf] * m for _ in range(p)]
     clock, nf, ni = [0.0] * p, [0] * p, [0] * p
     pending = [deque() for _ in range(p)]
     streams = [[] for _ in range(p)]
-    last = ["F"] * p  # the last of F and I each rank ran
-    choices, stale = [None] * p, range(p)  # a rank's choice changes only when it or a neighbour acts
+    last_i = [False] * p  # whether the last of F and I each rank ran was an I
+    ops, make = {"F": Op.F, "I": Op.I, "W": Op.W}, tuple.__new__  # Instr.trusted, inlined
+
+    def choose(r):
+        """``(start, rank, op)`` of rank ``r``'s next instruction, or ``None`` if it has nothing it can run yet."""
+        t, n_f, n_i, waiting = clock[r], nf[r], ni[r], pending[r]
+        ready_i = ready_f = inf
+        if n_i < n_f:
+            ready_i = f_end[r][n_i]
+            if r < p - 1:
+                grad = i_end[r + 1][n_i] + msg[r]
+                ready_i = grad if grad > ready_i else ready_i  # max()
+        room = n_f - (n_i - len(waiting)) < limit[r] and n_f - n_i <= ahead[r]  # held (F ran, W not) < limit
+        if n_f < m and room:
+            ready_f = 0.0 if r == 0 else f_end[r - 1][n_f] + msg[r - 1]
+        if alternate and last_i[r]:
+            if ready_f <= t:
+                return (t, r, "F")
+            if ready_i <= t:
+                return (t, r, "I")
+        else:
+            if ready_i <= t:
+                return (t, r, "I")
+            if ready_f <= t:
+                return (t, r, "F")
+        soonest = ready_f if ready_f < ready_i else ready_i  # min()
+        peeks[r] = fit and bool(waiting)  # the choice below then reads the neighbours' clocks and counts too
+        if waiting and (not fit or expected(r, room, soonest) >= t + t_w[r]):
+            return (t, r, "W")
+        if soonest < inf:
+            return (soonest, r, "I" if ready_i <= ready_f else "F")
+        return (t, r, "W") if waiting else None
+
+    def expected(r, room, guess):
+        """An optimistic guess of when rank ``r``'s next ``I`` or ``F`` can start: ``guess`` (a ready time already
+        fixed) or the time a neighbour that runs the producer next would deliver it."""
+        k = nf[r]
+        if room and r > 0 and k < m and nf[r - 1] == k and f_end[r - 1][k] == inf:
+            guess = min(guess, clock[r - 1] + t_f[r - 1] + msg[r - 1])
+        k = ni[r]
+        if r < p - 1 and k < nf[r] and ni[r + 1] == k and f_end[r + 1][k] < inf:
+            guess = min(guess, max(clock[r + 1], f_end[r + 1][k]) + t_i[r + 1] + msg[r])
+        return guess
+
+    # every rank's current choice is in the heap (with stale ones, dropped when they reach its top), so its
+    # smallest current entry is min(choices) in O(log p). A rank's choice is a function of its own state, the
+    # F end its next F waits for (rank r - 1's), the I end its next I waits for (rank r + 1's) and, only when it
+    # peeks (a pending W in "fit"), its neighbours' clocks and counts: it is made again only when one changes.
+    choices, heap, stale, peeks = [None] * p, [], range(p), [False] * p
+    push, pop = heapq.heappush, heapq.heappop
     while True:
         for r in stale:
-            choices[r] = _choose(r, p, m, limit, times, (*mode, ahead[r], last[r]), clock, nf, ni, pending, f_end,
-                                 i_end)
-        best = min((c for c in choices if c is not None), default=None)
-        if best is None:
+            choice = choices[r] = choose(r)
+            if choice is not None:
+                push(heap, choice)
+        while heap and choices[heap[0][1]] != heap[0]:  # one current choice per rank, told apart by the rank
+            pop(heap)
+        if not heap:
             break
-        start, r, op = best
-        stale = range(max(0, r - 1), min(p, r + 2))
-        k = {"F": nf, "I": ni}[op][r] if op != "W" else pending[r].popleft()
-        end = start + times[op][r]
-        clock[r] = end
+        start, r, op = pop(heap)
+        stale = [r]
         if op == "F":
-            f_end[r][k], nf[r] = end, nf[r] + 1
+            k = nf[r]
+            clock[r] = f_end[r][k] = start + t_f[r]
+            nf[r], last_i[r] = k + 1, False
         elif op == "I":
-            i_end[r][k], ni[r] = end, ni[r] + 1
+            k = ni[r]
+            clock[r] = i_end[r][k] = start + t_i[r]
+            ni[r], last_i[r] = k + 1, True
             pending[r].append(k)
-        streams[r].append(Instr.trusted(Op[op], r, k))
-        last[r] = op if op != "W" else last[r]
+        else:
+            k = pending[r].popleft()
+            clock[r] = start + t_w[r]
+        if r > 0 and (peeks[r - 1] or op == "I" and ni[r - 1] == k):
+            stale.append(r - 1)
+        if r + 1 < p and (peeks[r + 1] or op == "F" and nf[r + 1] == k):
+            stale.append(r + 1)
+        streams[r].append(make(Instr, (ops[op], r, k, None)))
     if any(n < m for n in nf) or any(pending):  # cannot happen (every rank can always finish): a loud bug
         raise RuntimeError(f"zb-auto greedy stalled with work left (p={p}, m={m}, limit={limit})")
     return streams
-
-
-def _choose(r, p, m, limit, times, mode, clock, nf, ni, pending, f_end, i_end):
-    """``(start, rank, op)`` of rank ``r``'s next instruction, or ``None`` if it has nothing it can run yet."""
-    t, (order, mode, ahead, last) = clock[r], mode
-    held = nf[r] - _w_done(ni[r], pending[r])
-    ready_i = ready_f = math.inf
-    if ni[r] < nf[r]:
-        k = ni[r]
-        ready_i = f_end[r][k] if r == p - 1 else max(f_end[r][k], i_end[r + 1][k] + times["msg"][r])
-    room = held < limit[r] and nf[r] - ni[r] <= ahead
-    if nf[r] < m and room:
-        k = nf[r]
-        ready_f = 0.0 if r == 0 else f_end[r - 1][k] + times["msg"][r - 1]
-    first = ("F", "I") if order == "alternate" and last == "I" else ("I", "F")
-    for op in first:
-        if (ready_i if op == "I" else ready_f) <= t:
-            return (t, r, op)
-    soonest = min(ready_i, ready_f)
-    if pending[r] and (mode == "fill" or _expected(r, p, m, room, times, clock, nf, ni, f_end,
-                                                   i_end, soonest) >= t + times["W"][r]):
-        return (t, r, "W")
-    if soonest < math.inf:
-        return (soonest, r, "I" if ready_i <= ready_f else "F")
-    return (t, r, "W") if pending[r] else None
-
-
-def _expected(r, p, m, room, times, clock, nf, ni, f_end, i_end, known) -> float:
-    """An optimistic guess of when rank ``r``'s next ``I`` or ``F`` can start: ``known`` (a ready time already
-    fixed) or the time a neighbour that runs the producer next would deliver it."""
-    guess, k = known, nf[r]
-    if room and r > 0 and k < m and nf[r - 1] == k and f_end[r - 1][k] == math.inf:
-        guess = min(guess, clock[r - 1] + times["F"][r - 1] + times["msg"][r - 1])
-    k = ni[r]
-    if r < p - 1 and k < nf[r] and ni[r + 1] == k and f_end[r + 1][k] < math.inf:
-        guess = min(guess, max(clock[r + 1], f_end[r + 1][k]) + times["I"][r + 1] + times["msg"][r])
-    return guess
-
-
-def _w_done(i_count: int, pending) -> int:
-    return i_count - len(pending)

@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from .. import progress
+
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf")
 
 
@@ -87,7 +89,9 @@ def _render(args: argparse.Namespace) -> int:
 
     boxes = sum(e.instr.op in COMPUTE_OPS for e in timeline.events)
     if boxes >= PATCH_LIMIT:  # drawn as collections, not a patch per box: a few seconds for 10^5 boxes
+        progress.clear()  # a progress line on a terminal (pipesched.progress), not to be run into
         print(f"rendering {boxes} boxes on {timeline.num_ranks} ranks...", file=sys.stderr, flush=True)
+    progress.note(f"drawing {boxes} boxes")
     if args.compare:
         from .compare import plot_comparison, predict_for
 
