@@ -17,7 +17,7 @@ from .validate import validate
 
 @paused_gc()
 def build(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int | None = None,
-          costs=None, memory_limit=None) -> Program:
+          costs=None, memory_limit=None, *, score=None) -> Program:
     """The compute-only program (F, B, ... per rank, no communication) of a registered schedule.
 
     Args:
@@ -28,6 +28,8 @@ def build(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: 
         costs, memory_limit: for a schedule built from costs (``ScheduleInfo.takes_costs``: ``zb-auto``) only, the
             :class:`~pipesched.cost.CostModel` and the in-flight limit per rank it is built for (``None``: its
             defaults).
+        score: for such a schedule, ``score(program, costs) -> seconds`` that ranks its candidates (``None``:
+            :func:`simulated_makespan`; :func:`compile_program` passes one that applies its own passes first).
     Raises:
         UnknownScheduleError: ``schedule`` is not registered (lists the valid names).
         ScheduleArgumentError: a size the schedule cannot run (names the argument and what is valid); ``costs`` or
@@ -40,7 +42,7 @@ def build(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: 
                                     f"{type(costs).__name__} {costs!r}", argument="costs")
     if getattr(info, "takes_costs", False):
         return info.build(num_ranks, num_microbatches, v, costs=costs, memory_limit=memory_limit,
-                          score=simulated_makespan)
+                          score=score or simulated_makespan)
     for name, value in (("costs", costs), ("memory_limit", memory_limit)):
         if value is not None:
             raise ScheduleArgumentError(f"{name}={value!r}: schedule {schedule!r} does not take {name}; only "
@@ -120,18 +122,29 @@ def compile_program(
     dp_size = check_positive("dp_size", dp_size)  # plain ints from here on (a numpy integer is accepted)
     early_receives = check_positive("early_receives", early_receives, 0)
     progress.note(f"building {schedule}")
-    program = build(schedule, num_ranks, num_microbatches, virtual_stages, costs=costs, memory_limit=memory_limit)
+
+    def passes(program: Program) -> Program:  # the passes of the step, the same for zb-auto's candidates
+        if split_backward is not False:
+            program = lower.split_backward(program, _flags("split_backward", split_backward, program.num_stages))
+        if recompute is not False:
+            program = lower.add_recompute(program, _flags("recompute", recompute, program.num_stages))
+        program = lower.add_all_reduce(_lowered(program), dp_size)  # validated as a whole below
+        if ties:
+            try:
+                program = lower.add_tie_reduce(program, ties)
+            except ValueError as exc:
+                raise ScheduleArgumentError(str(exc), argument="ties") from None
+        return program
+
+    def score(candidate: Program, candidate_costs) -> float:  # zb-auto: candidates ranked as they will run
+        from .sim import makespan
+
+        return makespan(passes(candidate), candidate_costs, check=False)
+
+    program = build(schedule, num_ranks, num_microbatches, virtual_stages, costs=costs, memory_limit=memory_limit,
+                    score=score if getattr(get_schedule(schedule), "takes_costs", False) else None)
     progress.note(f"lowering {schedule}: {len(program)} instructions")
-    if split_backward is not False:
-        program = lower.split_backward(program, _flags("split_backward", split_backward, program.num_stages))
-    if recompute is not False:
-        program = lower.add_recompute(program, _flags("recompute", recompute, program.num_stages))
-    program = lower.add_all_reduce(_lowered(program), dp_size)  # validated as a whole below
-    if ties:
-        try:
-            program = lower.add_tie_reduce(program, ties)
-        except ValueError as exc:
-            raise ScheduleArgumentError(str(exc), argument="ties") from None
+    program = passes(program)
     if forward_only:
         program = lower.forward_only(program)
     progress.note(f"validating {schedule}: {len(program)} instructions")
