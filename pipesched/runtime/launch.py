@@ -102,6 +102,8 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
     procs = [ctx.Process(target=_child, args=(rank, world_size, port, threads, fn, args, results, grace, released),
                          daemon=True) for rank in range(world_size)]
     logs = _Stderr(world_size)
+    gc.collect()  # this process's garbage goes here: a forked child collecting it (torch objects of a destroyed
+    # group, whose destructors wait on threads a child does not have) would hang
     quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ
     if quiet:  # children inherit it at start: no C++ warning stacks when a peer's process (or the store) is gone
         os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
@@ -285,6 +287,7 @@ def _load(payload):
 
 
 def _child(rank, world_size, port, threads, fn, args, results, grace, released) -> None:
+    gc.freeze()  # what a forked child inherited is never collected here (see launch: it would hang)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch
