@@ -24,10 +24,9 @@ per choice, no simulation); m is capped (``max_microbatches``). Programs are com
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, field
 
-from .checks import as_int, check_positive
+from .checks import as_int, check_positive, is_real
 from .gcpause import paused_gc
 from .partition import balance_by_time
 from .plan_args import check_args, check_model, nothing_runs, schedule_names, virtual_stage_choices
@@ -337,10 +336,10 @@ def _check_candidate(c: Candidate) -> None:
         raise ValueError(f"candidate field {name!r} must be {what}, got {getattr(c, name)!r}")
 
     def integer(x, least):
-        return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= least
+        return as_int(x) is not None and x >= least
 
     def number(x):
-        return isinstance(x, numbers.Real) and not isinstance(x, bool) and 0 <= x < math.inf
+        return is_real(x) and 0 <= x < math.inf
 
     if not isinstance(c.schedule, str) or not c.schedule:
         bad("schedule", "a schedule name (a string)")

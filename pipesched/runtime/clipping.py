@@ -27,11 +27,11 @@ stage's rank only); every parameter of this rank is scaled.
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 import torch.distributed as dist
 
+from ..checks import is_real
 from .failure import CommError
 from .handshake import CLIP_MARK, REPLICA_MARK, ROW_LEN, SIG_LEN, check_rows_meet, decode_text, encode_text
 from .transport import gather_rows
@@ -60,7 +60,7 @@ def check_clip_arguments(max_norm, norm_type, error_if_nonfinite, foreach) -> tu
         raise ValueError(f"max_norm must be a number > 0 or a 0-dim tensor holding one (inf: no clipping), "
                          f"got {max_norm!r}")
     norm = math.inf if isinstance(norm_type, str) and norm_type.lower() == "inf" else norm_type
-    if not _is_real(norm) or not norm > 0:
+    if not is_real(norm) or not norm > 0:
         raise ValueError(f"norm_type must be a number > 0 or inf (float('inf') or 'inf'), got {norm_type!r}")
     if not isinstance(error_if_nonfinite, bool):
         raise ValueError(f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r}")
@@ -74,11 +74,7 @@ def _scalar_of(value) -> float | None:
     if isinstance(value, torch.Tensor):
         real = value.dtype != torch.bool and not value.dtype.is_complex
         return float(value) if value.dim() == 0 and real else None
-    return float(value) if _is_real(value) else None
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return float(value) if is_real(value) else None
 
 
 def _norm_of(grads, norm_type: float, foreach) -> torch.Tensor:
