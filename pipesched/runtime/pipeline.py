@@ -1,43 +1,33 @@
 """``Pipeline``: an ``nn.Sequential`` trained with a compiled pipeline schedule over torch.distributed."""
 from __future__ import annotations
 
-import dataclasses
-import gc
-import traceback
 from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
 
-from .comm import backend_for, init_default_group, make_groups, world_and_rank
-from .accounting import cuda_memory_base, cuda_peak_since
+from .comm import init_default_group, make_groups, world_and_rank
 from .amp import autocast_context, checked_autocast, loss_scaling
 from .clipping import clip_grad_norm_ as clip_all_stages
 from .collective import fail_every_rank, peer_loss_as_comm_error
 from .agreement import agree, describe, refuse
 from .construction import local_setup
-from .devices import move_to
 from .executor import Executor
-from .step_state import Links, RankWork, StepInputs
-from .handshake import Handshake, Rejected, StepKey, TargetVerdict, check_target, target_microbatches
+from .step_state import Links, RankWork
+from .handshake import Handshake, Rejected, StepKey
 from .norm_parts import NormParts
 from .heap import keep_freed_memory
-from .settings import fingerprint
-from .failure import CommError, FailureChannel, FailureRecord, PipelineError
-from .lost_rank import lost_record
-from .departure import announce_close, forget, watch
-from .stalled import silent_members, stall_note
-from .loss import needs_target
+from .failure import CommError, FailureChannel, PipelineError
+from .departure import announce_close, watch
 from .measured import StepRecord, gather_timeline, local_timeline
-from .measured_costs import costs_field, measure_and_compile
-from .microbatch import merge, split_sizes
+from .measured_costs import costs_field
+from .microbatch import merge
+from .pipeline_failure import fail, teardown
 from .stage import layers_of
 from .state import load_rank_state_dict, rank_state_dict
+from .step_run import run
 from .ties import counted_parameters, start_ties
 from .transport import Transport
-
-_CACHE_SIZE = 32  # input signatures whose message metas are remembered
-_ORIGIN_GRACE_S = 30.0  # at most this the origin's (and the store host's) process lingers at exit for its peers
 
 
 class Pipeline:
@@ -346,7 +336,7 @@ class Pipeline:
             scale = loss_scaling(scaler, self)  # None, or the scaler's scale()
         except (TypeError, ValueError) as exc:
             refusal = exc
-        return self._guarded(lambda: self._run(x, target, train=True, scale=scale, scaler=scaler, refusal=refusal))
+        return self._guarded(lambda: run(self, x, target, train=True, scale=scale, scaler=scaler, refusal=refusal))
 
     def forward(self, x=None):
         """Forward only (no autograd graph, no loss): the model's output on the rank of the last stage,
@@ -365,7 +355,7 @@ class Pipeline:
                 message names the element of the last stage's output.
         """
         self._check_local(x, None)
-        outputs = self._guarded(lambda: self._run(x, None, train=False))
+        outputs = self._guarded(lambda: run(self, x, None, train=False))
         if not outputs:
             return None
         m = self.program.num_microbatches  # merged after the step: a merge error leaves the pipeline usable
@@ -409,7 +399,7 @@ class Pipeline:
                                "running (from a layer's forward, a hook, or another thread); call it after the "
                                "call returns, on every rank")
         announce_close(self._departure)  # before the teardown closes the connections the peers may be blocked on
-        self._teardown()
+        teardown(self)
         self._closed = True
 
     @property
@@ -455,110 +445,7 @@ class Pipeline:
         except Rejected as exc:  # every rank refused the call alike: a plain ValueError (TypeError), no record
             raise exc.kind(str(exc)) from exc.__cause__
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
-            error = self._fail(exc)
+            error = fail(self, exc)
             raise error from (None if isinstance(exc, CommError) else exc)
         finally:
             self._running -= 1
-
-    def _run(self, x, target, train: bool, scale=None, scaler=None, refusal=None):
-        verdict = self._targets(target) if train and self.pp_rank == self.program.stage_to_rank[-1] else None
-        key, micro, is_tuple = self._handshake.signature(x, train, lambda batch: _to(batch, self.device),
-                                                         fingerprint(self.stages, self.device, self.autocast),
-                                                         self._norm_parts.opening_words(), verdict, refusal)
-        if train:  # the step is accepted on every rank: it counts on the scaler (the same count everywhere)
-            self._norm_parts.scaler = scaler  # its unscale_ rescales the anticipated norm parts
-            if scaler is not None:
-                scaler.scaled_steps += 1
-        self._norm_parts.agree(self._handshake.clip_words, train)  # does this step send its norm parts?
-        m, total = self.program.num_microbatches, key.batch_size
-        sizes = split_sizes(total, m)
-        targets = target_microbatches(verdict, m)  # the opening proved its batch size x's
-        metas = self._metas.get(key)  # metas follow from the input and every rank's settings
-        learning = metas is None
-        inputs = StepInputs(train, micro, is_tuple, targets, [n / total for n in sizes],
-                            {} if learning else metas, learning, scale,
-                            self._norm_parts if self._norm_parts.agreed else None)
-        base = cuda_memory_base(self.device)
-        loss, outputs, peak = self._executor.run(inputs)
-        self._remember(key, inputs.metas)
-        self._learned += learning
-        ex = self._executor
-        self._records["step" if train else "forward"] = StepRecord(
-            events=ex.events, origin=ex.origin, clock=ex.clock, wall0=ex.wall0, peak=peak,
-            allocated=cuda_peak_since(self.device, base), train=train, dp_rank=self.grid.dp_rank, sent=ex.sent)
-        if train and self._plan is not None:  # zb-auto without costs=: this first step measured them
-            self._adopt_measured_costs()
-        if train:
-            return loss
-        return outputs
-
-    def _adopt_measured_costs(self) -> None:
-        """Agree on the costs the first step measured, compile zb-auto from them and run it from now on
-        (collective; :func:`~pipesched.runtime.measured_costs.measure_and_compile`)."""
-        self.costs, self.programs, self._executor = measure_and_compile(
-            self._plan, self._records["step"], self._executor, (self._pp_group, self._dp_group), self.ties,
-            backend_for(self.device))
-        self.program, self._plan = self.programs.train, None
-
-    def _targets(self, target) -> TargetVerdict:
-        """The last stage's rank's verdict on ``target`` before the step's opening (:func:`check_target`)."""
-        missing = (f"step() needs target on the rank of the last stage (pipeline rank {self.pp_rank}): loss_fn "
-                   f"takes (output, target)") if target is None and needs_target(self.loss_fn) else ""
-        return check_target(target, missing, lambda batch: _to(batch, self.device, "target"))
-
-    def _remember(self, key: StepKey, metas: dict) -> None:
-        self._metas[key] = metas
-        self._metas.move_to_end(key)
-        while len(self._metas) > _CACHE_SIZE:
-            self._metas.popitem(last=False)
-
-    # ---- failure ---------------------------------------------------------------------------------------
-
-    def _fail(self, exc: BaseException) -> PipelineError:
-        """Publish (or read) the first failure, tear the process groups down, return the error to raise."""
-        me, instr = self.grid.world_rank, self._executor.current
-        note = ""
-        record = None
-        if isinstance(exc, CommError):
-            note = f"while waiting for {exc.what}"
-            record = self._failures.lookup(wait_s=1.0)
-            if record is None and exc.connection_lost:  # a process was lost: name it (published for the others)
-                record = lost_record(exc, self.grid, self._failures, (self._pp_group, self._dp_group), self.device)
-        origin = record is None
-        if origin:
-            record = FailureRecord.local(me, instr, exc, self.pp_rank)
-            if isinstance(exc, CommError) and not exc.connection_lost:  # timed out: name who did not (stalled.py)
-                members = set(self.grid.pipeline_ranks(self.grid.dp_rank)) | set(self.grid.dp_ranks(self.pp_rank))
-                note = stall_note(silent_members(self._failures, me, members), self.grid.pp_size, self.timeout)
-                record = dataclasses.replace(record, cause=record.cause + note) if note else record
-        if not record.lost:
-            self._failures.publish(record)  # the origin's record, or passed on to this rank's other group (DP)
-        self._failures.seen(record)
-        if origin or me == 0:  # world rank 0 hosts the store under env:// (and launch)
-            self._failures.keep_alive_for(record, self.grid.world_size, _ORIGIN_GRACE_S)
-        if exc.__traceback__ is not None:
-            traceback.clear_frames(exc.__traceback__)  # drop frame references to pending messages
-        forget(self._departure)  # its own record is published: nothing to announce at close() or exit
-        self._teardown()
-        self._broken = PipelineError(record, me, note)  # note: what this rank waited for
-        return self._broken
-
-    def _teardown(self) -> None:
-        """Destroy this rank's groups so peers blocked on it see a closed connection at once."""
-        self._executor.step = None
-        self._executor.transport.group = None
-        self._executor.dp_group = None
-        self._handshake.dp_group = None  # no reference may keep a destroyed group's connections open
-        for group in (self._pp_group, self._dp_group, *self._tie_groups.values()):
-            if group is not None:
-                try:
-                    dist.destroy_process_group(group)
-                except Exception:  # noqa: BLE001 - best effort while failing
-                    pass
-        self._pp_group = self._dp_group = None
-        self._tie_groups = {}
-        gc.collect()
-
-
-def _to(batch, device, name: str = "x"):
-    return move_to(batch, device, name)  # a tensor that cannot get there: ValueError naming it and both devices

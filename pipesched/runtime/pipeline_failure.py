@@ -1,0 +1,64 @@
+"""What a :class:`~pipesched.runtime.Pipeline` does when one of its calls fails on this rank: publish the first
+failure (or read the one another rank published), name a lost or stalled peer, tear the process groups down so
+peers blocked on this rank see a closed connection at once, and mark the pipeline broken."""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import traceback
+
+import torch.distributed as dist
+
+from .departure import forget
+from .failure import CommError, FailureRecord, PipelineError
+from .lost_rank import lost_record
+from .stalled import silent_members, stall_note
+
+_ORIGIN_GRACE_S = 30.0  # at most this the origin's (and the store host's) process lingers at exit for its peers
+
+
+def fail(pipe, exc: BaseException) -> PipelineError:
+    """Publish (or read) the first failure, tear ``pipe``'s process groups down, and return the ``PipelineError``
+    to raise (also kept as ``pipe._broken``: every later call raises it)."""
+    grid, me, instr = pipe.grid, pipe.grid.world_rank, pipe._executor.current
+    note, record = "", None
+    if isinstance(exc, CommError):
+        note = f"while waiting for {exc.what}"
+        record = pipe._failures.lookup(wait_s=1.0)
+        if record is None and exc.connection_lost:  # a process was lost: name it (published for the others)
+            record = lost_record(exc, grid, pipe._failures, (pipe._pp_group, pipe._dp_group), pipe.device)
+    origin = record is None
+    if origin:
+        record = FailureRecord.local(me, instr, exc, grid.pp_rank)
+        if isinstance(exc, CommError) and not exc.connection_lost:  # timed out: name who did not (stalled.py)
+            members = set(grid.pipeline_ranks(grid.dp_rank)) | set(grid.dp_ranks(grid.pp_rank))
+            note = stall_note(silent_members(pipe._failures, me, members), grid.pp_size, pipe.timeout)
+            record = dataclasses.replace(record, cause=record.cause + note) if note else record
+    if not record.lost:
+        pipe._failures.publish(record)  # the origin's record, or passed on to this rank's other group (DP)
+    pipe._failures.seen(record)
+    if origin or me == 0:  # world rank 0 hosts the store under env:// (and launch)
+        pipe._failures.keep_alive_for(record, grid.world_size, _ORIGIN_GRACE_S)
+    if exc.__traceback__ is not None:
+        traceback.clear_frames(exc.__traceback__)  # drop frame references to pending messages
+    forget(pipe._departure)  # its own record is published: nothing to announce at close() or exit
+    teardown(pipe)
+    pipe._broken = PipelineError(record, me, note)  # note: what this rank waited for
+    return pipe._broken
+
+
+def teardown(pipe) -> None:
+    """Destroy ``pipe``'s process groups on this rank so peers blocked on it see a closed connection at once."""
+    pipe._executor.step = None
+    pipe._executor.transport.group = None
+    pipe._executor.dp_group = None
+    pipe._handshake.dp_group = None  # no reference may keep a destroyed group's connections open
+    for group in (pipe._pp_group, pipe._dp_group, *pipe._tie_groups.values()):
+        if group is not None:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 - best effort while failing
+                pass
+    pipe._pp_group = pipe._dp_group = None
+    pipe._tie_groups = {}
+    gc.collect()
