@@ -186,20 +186,23 @@ def ping_latency(transport, pp_rank: int, num_ranks: int, nbytes: int) -> tuple[
 
 
 def _initiate(transport, peer: int, nbytes: int, calls: list) -> float:
-    """Round trips to ``peer`` (one untimed first); every pong's receive is posted before any ping is sent, as the
-    steps post receives early, so a send call's time is this rank's own (a send to a peer that has not posted its
-    receive waits for it on gloo)."""
+    """Round trips to ``peer`` (one untimed first). On gloo every pong's receive is posted before any ping is sent,
+    as the steps post receives early, so a send call's time is this rank's own (a send to a peer that has not posted
+    its receive waits for it on gloo); on NCCL each receive is posted after its ping (:func:`_ahead`)."""
     device = transport.device
     _settled(transport.send((torch.tensor([nbytes], dtype=torch.int64, device=device),), peer, _TAG_HEADER))
     payload = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    pongs = [transport.post([((nbytes,), torch.uint8)], peer, _TAG_PONG, f"the latency ping of {peer}")
-             for _ in range(_REPEATS + 1)]
+
+    def post():
+        return transport.post([((nbytes,), torch.uint8)], peer, _TAG_PONG, f"the latency ping of {peer}")
+
+    pongs = [post() for _ in range(_REPEATS + 1)] if _ahead(transport) else None
     best = float("inf")
-    for k, pong in enumerate(pongs):
+    for k in range(_REPEATS + 1):
         start = time.perf_counter()
         sent = transport.send((payload,), peer, _TAG_PING)
         call = time.perf_counter() - start
-        transport.wait(pong)
+        transport.wait(pongs[k] if pongs else post())
         _settled(sent)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -213,14 +216,25 @@ def _serve(transport, peer: int, calls: list) -> None:
     what = f"the latency ping from pipeline rank {peer}"
     (header,), _ = transport.wait(transport.post([((1,), torch.int64)], peer, _TAG_HEADER, what))
     nbytes = int(header.item())
-    pings = [transport.post([((nbytes,), torch.uint8)], peer, _TAG_PING, what) for _ in range(_REPEATS + 1)]
-    for k, ping in enumerate(pings):
-        (payload,), _ = transport.wait(ping)
+
+    def post():
+        return transport.post([((nbytes,), torch.uint8)], peer, _TAG_PING, what)
+
+    pings = [post() for _ in range(_REPEATS + 1)] if _ahead(transport) else None
+    for k in range(_REPEATS + 1):
+        (payload,), _ = transport.wait(pings[k] if pings else post())
         start = time.perf_counter()
         sent = transport.send((payload,), peer, _TAG_PONG)
         if k:
             calls.append(time.perf_counter() - start)
         _settled(sent)
+
+
+def _ahead(transport) -> bool:
+    """Whether the ping's receives are posted ahead: on gloo, yes; not on NCCL (a CUDA device), whose messages
+    between two ranks run in issue order on one stream, so a receive posted before a send to the same peer would
+    hold that send up, and both ranks would wait for ever."""
+    return transport.device.type != "cuda"
 
 
 def _settled(sent) -> None:
