@@ -95,11 +95,10 @@ def profiled(make, x, y, loss_fn, sizes=None):
 
 
 def link() -> dict:
-    """The latency (s) and bandwidth (bytes/s) between two local gloo ranks (``profile_link``)."""
+    """The latency (s), bandwidth (bytes/s) and send overhead (s) between two local gloo ranks (``profile_link``)."""
     from pipesched.demo.planning import measure_link
 
-    latency, bandwidth = measure_link()
-    return {"latency": latency, "bandwidth": bandwidth}
+    return measure_link()._asdict()
 
 
 def timed(pipe, x, y, count: int, cpu=None) -> list[float]:

@@ -143,6 +143,7 @@ def measured_costs(timeline, num_stages: int):
     waiting."""
     from pipesched import CostModel
     from pipesched.ir import Op
+    from pipesched.viz.analysis import send_seconds
 
     per: dict = {}
     for e in timeline.events:
@@ -153,7 +154,7 @@ def measured_costs(timeline, num_stages: int):
     inp = [med.get((Op.I, s), med.get((Op.B, s), 2 * fwd[s]) / 2) for s in range(num_stages)]
     wgt = [med.get((Op.W, s), med.get((Op.B, s), 2 * fwd[s]) / 2) for s in range(num_stages)]
     bwd = [med.get((Op.B, s), inp[s] + wgt[s]) for s in range(num_stages)]
-    sends = [e.duration for e in timeline.events if e.instr.op in (Op.SEND_F, Op.SEND_B)]
+    sends = send_seconds(timeline)
     overhead = statistics.median(sends) if sends else 0.0
     return CostModel(forward=fwd, backward=bwd, input_grad=inp, weight_grad=wgt, send_overhead=overhead,
                      latency=max(0.0, message_time(timeline) - overhead))

@@ -29,18 +29,18 @@ def mean_costs(timeline, medians):
     """``medians`` (a :class:`pipesched.CostModel`) with each per-stage seconds and the send overhead replaced by
     the step's means (the latency: the message time less the mean overhead)."""
     from pipesched.ir import Op
+    from pipesched.viz.analysis import send_seconds
 
     seconds: dict = {}
     for e in timeline.events:
-        kind = "send" if e.instr.op in (Op.SEND_F, Op.SEND_B) else e.instr.op
-        seconds.setdefault((kind, e.instr.stage), []).append(e.duration)
+        seconds.setdefault((e.instr.op, e.instr.stage), []).append(e.duration)
     n = 1 + max(e.instr.stage for e in timeline.events)
 
     def per_stage(op, field):
         return [statistics.fmean(seconds[op, s]) if (op, s) in seconds else v
                 for s, v in enumerate(medians.per_stage(field, n))]
 
-    sends = [d for (kind, _), ds in seconds.items() if kind == "send" for d in ds]
+    sends = send_seconds(timeline)
     overhead = statistics.fmean(sends) if sends else 0.0
     inp, wgt = per_stage(Op.I, "input_grad"), per_stage(Op.W, "weight_grad")
     bwd = [statistics.fmean(seconds[Op.B, s]) if (Op.B, s) in seconds else i + w for s, (i, w) in

@@ -47,9 +47,8 @@ def plan_demo(args: argparse.Namespace, autocast) -> None:
     context = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
     with context:
         profile = profile_layers(model, x, target=y, loss_fn=lm_loss, sizes=profile_sizes(size))
-    if world >= 2:  # messages between two local ranks: latency and bandwidth
-        latency, bandwidth = measure_link()
-        profile = replace(profile, latency=latency, bandwidth=bandwidth)
+    if world >= 2:  # messages between two local ranks: latency, bandwidth and the send calls' overhead
+        profile = replace(profile, **measure_link()._asdict())
     memory = args.memory if args.memory is not None else available_memory() / world
     result = plan(profile, world, memory, global_batch, top=args.plan_top)
     print(f"plan for {world} ranks, {format_bytes(memory)} per rank, global batch {global_batch} (profiled on "
@@ -67,15 +66,16 @@ def profile_sizes(size: int) -> tuple[int, ...]:
     return tuple(sorted({max(1, size >> i) for i in range(1, size.bit_length())} - {size}))
 
 
-def measure_link() -> tuple[float, float]:
-    """Latency (s) and bandwidth (bytes/s) between two local ranks (gloo), by :func:`pipesched.runtime.profile_link`
-    on two processes started for it."""
+def measure_link():
+    """Latency (s), bandwidth (bytes/s) and send overhead (s) between two local ranks (gloo): the
+    :class:`~pipesched.runtime.profiling.Link` of :func:`pipesched.runtime.profile_link` on two processes started
+    for it."""
     from ..runtime import launch
 
     return launch(_link, 2, timeout=120)[0]
 
 
-def _link(rank: int) -> tuple[float, float]:
+def _link(rank: int):
     from ..runtime import profile_link
 
     return profile_link()  # launch's default group: gloo between the two ranks

@@ -18,6 +18,7 @@ _EXPORTS = {
     "bubble_breakdown": "analysis",
     "communication_waits": "analysis",
     "send_intervals": "analysis",
+    "send_seconds": "analysis",
     "to_chrome_trace": "trace",
     "save_chrome_trace": "trace",
     "plot_bubble_vs_microbatches": "charts",

@@ -98,6 +98,17 @@ def send_intervals(timeline: Timeline) -> list[list[tuple[float, float]]]:
     return waits_and_sends(timeline)[1]
 
 
+def send_seconds(timeline: Timeline) -> list[float]:
+    """The duration in seconds (``end - start``) of every ``SEND_F``/``SEND_B`` event, in ``timeline.events`` order.
+
+    Measured, a SEND event is the sending rank's time inside its send call (LogP's ``o``: what
+    :func:`~pipesched.viz.compare.fit_cost` reads as ``send_overhead``, the median); simulated, it is
+    ``CostModel.send_overhead``. Unlike :func:`send_intervals` nothing is cut out (a compute overlapping a send
+    does not shorten it), and zero-length SEND events count as 0.0. ``[]`` without SEND events.
+    """
+    return [e.duration for e in timeline.events if e.instr.op in SEND_OPS]
+
+
 def waits_and_sends(timeline: Timeline) -> tuple[list, list]:
     """``(communication_waits(timeline), send_intervals(timeline))``, the timeline split once."""
     shared = _Shared(timeline)

@@ -11,7 +11,7 @@ from ..sim import simulate
 from ..timing import COST_FIELD
 from ..timeline import Timeline
 from . import style
-from .analysis import CATEGORIES, MessageFlights, bubble_breakdown
+from .analysis import CATEGORIES, MessageFlights, bubble_breakdown, send_seconds
 from .gantt import (ROW_IN, add_legend, annotate_ranks, axes_width_in, draw_rows, rank_axis, set_title,
                     time_axis, title_text)
 
@@ -46,7 +46,7 @@ def fit_cost(measured: Timeline) -> CostModel:
     if "backward" not in fields:
         i, w = fields.get("input_grad", [0.0] * stages), fields.get("weight_grad", [0.0] * stages)
         fields["backward"] = [a + b for a, b in zip(i, w)]
-    overhead = _sig3(statistics.median(sends)) if (sends := _send_seconds(measured)) else 0.0
+    overhead = _sig3(statistics.median(sends)) if (sends := send_seconds(measured)) else 0.0
     latency = _sig3(max(0.0, _fitted_latency(measured) - overhead))
     return CostModel(latency=latency, send_overhead=overhead, **fields)
 
@@ -244,7 +244,3 @@ def _share_xlim(axes) -> None:
 def _fitted_latency(timeline: Timeline) -> float:
     return min(MessageFlights(timeline).durations(), default=0.0)
 
-
-def _send_seconds(timeline: Timeline) -> list[float]:
-    """The duration of every SEND event (seconds)."""
-    return [e.duration for e in timeline.events if e.instr.op in (Op.SEND_F, Op.SEND_B)]
