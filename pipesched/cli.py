@@ -1,17 +1,22 @@
-"""The ``pipesched`` command line: list, show, simulate, validate, plan, render, demo."""
+"""The ``pipesched`` command line: list, show, simulate, validate, plan, render, demo.
+
+This module holds the parser (:func:`make_parser`), :func:`main` (exit statuses, ``--json`` errors, a closed pipe,
+progress on a terminal, ``--schedule-module``) and the schedule options that show, simulate and render share
+(:func:`schedule_parent`: parsed to a program by :func:`program_from_args`, simulated by :func:`simulate_from_args`).
+The commands are in :mod:`pipesched.cli_commands` (list, show, simulate), :mod:`pipesched.cli_validate`,
+:mod:`pipesched.plan_cli`, :mod:`pipesched.viz.cli` (render) and :mod:`pipesched.demo`.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
-from . import interop_cli, plan_cli, program_io, progress
-from .api import BACKENDS, build, compile_program
-from .lower import add_recompute, add_tie_reduce, forward_only, split_backward
-from .cli_costs import add_cost_args, cost_from_args, given_costs, named_cost_error, show_value
+from . import plan_cli, progress
+from .api import compile_program
+from .cli_costs import add_cost_args, cost_from_args, named_cost_error, show_value
 from .cost import CostError
-from .engine import has_comm
-from .errors import DeadlockError, ProgramFormatError, ScheduleArgumentError, ScheduleError, render_grid
+from .errors import ScheduleArgumentError, ScheduleError
 from .ir import Op
 from .registry import REGISTRY
 from .schedules import SCHEDULES
@@ -94,7 +99,7 @@ def program_from_args(args: argparse.Namespace):
         program = compile_program(args.schedule, args.ranks, args.microbatches, args.virtual_stages,
                                   dp_size=args.dp, recompute=bool(args.recompute),
                                   split_backward=bool(args.split_backward), forward_only=bool(args.forward_only),
-                                  ties=tuple(args.ties), **_auto_args(args))
+                                  ties=tuple(args.ties), **auto_args(args))
         note_one_rank_ties(args.ties, program)
         return program
     except ScheduleArgumentError as exc:
@@ -117,7 +122,7 @@ def note_one_rank_ties(ties, program) -> None:
               f"needed", file=sys.stderr)
 
 
-def _auto_args(args: argparse.Namespace) -> dict:
+def auto_args(args: argparse.Namespace) -> dict:
     """``costs`` (the cost options, where the command has them) and ``memory_limit`` for a schedule built from costs
     (``zb-auto``); only ``memory_limit`` otherwise (refused by :func:`compile_program` when given)."""
     limit = {"memory_limit": args.memory_limit} if getattr(args, "memory_limit", None) is not None else {}
@@ -179,147 +184,6 @@ def _version() -> str:
         return f"{__version__} (not installed)"
 
 
-def _cmd_list(args) -> int:
-    schedules = REGISTRY.all()  # the built-ins, then those registered and those of entry points
-    if args.json:
-        print(json.dumps([{"name": i.name, "summary": i.summary, "paper": i.paper, "bubble": i.bubble,
-                           "peak_inflight": i.inflight, "microbatches": i.microbatches}
-                          for i in schedules.values()], indent=2))
-        return 0
-    width = max(len(name) for name in schedules)
-    for info in schedules.values():
-        print(f"{info.name.ljust(width)}  {info.summary}  [{info.paper}]")
-    return 0
-
-
-def _cmd_show(args) -> int:
-    given = given_costs(args)
-    if given and not getattr(REGISTRY.get(args.schedule), "takes_costs", False):
-        raise ValueError(f"{given[0]} sets a cost that a schedule built from costs (zb-auto) is built for; "
-                         f"{args.schedule} is built without costs, so show would ignore it: drop {given[0]} "
-                         f"(pipesched simulate takes it)")
-    if args.compute_only:
-        if args.dp != 1:
-            raise ValueError(f"--dp {args.dp} adds ALL_REDUCE when the program is lowered; "
-                             "drop --compute-only to see it")
-        program = build(args.schedule, args.ranks, args.microbatches, args.virtual_stages, **_auto_args(args))
-        if args.split_backward:
-            program = split_backward(program)
-        if args.recompute:
-            program = add_recompute(program)
-        if args.ties:
-            program = add_tie_reduce(program, args.ties)
-            note_one_rank_ties(args.ties, program)
-        if args.forward_only:
-            program = forward_only(program)
-    else:
-        program = program_from_args(args)
-    if args.torch_csv:
-        return interop_cli.write_show(args, program)
-    if args.json:
-        print(program_io.to_json(program, indent=None))
-    elif args.format == "text":
-        print(program_io.to_text(program), end="")
-    else:
-        print(f"# {program.schedule}: p={program.num_ranks} m={program.num_microbatches} "
-              f"stages={program.num_stages} dp={program.dp_size} instructions={len(program)}")
-        print(render_grid(program.ranks))
-    return 0
-
-
-def _cmd_simulate(args) -> int:
-    program, timeline = simulate_from_args(args)
-    progress.note("summarizing the timeline")
-    summary = timeline.summary()
-    if args.json:
-        print(json.dumps(summary, indent=2))
-        return 0
-    print(f"{program.schedule}: p={program.num_ranks} m={program.num_microbatches} "
-          f"v={summary['meta']['virtual_stages']} dp={program.dp_size}  costs: {summary['meta']['cost']}")
-    print(f"makespan         {timeline.makespan:.6g} s")
-    print(f"bubble fraction  {timeline.bubble_fraction:.4f}")
-    for rank, (bubble, peak) in enumerate(zip(timeline.bubble_per_rank(), timeline.peak_inflight)):
-        extra = ""
-        if timeline.peak_activation_bytes is not None:
-            extra = f"  peak activations {timeline.peak_activation_bytes[rank]:.4g} B"
-        print(f"  rank {rank}: bubble {bubble:.4f}  peak in-flight {peak}{extra}")
-    return 0
-
-
-def _cmd_validate(args) -> int:
-    try:
-        try:
-            program = interop_cli.load_for_validate(args)
-        except UnicodeDecodeError as exc:  # a binary file given as the text or JSON form
-            from .interop import not_text
-
-            raise ProgramFormatError(f"{args.file}: {not_text(exc)}; validate reads pipesched's text or JSON form "
-                                     f"(or a torch CSV with --torch-csv)") from None
-        from .validate import validate
-
-        validate(program)
-    except DeadlockError as exc:
-        return _report_invalid(args, exc, "deadlock")
-    except ScheduleError as exc:
-        return _report_invalid(args, exc, type(exc).__name__)
-    except OSError as exc:
-        decided(args, 2)
-        print(f"error: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
-        if args.json:
-            print(json.dumps({"error": f"cannot read {args.file}: {exc.strerror}", "exit_status": 2}))
-        return 2
-    if args.backend is not None:  # what Pipeline proves on that backend before any communication, by its functions
-        from .user_programs import backend_programs
-
-        try:
-            backend_programs(program, args.backend)
-        except (ScheduleError, ValueError) as exc:
-            hung = isinstance(exc, DeadlockError) or isinstance(exc.__cause__, DeadlockError)
-            return _report_invalid(args, exc, "deadlock" if hung else type(exc).__name__, args.backend)
-    timeline = simulate(program, check=False)
-    if args.json:
-        print(json.dumps({"valid": True, "compute_only": not has_comm(program),
-                          "ranks": program.num_ranks, "stages": program.num_stages,
-                          "num_microbatches": program.num_microbatches, "dp_size": program.dp_size,
-                          "instructions": len(program),
-                          "bubble_fraction": timeline.bubble_fraction,
-                          "peak_inflight": list(timeline.peak_inflight),
-                          **({"backend": args.backend} if args.backend else {})}))
-    else:
-        kind = ("complete, ordered, send/recv-paired and deadlock-free"
-                if has_comm(program) or program.num_ranks == 1 else
-                "complete, ordered and deadlock-free as a compute-only program (no SEND/RECV: transfers between "
-                "ranks are implicit; lower it with pipesched.add_send_recv before running it)")
-        if args.backend:
-            kind += f"; a Pipeline on {args.backend} runs it (its step protocol proven, the learning step included)"
-        print(f"valid: {args.file}: {_count(program.num_ranks, 'rank')}, {_count(program.num_stages, 'stage')}, "
-              f"{_count(program.num_microbatches, 'microbatch')}, "
-              + (f"{program.dp_size} data-parallel replicas, " if program.dp_size > 1 else "")
-              + f"{_count(len(program), 'instruction')}; {kind}. "
-              f"Bubble fraction {timeline.bubble_fraction:.4f} at F=1 B=2, peak in-flight {list(timeline.peak_inflight)}")
-    return 0
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "es" if noun.endswith("h") else "s")
-
-
-def _report_invalid(args, exc: ScheduleError | ValueError, cause: str, backend: str | None = None) -> int:
-    """Exit 1 with the error; ``backend``: the program is valid, but a Pipeline on that backend refuses it (``exc``:
-    its error, a ``ValueError`` when the program is not one a Pipeline runs)."""
-    decided(args, 1)
-    spot = exc.__cause__ if backend and getattr(exc, "rank", None) is None else exc  # a learning step's: its deadlock's
-    rank, instr = getattr(spot, "rank", None), getattr(spot, "instr", None)
-    if args.json:
-        print(json.dumps({"valid": False, "cause": cause, "error": type(exc).__name__,
-                          "rank": rank, "instruction": None if instr is None else str(instr),
-                          "reason": getattr(exc, "reason", str(exc)), **({"backend": backend} if backend else {})}))
-    else:
-        on = f" on backend {backend}" if backend else ""
-        print(f"invalid{on}: {args.file}: {type(exc).__name__}: {exc}", file=sys.stderr)
-    return 1
-
-
 class JsonErrorParser(argparse.ArgumentParser):
     """The parser of a command line holding ``--json``: a usage error (an unknown option, a bad int, a missing
     argument; exit 2) is printed as argparse prints it, on stderr, and also on stdout as ``{"error": MESSAGE,
@@ -351,29 +215,11 @@ def make_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pipesched {_version()}")
     add_schedule_module_arg(parser, dest="global_schedule_modules")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("list", help="the schedules: built-in, registered (--schedule-module) and of entry points")
-    p.add_argument("--json", action="store_true")
-    add_schedule_module_arg(p)
-    p.set_defaults(func=_cmd_list)
-    p = sub.add_parser("show", help="the per-rank instruction streams of a schedule", parents=[schedule_parent()])
-    p.add_argument("--format", choices=("grid", "text"), default="grid", help="grid (default) or the text form")
-    p.add_argument("--compute-only", action="store_true", help="before lowering: no SEND/RECV")
-    p.add_argument("--json", action="store_true", help="print the JSON form")
-    interop_cli.add_show_args(p)
-    p.set_defaults(func=_cmd_show)
-    p = sub.add_parser("simulate", help="makespan, bubble fraction and peak in-flight activations",
-                       parents=[schedule_parent()])
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_cmd_simulate)
-    p = sub.add_parser("validate", help="prove a program file (text or JSON form) runnable")
-    interop_cli.add_validate_args(p)
-    p.add_argument("--backend", choices=tuple(BACKENDS), default=None,
-                   help="also prove what a Pipeline on this torch.distributed backend proves before running it "
-                        "(gloo: the step that learns the message shapes; nccl: also one message order per pair of "
-                        "ranks), refusing with its error (exit 1)")
-    p.add_argument("--json", action="store_true")
-    add_schedule_module_arg(p)  # also after the command, as for the others (before FILE or after it)
-    p.set_defaults(func=_cmd_validate)
+    from .cli_commands import add_schedule_commands  # here: those modules import this one's options
+    from .cli_validate import add_validate_parser
+
+    add_schedule_commands(sub)  # list, show, simulate
+    add_validate_parser(sub)
     add_schedule_module_arg(plan_cli.add_plan_parser(sub))  # pipesched plan: pipesched/plan_cli.py (--schedules NAME)
     _add_optional_commands(sub)
     return parser

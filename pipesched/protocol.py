@@ -63,36 +63,22 @@ sends its parts without waiting for any message first, so every part arrives. A 
 mask from the one learning message) and only removes a wait, so it keeps every point above; :func:`check_step`
 takes the masks too. On a backend that runs a pair's messages in issue order (NCCL), both ranks of each pair
 post them in one order.
+
+This module holds the posts (:func:`step_posts`) and the proof's entry (:func:`check_step`); the words they share
+(:class:`Post`, :data:`OPENING`, :data:`REPLICAS`, :data:`LOSS`, :data:`NORM`) are in
+:mod:`pipesched.protocol_messages` and the checks :func:`check_step` runs (and :func:`learning_view`) in
+:mod:`pipesched.protocol_check`; all are importable from here too.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
-from .errors import DeadlockError, PairingError, render_grid
-from .ir import OVERLAP_PAIRS, RECV_OPS, SEND_OPS, Op, Program
+from .errors import DeadlockError
+from .ir import RECV_OPS, SEND_OPS, Op, Program
+from .protocol_check import (check_loss_last, check_norm_parts_last, check_opening, check_pairs_match,
+                             check_replicas, check_same_pair_order, learning_view)
+from .protocol_messages import LOSS, NORM, OPENING, REPLICAS, Post
 from .validate import validate
 
 
-class Post(NamedTuple):
-    """One message post: ``kind`` ``"send"`` or ``"recv"`` (point to point, with the ``peer`` pipeline rank) or
-    ``"all_gather"`` (a collective, ``peer`` ``None``: the one that opens the step, on the whole pipeline group,
-    message :data:`OPENING`; with ``dp_size > 1`` the replicas' agreement right after it, on the data-parallel
-    group, message :data:`REPLICAS`); the ``message``: ``(kind, stage, microbatch)`` with kind ``"act_header"``,
-    ``"act"`` (the output of ``stage``), ``"grad"`` (the gradient of ``stage``'s input), ``"loss"`` or ``"norm"``
-    (:data:`LOSS`, :data:`NORM`); ``tensors``: the number of tensors a gradient message carries
-    (:func:`gradient_tensors`), ``None`` for the other messages (an activation carries the stage's output
-    tensors, the others one tensor each)."""
-
-    kind: str
-    peer: int | None
-    message: tuple
-    tensors: int | None = None
-
-
-LOSS = ("loss", None, None)  #: the step's loss, from the last stage's rank
-OPENING = ("opening", None, None)  #: the all-gather that opens every step (handshake, with the verdict on the target)
-REPLICAS = ("replicas", None, None)  #: the replicas' agreement: the all-gather over the data-parallel group (dp > 1)
-NORM = ("norm", None, None)  #: a rank's part of the gradient norm, to every other pipeline rank (norm_parts)
 #: Which gradients of one stage input come back when a step's ``gradients`` does not say: one tensor that
 #: requires grad and gets a gradient (a stage of a plain ``nn.Sequential`` of ``Linear`` layers).
 ALL_GRADIENTS = (True,)
@@ -225,31 +211,6 @@ def _numbered_posts(program: Program, rank: int, learning: bool, early: bool,
     return posts
 
 
-def learning_view(program: Program) -> Program:
-    """``program`` as a step that learns the message shapes runs it, in the checker's model: there a RECV_F
-    waits for its shape header, i.e. until its SEND_F is issued. The model's RECV never blocks, so the view
-    moves each F whose input comes through a RECV_F of its rank to right after that RECV_F, where it waits
-    for the same message: the rank stops at the same places, and an F run earlier only makes its outputs
-    available earlier to instructions that come after its old place anyway. So the view completes in the
-    checker's model exactly when the learning step does."""
-    streams = []
-    for stream in program.ranks:
-        received = {(i.stage, i.microbatch) for i in stream if i.op is Op.RECV_F}
-        forwards = {(i.stage, i.microbatch): i for i in stream if i.op is Op.F}
-        out = []
-        for instr in stream:
-            key = (instr.stage, instr.microbatch)
-            if instr.op is Op.F and key in received:
-                continue
-            out.append(instr)
-            if instr.op is Op.RECV_F and key in forwards:
-                out.append(forwards[key])
-        streams.append(tuple(out))
-    view = program.replace(streams)
-    view.meta.pop(OVERLAP_PAIRS, None)  # a moved F leaves its overlapped pair; the view is for the deadlock proof only
-    return view
-
-
 def check_step(program: Program, learning: bool, early: bool, same_pair_order: bool = False,
                gradients=None, norm_parts: bool | None = None) -> Program:
     """Prove, for a step that runs ``program`` (validated by :func:`~pipesched.validate.validate`), what the
@@ -301,138 +262,12 @@ def check_step(program: Program, learning: bool, early: bool, same_pair_order: b
     for parts in variants if not program.forward_only else (False,):
         posts = [_numbered_posts(program, rank, learning, early, gradients, parts)
                  for rank in range(program.num_ranks)]
-        _check_opening(program, posts)
-        _check_replicas(program, posts)
-        _check_loss_last(program, posts)  # the most telling message first
+        check_opening(program, posts)
+        check_replicas(program, posts)
+        check_loss_last(program, posts)  # the most telling message first
         if parts:
-            _check_norm_parts_last(program, posts)
-        _check_pairs_match(program, posts)
+            check_norm_parts_last(program, posts)
+        check_pairs_match(program, posts)
         if same_pair_order:
-            _check_same_pair_order(program, posts)
+            check_same_pair_order(program, posts)
     return program
-
-
-def _check_opening(program: Program, posts: list) -> None:
-    """Every rank's step opens with the all-gather, and has it once: no message posted before it can still be
-    unfinished, and none of the step comes after the next step's."""
-    for rank, mine in enumerate(posts):
-        gathers = [k for k, (_, post) in enumerate(mine) if post.message == OPENING]
-        if gathers != [0] or mine[0][1].kind != "all_gather":
-            at = mine[gathers[0] if gathers else 0][0] if mine else 0
-            raise PairingError(f"rank {rank}'s step must open with the all-gather on the pipeline group, once, before "
-                               f"any point-to-point message; it posts it at positions {gathers} of its posts",
-                               rank, _instr_at(program, rank, at), render_grid(program.ranks, {rank: at}))
-
-
-def _check_replicas(program: Program, posts: list) -> None:
-    """With ``dp_size > 1``, every rank's second post is the replicas' all-gather on the data-parallel group, its
-    only one, posted before any instruction of its stream (so before its first message and ``ALL_REDUCE``); with
-    one replica, no rank posts it."""
-    want = [1] if program.dp_size > 1 else []
-    for rank, mine in enumerate(posts):
-        stream = program.ranks[rank]
-        agreements = [k for k, (_, post) in enumerate(mine) if post.message == REPLICAS]
-        reduces = [k for k, instr in enumerate(stream) if instr.op is Op.ALL_REDUCE]
-        if agreements == want and all(mine[k][1].kind == "all_gather" and mine[k][0] == 0
-                                      and not (reduces and reduces[0] == 0) for k in agreements):
-            continue
-        at = mine[agreements[0]][0] if agreements else 0
-        where = f"it posts it at positions {agreements} of its posts"
-        if agreements == want:
-            where += (f" (kind {mine[1][1].kind!r}) with instruction {at} of its stream, whose ALL_REDUCEs are "
-                      f"at {reduces}")
-        must = ("posted once, right after the step's opening, before any message or ALL_REDUCE of its program"
-                if want else "absent (one replica)")
-        raise PairingError(f"rank {rank}'s replicas' agreement (the all-gather on the data-parallel group, dp_size "
-                           f"{program.dp_size}) must be {must}; {where}", rank, _instr_at(program, rank, at),
-                           render_grid(program.ranks, {rank: at}))
-
-
-def _check_pairs_match(program: Program, posts: list) -> None:
-    """For every ordered pair (a, b): a's sends to b and b's receives from a are the same messages, in order."""
-    for a in range(program.num_ranks):
-        for b in range(program.num_ranks):
-            if a == b:
-                continue
-            sent = [(at, post) for at, post in posts[a] if post.kind == "send" and post.peer == b]
-            received = [(at, post) for at, post in posts[b] if post.kind == "recv" and post.peer == a]
-            for k in range(max(len(sent), len(received))):
-                ours = sent[k][1] if k < len(sent) else None
-                theirs = received[k][1] if k < len(received) else None
-                if ours is not None and theirs is not None and ours[2:] == theirs[2:]:
-                    continue
-                marks = {**({a: sent[k][0]} if ours else {}), **({b: received[k][0]} if theirs else {})}
-                rank, at = (a, sent[k][0]) if ours else (b, received[k][0])
-                raise PairingError(
-                    f"message {k + 1} from rank {a} to rank {b} in a step: rank {a} sends {_carried(ours)}, rank {b} "
-                    f"posts the receive of {_carried(theirs)}; first-in first-out matching would give a receive "
-                    f"another message, or leave one unfinished when the next step's all-gather starts",
-                    rank, _instr_at(program, rank, at), render_grid(program.ranks, marks))
-
-
-def _carried(post) -> str:
-    if post is None:
-        return "nothing (no such message in the step)"
-    count = "" if post.tensors is None else f" ({post.tensors} tensors)"
-    return _describe(post.message) + count
-
-
-def _instr_at(program: Program, rank: int, at: int):
-    stream = program.ranks[rank]
-    return stream[at] if stream else None
-
-
-def _check_norm_parts_last(program: Program, posts: list) -> None:
-    """Each rank sends each other rank one norm part, as its last send to it, and posts one part receive per
-    peer, as its last receive from it: first-in first-out matching gives each part its receive."""
-    for rank, mine in enumerate(posts):
-        for peer in range(program.num_ranks):
-            if peer == rank:
-                continue
-            for kind in ("send", "recv"):
-                ours = [(at, post) for at, post in mine if post.peer == peer and post.kind == kind]
-                parts = [k for k, (_, post) in enumerate(ours) if post.message == NORM]
-                if parts != [len(ours) - 1]:
-                    at = ours[parts[0] if parts else -1][0] if ours else 0
-                    side = f"sends rank {peer}" if kind == "send" else f"receives from rank {peer}"
-                    raise PairingError(f"rank {rank}'s norm part {'to' if kind == 'send' else 'from'} rank {peer} "
-                                       f"must be the last message it {side}, once; it is at positions {parts} of "
-                                       f"its {len(ours)} such messages", rank, _instr_at(program, rank, at),
-                                       render_grid(program.ranks, {rank: at}))
-
-
-def _check_loss_last(program: Program, posts: list) -> None:
-    last = program.stage_to_rank[-1]
-    for rank, mine in enumerate(posts):
-        mine = [(at, post) for at, post in mine if post.message != NORM]  # the parts come after the loss
-        received = [(at, post) for at, post in mine if post.peer == last and post.kind == "recv"]
-        messages = {post.message for _, post in received}
-        if LOSS in messages and received[-1][1].message != LOSS:
-            at = received[-1][0]
-            raise PairingError(f"the receive of the step's loss is posted before this receive from rank {last}, "
-                               f"so first-in first-out matching would give it another message", rank,
-                               program.ranks[rank][at], render_grid(program.ranks, {rank: at}))
-
-
-def _check_same_pair_order(program: Program, posts: list) -> None:
-    for a in range(program.num_ranks):
-        for b in range(a + 1, program.num_ranks):
-            mine = [(at, post) for at, post in posts[a] if post.peer == b]
-            theirs = [(at, post) for at, post in posts[b] if post.peer == a]
-            for (at_a, ours), (at_b, peer) in zip(mine, theirs):
-                if ours.message != peer.message or ours.kind == peer.kind:
-                    raise PairingError(
-                        f"ranks {a} and {b} post their messages to each other in different orders: here rank {a} "
-                        f"posts the {ours.kind} of {_describe(ours.message)}, where rank {b} posts the "
-                        f"{peer.kind} of {_describe(peer.message)}; a backend that runs a pair's messages in "
-                        f"issue order on one stream (NCCL) would hang", a, program.ranks[a][at_a],
-                        render_grid(program.ranks, {a: at_a, b: at_b}))
-
-
-def _describe(message: tuple) -> str:
-    kind, stage, mb = message
-    return {"loss": "the step's loss", "opening": "the step's opening all-gather", "norm": "the norm part",
-            "replicas": "the replicas' agreement (the all-gather on the data-parallel group)",
-            "act_header": f"the shape header of stage {stage}'s output, microbatch {mb}",
-            "act": f"stage {stage}'s output, microbatch {mb}",
-            "grad": f"the gradient of stage {stage}'s input, microbatch {mb}"}[kind]
