@@ -358,18 +358,19 @@ def to_json(program: Program, indent: int | None = None) -> str:
 
 
 def loads(text: str) -> Program:
-    """Parse either form: JSON when the text starts with ``{`` or ``[`` (a list is refused as JSON of the wrong
-    shape), the text form otherwise. A JSON object giving a key twice is refused (``json.loads`` would keep the last
-    value silently)."""
-    if text.lstrip()[:1] in ("{", "["):
-        try:
-            data = strict_json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ProgramFormatError(f"invalid JSON: {exc}") from None
-        except strict_json.DuplicateKeyError as exc:
-            raise ProgramFormatError(f"JSON program: {exc}") from None
-        return from_json_dict(data)
-    return from_text(text)
+    """Parse either form: JSON when the text starts with ``{`` or ``[`` or is JSON all the same (a bare number, string,
+    true, false or null; JSON but an object is refused as JSON of the wrong shape), the text form otherwise; a leading
+    byte order mark is skipped. A JSON object giving a key twice is refused (``json.loads`` keeps the last silently)."""
+    text = text.removeprefix("\ufeff")  # a UTF-8 byte order mark (some editors write one): no part of either form
+    if text.lstrip()[:1] not in ("{", "[") and not strict_json.is_json(text):
+        return from_text(text)
+    try:
+        data = strict_json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ProgramFormatError(f"invalid JSON: {exc}") from None
+    except strict_json.DuplicateKeyError as exc:
+        raise ProgramFormatError(f"JSON program: {exc}") from None
+    return from_json_dict(data)
 
 
 def load(path) -> Program:

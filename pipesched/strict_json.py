@@ -57,7 +57,8 @@ class _Repeated(dict):
 def loads(text: str):
     """``json.loads(text)``, except that an object giving a key more than once raises :class:`DuplicateKeyError`
     naming the key and where the object is (the first such object in document order, an object before those it
-    holds: a repeated key there may have dropped a value holding another repeat).
+    holds: a repeated key there may have dropped a value holding another repeat), and that a leading UTF-8 byte
+    order mark (``"\\ufeff"``, which some editors write) is skipped, where ``json.loads`` refuses it.
 
     Raises:
         json.JSONDecodeError: ``text`` is not JSON. DuplicateKeyError: a key given twice in one object.
@@ -73,13 +74,23 @@ def loads(text: str):
         seen.append(repeated)
         return repeated
 
-    data = json.loads(text, object_pairs_hook=pairs_hook)
+    data = json.loads(text.removeprefix("\ufeff"), object_pairs_hook=pairs_hook)  # a byte order mark: skipped
     if seen:
         # one is in the document: a repeating object not in it was dropped by a repeated key of the object holding it
         obj, path = _first_repeat(data, ())
         key, times = next(iter(obj.repeated.items()))
         raise DuplicateKeyError(key, times, path)
     return data
+
+
+def is_json(text: str) -> bool:
+    """Whether ``text`` is a JSON document of any kind (an object, a list, a number, a string, true, false or null),
+    a leading byte order mark skipped as :func:`loads` skips it."""
+    try:
+        json.loads(text.removeprefix("\ufeff"))
+    except ValueError:
+        return False
+    return True
 
 
 def _first_repeat(value, path: tuple):
