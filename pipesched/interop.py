@@ -156,7 +156,7 @@ def not_text(exc: UnicodeDecodeError) -> str:
 
 def _decode_rows(path) -> list[list[_Cell]]:
     rows = []
-    with open(path, newline="") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.reader(f)
         for rank, row in enumerate(reader):
             cells = []
@@ -315,5 +315,5 @@ def to_torch_csv(program: Program, path, comms: bool | None = None) -> None:
         OSError: the file cannot be written.
     """
     rows = torch_rows(program, comms)
-    with open(path, "w", newline="") as f:
+    with open(path, "w", newline="", encoding="utf-8") as f:
         csv.writer(f).writerows(rows)

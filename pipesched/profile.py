@@ -252,7 +252,7 @@ class LayerProfile:
 
     def save(self, path) -> None:
         """Write the profile as JSON to ``path``."""
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
 
     @classmethod
     def load(cls, path) -> LayerProfile:
@@ -262,7 +262,7 @@ class LayerProfile:
             FileNotFoundError: no file at ``path``. ValueError: not JSON, a JSON object giving a key twice, or not
                 a valid profile (names the path).
         """
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
         try:
             return cls.from_json(strict_json.loads(text))  # a key given twice: refused, not the last kept
         except (ValueError, TypeError) as exc:
