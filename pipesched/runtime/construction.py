@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..api import StepPrograms, step_programs
-from ..checks import check_positive
+from ..checks import check_positive, is_real
 from ..ir import Op, Program
 from ..user_programs import dp_size_for, program_for, program_with_ties
 from .comm import backend_for, make_grid, warn_if_unlaunched, world_and_rank
@@ -17,6 +17,8 @@ from .recompute import refuse_forward_hooks
 from .stage import build_stages, layer_starts, layers_of, resolve_balance
 from .state import state_spec
 from .ties import find_ties, program_ties
+
+MAX_TIMEOUT_S = 1e7  # seconds: a longer wait overflows the store's and the process groups' own timeouts
 
 
 @dataclass
@@ -61,8 +63,9 @@ def local_setup(model, schedule, num_microbatches, loss_fn, virtual_stages, bala
     dp_size = check_positive("dp_size", dp_size, 1)
     if virtual_stages is not None:
         virtual_stages = check_positive("virtual_stages", virtual_stages, 1)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    if not is_real(timeout) or not 0 < timeout <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:g} (about 115 days: "
+                         f"the store and the process groups take no longer), got {timeout!r}")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     layers = layers_of(model)

@@ -13,7 +13,7 @@ import tempfile
 import time
 import traceback
 
-from ..checks import as_int
+from ..checks import as_int, is_real
 from .start_method import choose_start_method
 
 _TAIL_CHARS = 3000  # of a child's stderr quoted when it dies without reporting
@@ -84,7 +84,8 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
         The first failing child's exception (preferring the rank a :class:`PipelineError` names as the
         origin), re-raised with the child's traceback as ``__cause__``; the other children get ``grace``
         seconds to end on their own and are then terminated.
-        ValueError: a ``start_method`` that cannot run ``fn`` here (says why and what to do).
+        ValueError: a ``start_method`` that cannot run ``fn`` here (says why and what to do); a bad ``world_size``,
+            ``timeout``, ``grace`` or ``threads`` (names it and what is valid), before any child starts.
         TimeoutError: the children did not all finish within ``timeout`` seconds (all are terminated).
         KeyboardInterrupt: Ctrl-C while the children ran (all are stopped first).
         RuntimeError: a child died without reporting (killed, ``os._exit``, or failed while starting, e.g.
@@ -95,6 +96,13 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
     if as_int(world_size) is None or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     world_size = as_int(world_size)  # a numpy integer: a plain int for the children's environment
+    if not is_real(timeout) or not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0 (inf: no limit), got {timeout!r}")
+    if not is_real(grace) or not grace >= 0:
+        raise ValueError(f"grace must be a number of seconds >= 0, got {grace!r}")
+    if as_int(threads) is None or threads < 1:
+        raise ValueError(f"threads must be an integer >= 1 (torch threads per rank), got {threads!r}")
+    threads = as_int(threads)
     ctx = mp.get_context(choose_start_method(fn, start_method, threads))
     results = ctx.Queue()
     port = free_port()

@@ -48,6 +48,7 @@ import torch
 from ..api import StepPrograms, compile_program, step_programs
 from ..cost import CostModel
 from ..ir import Op
+from ..schedules.zb_auto import check_memory_limit
 from ..program_io import fingerprint
 from ..timeline import peak_inflight
 from ..user_programs import program_for
@@ -86,6 +87,16 @@ def costs_field(plan: MeasurePlan | None, costs) -> str:
     """What the construction agreement (:mod:`~pipesched.runtime.agreement`) compares for ``costs``: every rank
     must give the same costs, or none (then all measure them)."""
     return "None (measured in the first step)" if plan is not None else repr(costs)
+
+
+def memory_limit_field(memory_limit, zb_auto: bool, num_ranks: int, num_microbatches: int) -> list | None:
+    """What the construction agreement compares for ``memory_limit``: for ``zb-auto`` (``zb_auto``), the per-rank
+    in-flight limit it stands for (:func:`~pipesched.schedules.zb_auto.check_memory_limit`: ``3`` and ``[3, 3]``
+    agree, ``None`` stands for its default, ``min(p, m)`` per rank); ``None`` for other schedules (which refuse a
+    limit). Compared before any group exists, so a rank with another limit is named at construction: with measured
+    costs every rank starts from the same safe program, and the difference would only show when they compile
+    zb-auto after the first step."""
+    return list(check_memory_limit(memory_limit, num_ranks, num_microbatches)) if zb_auto else None
 
 
 def safe_program(plan: MeasurePlan, virtual_stages=None):

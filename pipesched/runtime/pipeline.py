@@ -20,7 +20,7 @@ from .heap import keep_freed_memory
 from .failure import CommError, FailureChannel, PipelineError
 from .departure import announce_close, watch
 from .measured import StepRecord, gather_timeline, local_timeline
-from .measured_costs import costs_field
+from .measured_costs import costs_field, memory_limit_field
 from .microbatch import merge
 from .pipeline_failure import fail, teardown
 from .stage import layers_of
@@ -152,6 +152,9 @@ class Pipeline:
         init_default_group(self.device, self.timeout)  # communication starts here
         agree(dist.distributed_c10d._get_default_store(), self.grid.world_rank, self.grid.world_size,
               dict(costs=costs_field(self._plan, self.costs),  # first: a measured safe program has another name
+                   memory_limit=memory_limit_field(memory_limit, self._plan is not None or
+                                                   self.program.schedule == "zb-auto", self.program.num_ranks,
+                                                   self.program.num_microbatches),
                    **describe(self.program, self.balance, len(layers), self.grid.world_size,
                               self.programs.early_receives),
                    autocast=str(self.autocast)), self.timeout)

@@ -102,7 +102,7 @@ def suite_two(rank):
     return {"default": measured_case(rank, m=4, n=8),
             "tight": measured_case(rank, m=4, n=10, memory_limit=1, recompute=True, forward_first=False),
             "tied": tied_case(rank),
-            "mismatch": mismatch_case(rank)}
+            "mismatch": mismatch_case(rank), "limit_mismatch": limit_mismatch_case(rank)}
 
 
 def tied_case(rank, steps=2):
@@ -135,6 +135,18 @@ def mismatch_case(rank):
     try:
         Pipeline(pair(num_layers=2)[0], schedule="zb-auto", num_microbatches=2, loss_fn=F.mse_loss, costs=costs,
                  timeout=30.0)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def limit_mismatch_case(rank):
+    """Measured costs, memory_limit 3 on rank 1 and the default (min(p, m) = 2 per rank) on rank 0: refused at
+    construction on both, naming memory_limit (every rank's safe program is the same zb-h1, so nothing else differs
+    until the ranks compile zb-auto after the first step)."""
+    try:
+        Pipeline(pair(num_layers=2)[0], schedule="zb-auto", num_microbatches=8, loss_fn=F.mse_loss,
+                 memory_limit=3 if rank == 1 else None, timeout=30.0)
     except ValueError as exc:
         return str(exc)
     return None

@@ -236,3 +236,17 @@ def test_ctrl_c_prints_one_line_and_stops_every_rank(tmp_path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"timeout": 0}, "timeout must be a number of seconds > 0 (inf: no limit), got 0"),
+    ({"timeout": "10"}, "timeout must be a number of seconds > 0 (inf: no limit), got '10'"),
+    ({"timeout": float("nan")}, "timeout must be a number of seconds > 0 (inf: no limit), got nan"),
+    ({"grace": -1}, "grace must be a number of seconds >= 0, got -1"),
+    ({"threads": 0}, "threads must be an integer >= 1 (torch threads per rank), got 0"),
+    ({"threads": 1.5}, "threads must be an integer >= 1 (torch threads per rank), got 1.5"),
+])
+def test_bad_launch_arguments_are_refused_before_any_child_starts(kwargs, message):
+    with pytest.raises(ValueError) as caught:
+        launch(print, 2, **kwargs)
+    assert str(caught.value) == message

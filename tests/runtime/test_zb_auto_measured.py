@@ -151,3 +151,11 @@ def test_safe_program_keeps_the_memory_limit():
         safe_program(plan._replace(memory_limit=0))
     with pytest.raises(ps.ScheduleArgumentError, match="virtual_stages"):
         safe_program(plan, virtual_stages=2)
+
+
+def test_a_memory_limit_given_on_one_rank_only_is_refused_at_construction_on_every_rank(two):
+    for rank, res in enumerate(two):
+        assert res["limit_mismatch"] == (
+            f"world rank {1 - rank} built its Pipeline with memory_limit={[2, 2] if rank else [3, 3]} but world rank "
+            f"{rank} with memory_limit={[3, 3] if rank else [2, 2]}; every rank must construct Pipeline with the same "
+            f"arguments (and the same model)"), res["limit_mismatch"]
