@@ -257,6 +257,8 @@ def _import_file(path: Path) -> None:
     if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(path.resolve()):
         return
     spec = importlib.util.spec_from_file_location(name, path.resolve())
+    if spec is None:  # no loader for the suffix: importlib knows .py (and compiled) files only
+        raise ImportError(f"{path} is not a Python source file (.py): give a .py file or an importable module name")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:

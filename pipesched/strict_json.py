@@ -61,7 +61,8 @@ def loads(text: str):
     order mark (``"\\ufeff"``, which some editors write) is skipped, where ``json.loads`` refuses it.
 
     Raises:
-        json.JSONDecodeError: ``text`` is not JSON. DuplicateKeyError: a key given twice in one object.
+        json.JSONDecodeError: ``text`` is not JSON, or nests arrays or objects deeper than Python's recursion limit.
+        DuplicateKeyError: a key given twice in one object.
     """
     seen = []  # set when an object repeats a key: then (and only then) the document is searched for where
 
@@ -74,7 +75,11 @@ def loads(text: str):
         seen.append(repeated)
         return repeated
 
-    data = json.loads(text.removeprefix("\ufeff"), object_pairs_hook=pairs_hook)  # a byte order mark: skipped
+    try:
+        data = json.loads(text.removeprefix("\ufeff"), object_pairs_hook=pairs_hook)  # a byte order mark: skipped
+    except RecursionError:  # arrays or objects nested thousands deep: the decoder recurses once per level
+        raise json.JSONDecodeError("nested deeper than this reader allows (Python's recursion limit)", text,
+                                   0) from None
     if seen:
         # one is in the document: a repeating object not in it was dropped by a repeated key of the object holding it
         obj, path = _first_repeat(data, ())
@@ -90,6 +95,8 @@ def is_json(text: str) -> bool:
         json.loads(text.removeprefix("\ufeff"))
     except ValueError:
         return False
+    except RecursionError:  # JSON nested too deep to read: JSON all the same (loads says so)
+        return True
     return True
 
 
