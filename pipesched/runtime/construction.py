@@ -16,6 +16,7 @@ from .measured_costs import plan_for, safe_program
 from .recompute import refuse_forward_hooks
 from .stage import build_stages, layer_starts, layers_of, resolve_balance
 from .state import state_spec
+from .shared_buffers import cross_rank_buffers, refuse_running_stats
 from .ties import find_ties, program_ties
 
 MAX_TIMEOUT_S = 1e7  # seconds: a longer wait overflows the store's and the process groups' own timeouts
@@ -35,6 +36,8 @@ class LocalSetup:
         balance: layers per stage. ties: parameters used by two stages or more. first_layers: per stage, the
             index of its first layer, then the layer count.
         stages: ``{stage: nn.Sequential}`` of this rank. device: where they run.
+        shared_buffers: the buffers stages on two ranks or more use that this rank holds a use of
+            (:mod:`~pipesched.runtime.shared_buffers`: checked unchanged around each step).
     """
 
     layers: list
@@ -49,6 +52,7 @@ class LocalSetup:
     first_layers: list
     stages: dict
     device: torch.device
+    shared_buffers: list
 
 
 def local_setup(model, schedule, num_microbatches, loss_fn, virtual_stages, balance, dp_size, recompute,
@@ -80,6 +84,8 @@ def local_setup(model, schedule, num_microbatches, loss_fn, virtual_stages, bala
         memory_limit=memory_limit)
     balance = resolve_balance(layers, program.num_stages, balance, profile, program.stage_to_rank)
     ties = find_ties(layers, balance, program.stage_to_rank)  # parameters used by 2+ stages
+    shared = cross_rank_buffers(layers, balance, program.stage_to_rank)  # buffers: nothing sums them
+    refuse_running_stats(shared)  # a norm layer's running statistics on two ranks: refused now
     # a TIE_REDUCE per rank of a tie that spans ranks; a user's program with ties: checked against the model's
     program = program_with_ties(program, program_ties(ties))
     stages = build_stages(layers, balance, program.stages_of(grid.pp_rank))
@@ -93,4 +99,4 @@ def local_setup(model, schedule, num_microbatches, loss_fn, virtual_stages, bala
         torch.cuda.set_device(device)  # NCCL and all_gather_object use the current device
     warn_if_unlaunched()  # plain `python train.py`: one rank, nothing split (SingleProcessWarning)
     return LocalSetup(layers, state_spec(layers), grid, plan, programs.train, programs, costs, balance, ties,
-                      first_layers, stages, device)
+                      first_layers, stages, device, [b for b in shared if grid.pp_rank in b.ranks])

@@ -141,6 +141,7 @@ class Pipeline:
                                 recompute, split_backward, device, timeout, early_receives, costs, memory_limit,
                                 profile)  # checks, program, stages, device: nothing communicated yet
             layers, self._plan, self.loss_fn, self.timeout = setup.layers, setup.plan, loss_fn, float(timeout)
+            self._shared_buffers = setup.shared_buffers  # checked unchanged around each step (shared_buffers.py)
             for name in ("state_spec", "grid", "program", "programs", "costs", "balance", "ties", "first_layers",
                          "stages", "device"):
                 setattr(self, name, getattr(setup, name))

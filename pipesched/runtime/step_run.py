@@ -15,6 +15,7 @@ from .measured import StepRecord
 from .measured_costs import measure_and_compile
 from .microbatch import split_sizes
 from .settings import fingerprint
+from .shared_buffers import check_unchanged, snapshot
 from .step_state import StepInputs
 
 CACHE_SIZE = 32  # input signatures whose message metas are remembered
@@ -41,7 +42,10 @@ def run(pipe, x, target, train: bool, scale=None, scaler=None, refusal=None):
                         [n / total for n in sizes], {} if learning else metas, learning, scale,
                         pipe._norm_parts if pipe._norm_parts.agreed else None)
     base = cuda_memory_base(pipe.device)
+    before = snapshot(pipe._shared_buffers) if pipe._shared_buffers else None
     loss, outputs, peak = pipe._executor.run(inputs)
+    if before is not None:  # a buffer that stages on two ranks use must not change (shared_buffers.py)
+        check_unchanged(pipe._shared_buffers, before)
     remember(pipe._metas, key, inputs.metas)
     pipe._learned += learning
     ex = pipe._executor
