@@ -69,6 +69,8 @@ def profile_layers(model, sample_input, target=None, loss_fn=None, repeat: int =
             of tensors, ``loss_fn`` not callable. ValueError: ``repeat`` < 1 or ``warmup`` < 0; ``sizes`` not
             ints in ``[1, microbatch_size]``; a layer's output (not the last's) is not a tensor or tuple of
             tensors; ``loss_fn`` takes a target and ``target`` is None.
+    Warns:
+        UserWarning: on a CPU with more than one intra-op thread (times by wall clock; see above).
     """
     layers = layers_of(model)
     counts = []  # repeat, warmup as plain ints (numpy integers accepted)
@@ -88,6 +90,13 @@ def profile_layers(model, sample_input, target=None, loss_fn=None, repeat: int =
     params = [p for layer in layers for p in layer.parameters()]
     device = params[0].device if params else inputs[0].device
     cuda = sorted({t.device for t in params + list(inputs) if t.device.type == "cuda"}, key=str)
+    if device.type != "cuda" and torch.get_num_threads() > 1:
+        warnings.warn(f"profile_layers: torch runs {torch.get_num_threads()} intra-op threads in this process, so "
+                      f"the layers are timed by wall clock, which another process's load inflates at random (a "
+                      f"balance='time' cut or a plan from it can come out lopsided); a pipeline's ranks run one "
+                      f"thread (pipesched.runtime.launch, torchrun's OMP_NUM_THREADS=1): call "
+                      f"torch.set_num_threads(1) first to time the layers as they run there, by CPU time",
+                      stacklevel=2)
     grads = [p.grad for p in params]  # restored at the end; the measured backwards accumulate into fresh ones
     try:
         for p in params:
