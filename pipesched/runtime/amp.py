@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
+import numbers
 import warnings
 
 import torch
-import torch.distributed as dist
 
+from .clip_replicas import float_bits
 from .collective import fail_every_rank
 from .failure import PipelineError
-from .transport import wait
+from .scaler_vote import INTERVAL, SCALE, _by_value, _steps, vote  # noqa: F401 - _by_value, _steps: as before
 
 #: what ``Pipeline(autocast=...)`` accepts besides ``None``
 AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
-#: the reductions :func:`all_reduce_over` can do group after group (an average cannot)
-REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def checked_autocast(autocast, device: torch.device):
@@ -46,24 +46,6 @@ def autocast_context(device: torch.device, autocast):
     if autocast is None:
         return contextlib.nullcontext
     return functools.partial(torch.autocast, device.type, autocast)
-
-
-def all_reduce_over(tensor: torch.Tensor, op: str, groups) -> torch.Tensor:
-    """Reduce ``tensor`` in place with ``op`` (``"sum"``, ``"max"`` or ``"min"``) over each group of ``groups`` in
-    turn (``None`` entries skipped): over the pipeline group, then the data-parallel group, that is every rank of
-    the job. Returns ``tensor``.
-
-    Raises:
-        ValueError: an unknown ``op``.
-        CommError: a peer is gone or the wait timed out (the Pipeline turns it into a ``PipelineError``).
-    """
-    if op not in REDUCE_OPS:
-        raise ValueError(f"op must be one of {sorted(REDUCE_OPS)}, got {op!r}")
-    for group in groups:
-        if group is not None:
-            work = dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group, async_op=True)
-            wait(work, f"an all-reduce ({op}) over every rank of the job")
-    return tensor
 
 
 def loss_scaling(scaler, pipe):
@@ -112,18 +94,29 @@ class GradScaler(torch.amp.GradScaler):
     alone (:meth:`_collective_call`).
 
     Only :meth:`_unscale_grads_` differs from torch's (the one place torch checks gradients, for ``unscale_``
-    and for fused optimizers alike): after checking this rank's gradients it all-reduces (MAX) the verdict over
-    every rank of the job. So ``unscale_`` and ``step`` are collective: call them on every rank, for the same
-    optimizers in the same order.
+    and for fused optimizers alike): after checking this rank's gradients every rank votes (:meth:`_vote`): ONE
+    all-gather over the pipeline group of a row headed by ``SCALER_MARK``, as long as a step opening's,
+    ``clip_grad_norm_``'s and ``gather_timeline``'s rows, so ranks in different calls meet and raise one error
+    naming the calls (:func:`~pipesched.runtime.handshake.check_rows_meet`) at once; with data parallelism one
+    more all-gather over the data-parallel group of what each pipeline decided. The verdict is the MAX over
+    every rank of its found-inf flags (summed over its devices). So ``unscale_`` and ``step`` are collective:
+    call them on every rank, for the same optimizers in the same order. A disabled scaler (``enabled=False``:
+    torch's ``unscale_`` and ``step`` check nothing) joins the vote in its first ``unscale_`` or ``step`` only,
+    so a scaler disabled on some ranks only is a ``ValueError`` on every rank there, and ranks that all disabled
+    theirs communicate no more.
 
     Args:
         pipe: the Pipeline whose ``step`` this scaler scales; the scale lives on its device (CPU or CUDA).
-        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as ``torch.amp.GradScaler``.
+        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as ``torch.amp.GradScaler``, checked
+            (:func:`check_scaler_arguments`).
     Attributes:
         scaled_steps: the ``pipe.step`` calls on this rank that got this scaler and that every rank accepted (a
             step refused in its opening, on any rank, does not count; every rank must count the same).
     Raises:
         TypeError: ``pipe`` is not a Pipeline.
+        ValueError: a bad argument, before any communication: ``init_scale`` not a finite number > 0,
+            ``growth_factor`` not a finite number > 1, ``backoff_factor`` not a number strictly between 0 and 1,
+            ``growth_interval`` not an int >= 1, ``enabled`` not True or False (names the argument and its value).
     """
 
     def __init__(self, pipe, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
@@ -132,12 +125,14 @@ class GradScaler(torch.amp.GradScaler):
 
         if not isinstance(pipe, Pipeline):
             raise TypeError(f"pipe must be a pipesched.runtime.Pipeline, got {type(pipe).__name__}")
+        check_scaler_arguments(init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         super().__init__(pipe.device.type, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self.pipe = pipe
         self.scaled_steps = 0
         self._no_optimizer = _NoOptimizer()  # what optimizer=None stands for (one object: torch keys by id)
         self._in_call = False  # in unscale_ or step (torch's step calls unscale_)
         self._agreed_checks = False  # between the vote and the end of its checks: what they raise, every rank raises
+        self._joined = False  # disabled: its first unscale_/step voted, and every rank's scaler was disabled too
         if self.is_enabled():  # torch makes the scale at the first scale(), which only the last stage's rank calls
             self.scale(torch.zeros((), device=pipe.device))
 
@@ -174,12 +169,15 @@ class GradScaler(torch.amp.GradScaler):
         twice, since the last ``update``; a ``closure``), the optimizer's ``step`` after it -- ends every
         rank with a ``PipelineError`` naming this rank and that exception (the other ranks wait for this one in
         the vote or in the next step); the ``ValueError`` every rank raises alike after the vote (the ranks'
-        step counts or settings differ) leaves the pipeline usable. A disabled scaler votes on nothing: as torch's.
+        step counts or settings differ) leaves the pipeline usable. A disabled scaler votes once, in its first
+        call (:meth:`_join_once`), then on nothing: as torch's.
         """
         if self._in_call:  # torch's step calls unscale_: the outermost call decides
             return call(*args, **kwargs)
         self._in_call, self._agreed_checks = True, False
         try:
+            if not self.is_enabled() and not self._joined:
+                self._join_once()
             return call(*args, **kwargs)
         except PipelineError:
             raise
@@ -191,28 +189,43 @@ class GradScaler(torch.amp.GradScaler):
         finally:
             self._in_call = self._agreed_checks = False
 
+    def _join_once(self) -> None:
+        """A disabled scaler's vote, in its first ``unscale_`` or ``step``: torch's disabled path checks nothing and
+        never reaches :meth:`_unscale_grads_`, so without it the enabled ranks would wait for this one in their
+        vote until the timeout. Once every rank's scaler is disabled too, it votes no more.
+
+        Raises:
+            ValueError (on every rank): the scalers of some ranks are enabled (:func:`_judge`).
+            PipelineError: as :meth:`_unscale_grads_`.
+        """
+        error, _found = self.pipe.run_collective(lambda pp_group, dp_group: self._vote(0.0, pp_group, dp_group))
+        self._agreed_checks = True
+        if error:
+            raise ValueError(error)
+        self._agreed_checks, self._joined = False, True
+
     def _optimizer_or_stand_in(self, optimizer):
         return self._no_optimizer if optimizer is None else optimizer
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         """torch's unscale and inf/NaN check of this rank's gradients, then the verdict agreed (MAX) over every
-        rank of the job, written back into every per-device flag torch reads in ``step`` and ``update``.
-
-        Each rank's count of ``pipe.step(..., scaler=...)`` calls and its scaler's settings ride in the same
-        all-reduce, one slot per world rank, so an error names the ranks.
+        rank of the job (:meth:`_vote`), written back into every per-device flag torch reads in ``step`` and
+        ``update``.
 
         Raises:
-            ValueError (on every rank): ranks counted different numbers of ``pipe.step(..., scaler=...)`` calls
-                (names the ranks with each count: those that passed it, those that did not), their scalers differ
-                in scale, ``growth_factor``, ``backoff_factor`` or ``growth_interval`` (names the ranks with each
-                value), or none passed this scaler (the gradients were never scaled).
-            PipelineError: a rank failed or timed out in the agreement, or torch's own check failed on some rank
-                (e.g. float16 parameters: "Attempting to unscale FP16 gradients"): on every rank, naming that rank,
-                instead of the others waiting for it until the timeout.
+            ValueError (on every rank; the pipeline stays usable): the ranks' scalers differ in ``enabled``, ranks
+                counted different numbers of ``pipe.step(..., scaler=...)`` calls (names the ranks with each count:
+                those that passed it, those that did not), their scalers differ in scale, ``growth_factor``,
+                ``backoff_factor`` or ``growth_interval`` (names the ranks with each value), or none passed this
+                scaler (the gradients were never scaled): :func:`_judge`.
+            PipelineError: a rank failed or timed out in the agreement, ranks are in different collective calls
+                (e.g. one in ``unscale_`` while another opened its next step or is in ``gather_timeline``: a
+                ``RuntimeError`` naming the calls), or torch's own check failed on some rank (e.g. float16
+                parameters: "Attempting to unscale FP16 gradients"): on every rank, naming that rank, instead of
+                the others waiting for it until the timeout.
         """
         unscale = super()._unscale_grads_
         grid = self.pipe.grid
-        mine = (self.scaled_steps, self.get_scale(), self._growth_factor, self._backoff_factor, self._growth_interval)
 
         def agree(pp_group, dp_group):  # torch's local check inside: its error ends every rank, not this one only
             if optimizer is self._no_optimizer:
@@ -223,34 +236,58 @@ class GradScaler(torch.amp.GradScaler):
                                      f"parameters: pass this rank's optimizer")
             per_device = unscale(optimizer, inv_scale, found_inf, allow_fp16)
             local = sum(float(t) for t in per_device.values())  # one flag per device holding gradients (CPU: one)
-            verdict = torch.zeros(1 + grid.world_size * len(mine), dtype=torch.float64, device=found_inf.device)
-            verdict[0] = local
-            start = 1 + grid.world_rank * len(mine)  # this rank's slot; the others' stay 0 (MAX keeps each rank's)
-            verdict[start:start + len(mine)] = torch.tensor(mine, dtype=torch.float64)
-            return per_device, all_reduce_over(verdict, "max", (pp_group, dp_group))
+            return per_device, self._vote(local, pp_group, dp_group)
 
-        per_device, verdict = self.pipe.run_collective(agree)
+        per_device, (error, found) = self.pipe.run_collective(agree)
         self._agreed_checks = True  # every rank has the same verdict: what it raises below, every rank raises
-        found, rows = float(verdict[0]), verdict[1:].view(grid.world_size, len(mine)).tolist()
-        steps = [int(row[0]) for row in rows]
-        if len(set(steps)) > 1:
-            raise ValueError(f"scaler: the ranks passed this GradScaler to pipe.step(..., scaler=...) in different "
-                             f"numbers of steps: {_by_value(steps, grid, _steps)}; pass it to pipe.step on every "
-                             f"rank in every step")
-        for column, (name, fmt) in enumerate(_SETTINGS, start=1):
-            values = [row[column] for row in rows]
-            if len(set(values)) > 1:
-                raise ValueError(f"scaler: the ranks' GradScalers differ in {name}: "
-                                 f"{_by_value(values, grid, fmt)}; build it with the same arguments on every rank"
-                                 + (" and call its update() on every rank after each step" if name == "scale" else ""))
-        most = steps[0]
-        if most == 0:
-            raise ValueError("scaler: no pipe.step() got this GradScaler, so the gradients were never scaled; call "
-                             "pipe.step(x, target=y, scaler=scaler) before scaler.unscale_/step")
+        if error:
+            raise ValueError(error)
         for flag in per_device.values():
             flag.fill_(found)
         self._agreed_checks = False  # the rest of unscale_/step is this rank's own (the optimizer's step)
         return per_device or {found_inf.device: found_inf.fill_(found)}  # a rank without gradients steps alike
+
+    def _vote(self, found: float, pp_group, dp_group) -> tuple[str, float]:
+        """This rank's verdict (``found``: its found-inf flags summed) and settings (:data:`~pipesched.runtime.
+        scaler_vote.FIELDS`) voted on with every rank's, collective (:func:`~pipesched.runtime.scaler_vote.vote`:
+        ONE all-gather over the pipeline group of a row headed by ``SCALER_MARK``, with data parallelism one more
+        over the data-parallel group).
+
+        Returns:
+            ``(error, found)``: the ``ValueError`` text every rank of the job raises alike (``""``: none) and the
+            MAX of every rank's ``found``.
+        Raises:
+            RuntimeError: ranks are in other collective calls (:func:`~pipesched.runtime.handshake.check_rows_meet`,
+                or a replica elsewhere), on every rank that meets them.
+            CommError: an all-gather failed (a peer is gone, or the timeout passed).
+        """
+        mine = [int(self.is_enabled()), self.scaled_steps, 0, float_bits(found), 0, 0, 0]
+        if self.is_enabled():  # torch keeps no settings on a disabled scaler
+            mine[INTERVAL] = int(self._growth_interval)
+            mine[SCALE:] = [float_bits(v) for v in (self.get_scale(), self._growth_factor, self._backoff_factor)]
+        return vote(self.pipe, mine, pp_group, dp_group)
+
+
+def check_scaler_arguments(init_scale, growth_factor, backoff_factor, growth_interval, enabled) -> None:
+    """``GradScaler``'s arguments as torch means them, checked before any communication (torch checks only
+    ``growth_factor`` and ``backoff_factor``, with an assert, and only when enabled).
+
+    Raises:
+        ValueError: the first bad one, naming it, its value and what is valid.
+    """
+    def number(value) -> bool:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+    if not number(init_scale) or init_scale <= 0:
+        raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
+    if not number(growth_factor) or growth_factor <= 1:
+        raise ValueError(f"growth_factor must be a finite number > 1, got {growth_factor!r}")
+    if not number(backoff_factor) or not 0 < backoff_factor < 1:
+        raise ValueError(f"backoff_factor must be a number between 0 and 1 (both excluded), got {backoff_factor!r}")
+    if not isinstance(growth_interval, numbers.Integral) or isinstance(growth_interval, bool) or growth_interval < 1:
+        raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
+    if not isinstance(enabled, bool):
+        raise ValueError(f"enabled must be True or False, got {enabled!r}")
 
 
 class _NoOptimizer:
@@ -261,29 +298,3 @@ class _NoOptimizer:
 
     def step(self, *args, **kwargs):
         return None
-
-
-#: the scaler settings every rank must share, after the step count: (name, how a value is written)
-_SETTINGS = (("scale", "{:g}".format), ("growth_factor", "{:g}".format), ("backoff_factor", "{:g}".format),
-             ("growth_interval", lambda x: str(int(x))))
-
-
-def _steps(count) -> str:
-    return "in no step (scaler=None)" if count == 0 else f"in {count} step{'s' if count != 1 else ''}"
-
-
-def _by_value(values, grid, fmt) -> str:
-    """``values`` (one per world rank) grouped by value, each group's ranks named: by pipeline rank, with the
-    replica when there is data parallelism; e.g. ``in 1 step on pipeline rank 0, in no step (scaler=None) on
-    pipeline rank 1``."""
-    groups: dict = {}
-    for rank, value in enumerate(values):
-        groups.setdefault(value, []).append(rank)
-
-    def where(ranks) -> str:
-        if grid.dp_size == 1:
-            return f"pipeline rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks)}"
-        return ", ".join(f"pipeline rank {r % grid.pp_size} of replica {r // grid.pp_size} (world rank {r})"
-                         for r in ranks)
-
-    return ", ".join(f"{fmt(value)} on {where(ranks)}" for value, ranks in groups.items())

@@ -33,6 +33,7 @@ ROW_LEN = HEAD + SIG_LEN + VERDICT_LEN  # int64 words of each rank's row in the 
 OPENING_MARK, CLIP_MARK = 0x5354_4550, 0x434C_4950  # the first word of a step's row, of a clip's row
 TIMELINE_MARK = 0x5449_4D45  # the first word of gather_timeline()'s row (its all-gather of rows before the events)
 REPLICA_MARK = 0x5245_504C  # the first word of a replica's row in a step's agreement over the data-parallel group
+SCALER_MARK = 0x5343_4C52  # the first word of a GradScaler's row in its overflow vote (runtime/scaler_vote.py)
 #: the first word of a row's signature block: stage 0's rank's description of x (0) or refusal of it (1), or any
 #: rank's refusal of its own call (its own checks before the opening failed: ``[OWN_REFUSAL, kind, 0, *text]``)
 OWN_REFUSAL = 2
@@ -40,7 +41,8 @@ OWN_REFUSAL = 2
 REFUSAL_KINDS = {1: ValueError, 2: TypeError}
 #: the call each mark stands for, in errors about ranks in different calls
 CALLS = {OPENING_MARK: "opened the next step (step() or forward())", CLIP_MARK: "are in clip_grad_norm_'s collective",
-         TIMELINE_MARK: "are in gather_timeline()"}
+         TIMELINE_MARK: "are in gather_timeline()",
+         SCALER_MARK: "are in the GradScaler's overflow vote (scaler.unscale_ or scaler.step)"}
 
 
 def check_rows_meet(heads: list[list[int]], mark: int) -> None:
