@@ -13,7 +13,7 @@ import torch
 from .clip_replicas import float_bits
 from .collective import fail_every_rank
 from .failure import PipelineError
-from .scaler_vote import INTERVAL, SCALE, _by_value, _steps, vote  # noqa: F401 - _by_value, _steps: as before
+from .scaler_vote import INTERVAL, SCALE, vote
 
 #: what ``Pipeline(autocast=...)`` accepts besides ``None``
 AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
@@ -198,7 +198,8 @@ class GradScaler(torch.amp.GradScaler):
             ValueError (on every rank): the scalers of some ranks are enabled (:func:`_judge`).
             PipelineError: as :meth:`_unscale_grads_`.
         """
-        error, _found = self.pipe.run_collective(lambda pp_group, dp_group: self._vote(0.0, pp_group, dp_group))
+        error, _found = self.pipe.run_collective(lambda pp_group, dp_group: self._vote(0.0, pp_group, dp_group),
+                                                   meet=False)
         self._agreed_checks = True
         if error:
             raise ValueError(error)
@@ -238,7 +239,7 @@ class GradScaler(torch.amp.GradScaler):
             local = sum(float(t) for t in per_device.values())  # one flag per device holding gradients (CPU: one)
             return per_device, self._vote(local, pp_group, dp_group)
 
-        per_device, (error, found) = self.pipe.run_collective(agree)
+        per_device, (error, found) = self.pipe.run_collective(agree, meet=False)  # the vote's rows meet
         self._agreed_checks = True  # every rank has the same verdict: what it raises below, every rank raises
         if error:
             raise ValueError(error)

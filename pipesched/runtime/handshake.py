@@ -33,6 +33,7 @@ ROW_LEN = HEAD + SIG_LEN + VERDICT_LEN  # int64 words of each rank's row in the 
 OPENING_MARK, CLIP_MARK = 0x5354_4550, 0x434C_4950  # the first word of a step's row, of a clip's row
 TIMELINE_MARK = 0x5449_4D45  # the first word of gather_timeline()'s row (its all-gather of rows before the events)
 REPLICA_MARK = 0x5245_504C  # the first word of a replica's row in a step's agreement over the data-parallel group
+COLLECTIVE_MARK = 0x434F_4C4C  # the first word of a row run_collective() meets the other ranks with
 SCALER_MARK = 0x5343_4C52  # the first word of a GradScaler's row in its overflow vote (runtime/scaler_vote.py)
 #: the first word of a row's signature block: stage 0's rank's description of x (0) or refusal of it (1), or any
 #: rank's refusal of its own call (its own checks before the opening failed: ``[OWN_REFUSAL, kind, 0, *text]``)
@@ -42,7 +43,8 @@ REFUSAL_KINDS = {1: ValueError, 2: TypeError}
 #: the call each mark stands for, in errors about ranks in different calls
 CALLS = {OPENING_MARK: "opened the next step (step() or forward())", CLIP_MARK: "are in clip_grad_norm_'s collective",
          TIMELINE_MARK: "are in gather_timeline()",
-         SCALER_MARK: "are in the GradScaler's overflow vote (scaler.unscale_ or scaler.step)"}
+         SCALER_MARK: "are in the GradScaler's overflow vote (scaler.unscale_ or scaler.step)",
+         COLLECTIVE_MARK: "are in run_collective()"}
 
 
 def check_rows_meet(heads: list[list[int]], mark: int) -> None:
@@ -60,7 +62,8 @@ def check_rows_meet(heads: list[list[int]], mark: int) -> None:
         by = "; ".join(f"pipeline ranks {[r for r, h in enumerate(heads) if h[0] == k]} "
                        f"{CALLS.get(k, 'are in another collective call')}" for k in kinds)
         raise RuntimeError(f"the pipeline ranks made different collective calls: {by}; every rank of a pipeline "
-                           f"must make the same calls (step, forward, clip_grad_norm_, gather_timeline, checkpoints) "
+                           f"must make the same calls (step, forward, clip_grad_norm_, gather_timeline, the GradScaler's "
+                           f"unscale_/step, run_collective, checkpoints) "
                            f"in the same order")
     opening = [r for r, head in enumerate(heads) if head[0] == OPENING_MARK]
     clipping = [r for r, head in enumerate(heads) if head[0] == CLIP_MARK]
@@ -77,6 +80,15 @@ def check_rows_meet(heads: list[list[int]], mark: int) -> None:
     if len(set(counts)) > 1:
         raise RuntimeError(f"clip_grad_norm_: the pipeline ranks made different numbers of clip_grad_norm_ calls "
                            f"(by pipeline rank: {counts}); call it on every rank alike")
+
+
+def meet(group, size: int, device, mark: int, what: str) -> None:
+    """A row shaped as the step opening's and clip's (``ROW_LEN`` int64 words, ``mark`` first), so that a rank that
+    is in another pipeline collective meanwhile meets it in an all-gather of the same size and every rank raises one
+    error naming the calls (:func:`check_rows_meet`), instead of gloo aborting on two gathers of different sizes or
+    waiting for the timeout. ``what``: the all-gather, for a ``CommError``."""
+    rows = gather_rows([mark] + [0] * (ROW_LEN - 1), group, size, torch.int64, device, what)
+    check_rows_meet([row[:2] for row in rows], mark)
 
 
 class StepKey(NamedTuple):

@@ -4,14 +4,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 
 from ..ir import Instr
 from ..timeline import Event, Timeline, peak_inflight
 from .failure import CommError
-from .handshake import ROW_LEN, TIMELINE_MARK, check_rows_meet
-from .transport import gather_rows
+from .handshake import TIMELINE_MARK, meet
 
 
 @dataclass
@@ -77,7 +75,8 @@ def gather_timeline(record: StepRecord, program, pp_rank: int, group, device=Non
     mine = (pp_rank, record.wall0, [(str(i), s, e) for i, s, e in record.seconds()], record.peak,
             _message_bytes(record))
     gathered = [None] * program.num_ranks
-    _meet(group, program.num_ranks, device)  # every rank in gather_timeline(), or an error naming them
+    meet(group, program.num_ranks, device, TIMELINE_MARK,  # every rank in gather_timeline(), or an error naming them
+         "the all-gather of gather_timeline over the pipeline group")
     try:
         dist.all_gather_object(gathered, mine, group=group)
     except RuntimeError as exc:
@@ -91,16 +90,6 @@ def gather_timeline(record: StepRecord, program, pp_rank: int, group, device=Non
         peaks[rank] = float(peak)
     return Timeline(tuple(events), program.num_ranks, "measured", dict(_meta(record, program), message_bytes=sent),
                     _inflight(program, record.train), tuple(peaks))
-
-
-def _meet(group, size: int, device) -> None:
-    """A row shaped as the step opening's and clip's (``ROW_LEN`` int64 words, ``TIMELINE_MARK`` first), so that a
-    rank that is in another pipeline collective meanwhile meets it in an all-gather of the same size and every rank
-    raises one error naming the calls (:func:`~pipesched.runtime.handshake.check_rows_meet`), instead of gloo
-    aborting on two gathers of different sizes."""
-    rows = gather_rows([TIMELINE_MARK] + [0] * (ROW_LEN - 1), group, size, torch.int64, device,
-                       "the all-gather of gather_timeline over the pipeline group")
-    check_rows_meet([row[:2] for row in rows], TIMELINE_MARK)
 
 
 def _meta(record: StepRecord, program) -> dict:

@@ -14,7 +14,8 @@ from .agreement import agree, describe, refuse
 from .construction import local_setup
 from .executor import Executor
 from .step_state import Links, RankWork
-from .handshake import Handshake, Rejected, StepKey
+from .handshake import COLLECTIVE_MARK, Handshake, Rejected, StepKey
+from .handshake import meet as meet_ranks
 from .norm_parts import NormParts
 from .heap import keep_freed_memory
 from .failure import CommError, FailureChannel, PipelineError
@@ -227,17 +228,29 @@ class Pipeline:
         return counted_parameters(self.stages, self.first_layers, self.ties, self.program.stage_to_rank,
                                   self.pp_rank)
 
-    def run_collective(self, work):
+    def run_collective(self, work, meet: bool = True):
         """Run ``work(pp_group, dp_group)`` -- a collective of the caller's over this pipeline's process groups
         (``dp_group`` is None without data parallelism) -- as a step runs: refused on a closed or failed pipeline
         (as :meth:`step`), and a failure on any rank (an exception, a lost peer, a timeout) ends every rank with a
         ``PipelineError``. Call it on every rank. For extensions such as :meth:`clip_grad_norm_` and
         :class:`~pipesched.runtime.GradScaler`. Returns what ``work`` returns. The ``PipelineError`` names the rank
         that failed first: a lost peer (its connection closed) is named, not this rank
-        (:mod:`~pipesched.runtime.collective`); ``work``'s own exception on this rank names this rank."""
+        (:mod:`~pipesched.runtime.collective`); ``work``'s own exception on this rank names this rank.
+
+        ``meet`` (default True): first meet the other pipeline ranks in one small all-gather of a marked row
+        (:func:`~pipesched.runtime.handshake.meet`, ~0.5 ms on 2 CPU ranks), so a rank that is in another call
+        meanwhile (its next ``step()``, ``clip_grad_norm_``, ``gather_timeline``) ends every rank at once with a
+        ``PipelineError`` naming both calls, instead of a mismatched collective that waits for the timeout.
+        ``False``: for a ``work`` that opens with such a row of its own (clip's, the GradScaler's vote)."""
         self._check_local(None, None)
-        return self._guarded(lambda: peer_loss_as_comm_error(lambda: work(self._pp_group, self._dp_group),
-                                                             "the collective of run_collective"))
+
+        def run():
+            if meet:
+                meet_ranks(self._pp_group, self.program.num_ranks, self.device, COLLECTIVE_MARK,
+                           "the collective of run_collective")  # as a lost peer in work is named
+            return work(self._pp_group, self._dp_group)
+
+        return self._guarded(lambda: peer_loss_as_comm_error(run, "the collective of run_collective"))
 
     def state_dict(self) -> dict:
         """Every parameter and buffer of this rank under the unsplit model's names (``"3.attn.weight"``), detached,
@@ -388,7 +401,7 @@ class Pipeline:
         except (ValueError, RuntimeError) as exc:  # the other ranks would wait in the all-gather
             fail_every_rank(self, exc)
         return self.run_collective(lambda pp_group, _: gather_timeline(record, self.program, self.pp_rank, pp_group,
-                                                                       self.device))
+                                                                       self.device), meet=False)
 
     def close(self) -> None:
         """Destroy this pipeline's process groups (collective: call it on every rank); the Pipeline is
