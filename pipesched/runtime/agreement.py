@@ -5,7 +5,9 @@ until the timeout.
 
 Each rank publishes, under the number of Pipelines it has constructed so far (counted in the store, so
 equal on every rank that constructs the same Pipelines in the same order), either a description of its
-pipeline or the error it raised; then it reads every rank's entry and compares.
+pipeline or the error it raised; then it reads every rank's entry and compares. A rank that comes to its round
+after the others gave up on it (late by more than ``timeout``) raises ``TimeoutError`` naming them
+(:mod:`~pipesched.runtime.exchange`'s rounds).
 """
 from __future__ import annotations
 
@@ -45,10 +47,12 @@ def agree(store, world_rank: int, world_size: int, description: dict, timeout: f
     Raises:
         ValueError: a rank refused its arguments (names it and quotes its error), or a rank described another
             pipeline (names the first differing field, both ranks and both values).
-        TimeoutError: some ranks published nothing within ``timeout`` seconds (names them).
+        TimeoutError: some ranks published nothing within ``timeout`` seconds (names them); or this rank came
+            to its round after the others had timed out and given up on it (names them; it does not go on alone
+            into the process groups' creation: :mod:`~pipesched.runtime.exchange`).
     """
     key = publish(store, _PREFIX, world_rank, {"description": description})
-    entries = read_all(store, key, world_size, timeout, _LATE)
+    entries = read_all(store, key, world_rank, world_size, timeout, _LATE)
     for rank, entry in enumerate(entries):
         if "error" in entry:
             raise ValueError(f"world rank {rank} refused its Pipeline arguments: {entry['error']}")

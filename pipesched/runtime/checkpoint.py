@@ -78,11 +78,17 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
     Returns:
         ``path`` as an absolute path.
     Raises:
-        TypeError, ValueError: a bad argument (names it, its value and what is valid), ranks that give different
+        TypeError, ValueError: a bad argument (names it, its value and what is valid; ``pipe`` not a Pipeline
+            included), ranks that give different
             ``path`` or ``step`` (names both ranks and values), an optimizer on some ranks and ``None`` on a rank
-            that holds parameters (names both ranks), or an optimizer holding another rank's parameters.
+            that holds parameters (names both ranks), or an optimizer holding another rank's parameters. Every
+            rank that refused its arguments raises the first refusing rank's error; a rank that refused nothing
+            raises it named: ``save_checkpoint: world rank R refused its arguments: <its message>``.
+        ValueError: the ranks are in different checkpoint calls (``the ranks are in different checkpoint calls:
+            world rank 0 is in save_checkpoint (...), world rank 1 in load_checkpoint (...)``), on every rank.
         FileExistsError: ``path`` exists and is not a pipesched checkpoint (it is left alone).
-        TimeoutError: a rank did not reach the save within ``pipe.timeout`` seconds.
+        TimeoutError: a rank did not reach the save within ``pipe.timeout`` seconds (names it); or, on a rank that
+            reaches the save after the others gave up waiting for it, naming them (it does not go on alone).
         RuntimeError: a rank failed while collecting its state (``save_checkpoint: world rank R failed while
             collecting its state to save: <its error>``; e.g. an optimizer whose ``state_dict()`` refuses) or while
             writing (DCP's ``CheckpointException``, naming each failed rank and its error), raised on every rank;
@@ -92,6 +98,7 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
     rank = dist.get_rank()
     target = None
     try:
+        _check_pipe(pipe)
         target = _check_save(path, pipe, optimizer, step, extra, rank)
         step = None if step is None else as_int(step)  # a numpy integer: a plain int in the vote and the metadata
         state = _named_failure(lambda: _state_to_save(pipe, optimizer, step, extra, rank), "save_checkpoint", rank,
@@ -100,7 +107,7 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
     except Exception as exc:  # noqa: BLE001 - every rank must learn it
         verdict = Verdict(error=exc)
     try:
-        oks = vote("checkpoint-save", verdict, pipe.timeout)
+        oks = vote("save_checkpoint", "arguments", verdict, _timeout_of(pipe))
         for field in ("path", "step"):
             check_same(oks, field, "save_checkpoint")
         check_optimizers(oks, "save_checkpoint")
@@ -112,14 +119,14 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
     temp = hidden(target, SAVING)
     with _failures_named(target, "writing"):
         dcp.save(state, checkpoint_id=temp)
-    vote("checkpoint-written", Verdict(ok=True), pipe.timeout)  # every rank has finished writing
+    vote("save_checkpoint", "written", Verdict(ok=True), pipe.timeout)  # every rank has finished writing
     error = None
     if rank == 0:
         try:
             _commit(temp, target)
         except Exception as exc:  # noqa: BLE001 - every rank must learn it
             error = exc
-    vote("checkpoint-commit", Verdict(ok=True, error=error), pipe.timeout)
+    vote("save_checkpoint", "commit", Verdict(ok=True, error=error), pipe.timeout)
     return target
 
 
@@ -143,15 +150,18 @@ def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
     Returns:
         :class:`CheckpointInfo` (``step``, ``extra``, ``rng_restored``).
     Raises:
-        TypeError, ValueError: first, before anything is read, on every rank: a bad ``path`` or ``optimizer``
-            type, ranks that give different ``path`` (absolute; names both ranks and paths), or an optimizer on
-            some ranks and ``None`` on a rank that holds parameters (names both ranks).
+        TypeError, ValueError: first, before anything is read, on every rank: a bad ``path``, ``pipe`` or
+            ``optimizer`` type (on the other ranks: ``load_checkpoint: world rank R refused its arguments: ...``),
+            ranks that give different ``path`` (absolute; names both ranks and paths), an optimizer on
+            some ranks and ``None`` on a rank that holds parameters (names both ranks), or ranks in different
+            checkpoint calls (one saving while another loads: names each rank's).
         FileNotFoundError: ``path`` does not exist (names it).
         ValueError: ``path`` is not a complete pipesched checkpoint (no ``.metadata``: a save that did not finish;
             a save's temporary directory; a DCP checkpoint of something else), or it does not fit the model: the
             first offending name (missing from the checkpoint, unknown to the model, or of another shape), or the
             optimizer's (no optimizer state saved; a hyperparameter missing: another optimizer). Same on every rank.
-        TimeoutError: a rank did not reach the load within ``pipe.timeout`` seconds.
+        TimeoutError: a rank did not reach the load within ``pipe.timeout`` seconds (names it); or, on a rank that
+            reaches the load after the others gave up waiting for it, naming them (it does not go on alone).
         RuntimeError: a rank could not allocate its read buffers (``load_checkpoint: world rank R failed while
             allocating its read buffers: <its error>``, voted before DCP's collectives) or failed while reading the
             files (names the ranks and errors), on every rank; nothing has been copied into the model or optimizer.
@@ -174,7 +184,8 @@ def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
         verdict = Verdict(ok={"problem": problem})
     except Exception as exc:  # noqa: BLE001 - every rank must learn it
         verdict = Verdict(error=exc)
-    problems = [ok["problem"] for ok in vote("checkpoint-load", verdict, pipe.timeout) if ok["problem"]]
+    oks = vote("load_checkpoint", "checkpoint", verdict, pipe.timeout)
+    problems = [ok["problem"] for ok in oks if ok["problem"]]
     if problems:
         raise ValueError(min(problems)[1])  # the same on every rank: missing names by model position, then the rest
     with _failures_named(target, "reading"):
@@ -193,7 +204,7 @@ def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
         verdict = Verdict(ok=True)
     except Exception as exc:  # noqa: BLE001 - every rank must learn it (it would meet the others' next step)
         verdict = Verdict(error=exc)
-    vote("checkpoint-loaded", verdict, pipe.timeout)
+    vote("load_checkpoint", "loaded", verdict, pipe.timeout)
     return CheckpointInfo(meta.get("step"), extra_of(meta, staging), bool(rng))
 
 
@@ -250,6 +261,21 @@ def latest_checkpoint(directory) -> str | None:
 # ---- arguments every rank must agree on ----------------------------------------------------------------------
 
 
+def _check_pipe(pipe) -> None:
+    """Refuse a ``pipe`` that is not a Pipeline, inside the first vote's ``try``: every rank learns it at once."""
+    from .pipeline import Pipeline  # the pipeline's modules are imported after this one
+
+    if not isinstance(pipe, Pipeline):
+        raise TypeError(f"pipe must be a pipesched.runtime.Pipeline, got {type(pipe).__name__}")
+
+
+def _timeout_of(pipe) -> float | None:
+    """``pipe.timeout``, or ``None`` (the vote's fallback) where ``pipe`` is not a Pipeline (refused in the vote)."""
+    from .pipeline import Pipeline
+
+    return pipe.timeout if isinstance(pipe, Pipeline) else None
+
+
 def _optimizer_given(pipe, optimizer) -> dict:
     """What :func:`~pipesched.runtime.vote.check_optimizers` compares: whether this rank gave an optimizer and
     whether its stages hold any parameter."""
@@ -261,12 +287,13 @@ def _agree_load_arguments(path, pipe, optimizer) -> None:
     and an optimizer on every rank holding parameters or on none (:func:`~pipesched.runtime.vote.check_optimizers`).
     """
     try:
+        _check_pipe(pipe)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be None or a torch.optim.Optimizer, got {type(optimizer).__name__}")
         verdict = Verdict(ok={"path": as_path(path), **_optimizer_given(pipe, optimizer)})
     except Exception as exc:  # noqa: BLE001 - every rank must learn it
         verdict = Verdict(error=exc)
-    oks = vote("checkpoint-load-arguments", verdict, pipe.timeout)
+    oks = vote("load_checkpoint", "arguments", verdict, _timeout_of(pipe))
     check_same(oks, "path", "load_checkpoint")
     check_optimizers(oks, "load_checkpoint")
 

@@ -2,34 +2,98 @@
 collectives (the construction agreement, the checkpoint votes), so that a rank that disagrees or never arrives is a
 clear error on every rank instead of a collective that waits.
 
-Each rank publishes a JSON entry under the number of entries it has published on that topic so far (counted in the
-store, so a rank's n-th entry meets the others' n-th), then reads every world rank's.
+Rounds. Entries are filed on a *sequence* (a store prefix: the construction agreement has one, the checkpoint votes
+share one). Each rank files its entry under the number of entries it has filed on that sequence so far (a counter
+per rank, in the store), so a rank's n-th entry meets the others' n-th: round n. Then it reads every world rank's.
+
+Each round is settled once, the same way for every rank: the first rank to rule on it wins (``compare_set`` on the
+round's ``state`` key, which only a missing key lets through):
+
+- ``complete``: ruled by a rank that found every rank's entry. Every rank reads the entries and goes on, even one
+  whose own wait timed out meanwhile (it lost the race: the round had completed).
+- ``abandoned``: ruled by a rank whose wait timed out first (the record says which ranks were missing and after how
+  long). It raises ``TimeoutError`` naming the missing ranks; so does every other rank that timed out. A rank that
+  reaches the round *after* that (late by more than the timeout) finds the others' leftover entries but does not
+  go on alone with them (into a collective nobody else enters): it raises ``TimeoutError`` naming the ranks that
+  gave up on the round (``"world ranks [0] gave up on this round ..."``), at once.
+
+Counters stay in step by one rule: a round counts as used for every rank that files an entry in it, whatever its
+ruling. So a rank late to a call fails that call at the round the others abandoned, and its next call meets the
+others' next; ranks that make the same calls in the same order (each raising or not) stay in step. A rank that
+skips a call the others made altogether stays behind until it has failed at each round the others gave up on
+(each such call fails at once, naming who gave up; the checkpoint votes also name a rank that is in another call).
+This is why every caller files its entry even when it refuses its own arguments.
 """
 from __future__ import annotations
 
 import datetime
 import json
 
+_COMPLETE = "complete"
 
-def publish(store, topic: str, world_rank: int, entry) -> str:
-    """Publish ``entry`` (JSON-ready) as this rank's next entry on ``topic``; returns the key it was filed under."""
-    count = store.add(f"{topic}/count/{world_rank}", 1)
-    key = f"{topic}/{count}"
+
+def publish(store, sequence: str, world_rank: int, entry) -> str:
+    """File ``entry`` (JSON-ready) as this rank's next entry on ``sequence``; returns the round's key."""
+    count = store.add(f"{sequence}/count/{world_rank}", 1)
+    key = f"{sequence}/{count}"
     store.set(f"{key}/{world_rank}", json.dumps(entry))
     return key
 
 
-def read_all(store, key: str, world_size: int, timeout: float, late: str) -> list:
-    """Every world rank's entry filed under ``key`` (from :func:`publish`), by rank.
+def read_all(store, key: str, world_rank: int, world_size: int, timeout: float, late: str) -> list:
+    """Every world rank's entry in round ``key`` (from :func:`publish`), by rank, once the round is settled
+    ``complete`` (see the module's docstring).
 
+    Args:
+        late: what a missing rank did not do, with ``{timeout}`` (e.g. ``"reach X within {timeout} s; ..."``).
     Raises:
-        TimeoutError: some ranks published nothing within ``timeout`` seconds: ``"world ranks [..] did not
-            {late}"``, naming them.
+        TimeoutError: some ranks filed nothing within ``timeout`` seconds: ``"world ranks [..] did not
+            {late}"``, naming them; or this rank reached a round the others had already given up on:
+            ``"world ranks [..] gave up on this round (world ranks [..] did not {late}); world rank R reached it
+            after that and does not go on alone"``.
     """
     keys = [f"{key}/{rank}" for rank in range(world_size)]
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout))
     except Exception as exc:  # noqa: BLE001 - the store reports a timeout as one of several types
-        missing = [rank for rank, k in enumerate(keys) if not store.check([k])]
-        raise TimeoutError(f"world ranks {missing} did not {late.format(timeout=f'{timeout:g}')} ({exc})") from None
+        _timed_out(store, key, keys, world_rank, timeout, late, exc)
+    else:
+        ruling = _rule(store, key, _COMPLETE)
+        if ruling != _COMPLETE:
+            record = json.loads(ruling)
+            gave_up = [rank for rank in range(world_size) if _present(store, f"{key}/gave-up/{rank}")]
+            raise TimeoutError(f"world ranks {gave_up or [record['by']]} gave up on this round (world ranks "
+                               f"{record['missing']} did not {record['late']}); world rank {world_rank} reached "
+                               f"it after that and does not go on alone")
     return [json.loads(store.get(k)) for k in keys]
+
+
+def _timed_out(store, key: str, keys: list, world_rank: int, timeout: float, late: str, exc) -> None:
+    """This rank's wait for round ``key`` timed out: rule the round abandoned (unless every entry has arrived
+    meanwhile, or another rank ruled it complete first: then return, and the round goes on) and raise."""
+    late = late.format(timeout=f"{timeout:g}")
+    try:
+        missing = [rank for rank, k in enumerate(keys) if not store.check([k])]
+        if not missing:
+            ruling = _rule(store, key, _COMPLETE)
+        else:
+            store.set(f"{key}/gave-up/{world_rank}", "1")
+            ruling = _rule(store, key, json.dumps({"by": world_rank, "missing": missing, "late": late}))
+    except Exception:  # noqa: BLE001 - the store itself failed: what this rank knows is its timeout
+        missing, ruling = [rank for rank in range(len(keys)) if rank != world_rank], None
+    if ruling == _COMPLETE:
+        return
+    raise TimeoutError(f"world ranks {missing} did not {late} ({exc})") from None
+
+
+def _rule(store, key: str, ruling: str) -> str:
+    """Settle round ``key`` as ``ruling`` unless it is settled already; the round's ruling (the first one)."""
+    value = store.compare_set(f"{key}/state", "", ruling)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _present(store, key: str) -> bool:
+    try:
+        return store.check([key])
+    except Exception:  # noqa: BLE001 - naming who gave up is best effort
+        return False

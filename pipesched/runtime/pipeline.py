@@ -128,7 +128,8 @@ class Pipeline:
         ValueError: the copies of a tied parameter differ between ranks at construction (names the parameter's names
             in the unsplit model and two ranks whose copies differ), on every rank
             (:func:`~pipesched.runtime.ties.check_copies`).
-        TimeoutError: a rank did not construct its Pipeline within ``timeout`` seconds; or, launched through
+        TimeoutError: a rank did not construct its Pipeline within ``timeout`` seconds, or this rank reached the
+            construction agreement after the others had timed out on it (names them); or, launched through
             ``env://`` (torchrun), the other ``WORLD_SIZE - 1`` ranks did not join within it (says how to start them).
     """
 

@@ -1,10 +1,15 @@
 """Every rank's verdict before (and between) the collectives of a checkpoint, through the default group's store.
 
 A collective call such as a checkpoint save is checked on each rank first (arguments, paths, names); the ranks
-then *vote*: each publishes its verdict (a JSON value, or the error it would raise) under the number of votes it
-has cast on that topic so far, and reads every rank's. So one rank's bad argument is the same error on every
-rank, raised before any rank enters the collective, and a rank that never votes makes the others fail after
-``timeout`` seconds instead of waiting forever.
+then *vote*: each publishes its verdict (a JSON value, or the error it would raise) and reads every rank's. So one
+rank's bad argument is an error on every rank, raised before any rank enters the collective, and a rank that never
+votes makes the others fail after ``timeout`` seconds instead of waiting forever.
+
+Every checkpoint vote (of ``save_checkpoint`` and ``load_checkpoint``, each stage) is a round of ONE sequence
+(:mod:`~pipesched.runtime.exchange`: a rank's n-th vote meets the others' n-th), and each entry says which call and
+stage it belongs to: ranks in different calls (one saving while another loads) or stages are named at once on every
+rank, and, each having used the round, stay in step for their next calls. A round that timed out is abandoned: a
+rank that reaches it later raises ``TimeoutError`` naming the ranks that gave up, instead of going on alone.
 """
 from __future__ import annotations
 
@@ -12,10 +17,19 @@ import torch.distributed as dist
 
 from .exchange import publish, read_all
 
-_PREFIX = "pipesched/vote"
+_PREFIX = "pipesched/vote"  # one sequence for every checkpoint vote
+#: seconds a vote waits when the caller has no timeout to give (``pipe`` is not a Pipeline: the Pipeline's default)
+FALLBACK_TIMEOUT = 300.0
 #: exception types a vote carries from the failing rank to the others by name (anything else: ValueError)
 _TYPES = {cls.__name__: cls for cls in (ValueError, TypeError, FileNotFoundError, FileExistsError,
                                         NotADirectoryError, KeyError, RuntimeError)}
+#: stage -> (what the vote is, in a message naming a rank's place; how another rank's error is named)
+STAGES = {"arguments": ("the vote on its arguments", "refused its arguments"),
+          "written": ("the vote after writing", "failed after writing"),
+          "commit": ("the vote on renaming the checkpoint into place", "failed to rename the checkpoint into place"),
+          "checkpoint": ("the vote on the checkpoint it reads", "refused the checkpoint"),
+          "loaded": ("the vote after copying in", "failed while copying in")}
+_ORDER = "every rank must make the same checkpoint calls (save_checkpoint, load_checkpoint) in the same order"
 
 
 class Verdict:
@@ -27,34 +41,67 @@ class Verdict:
         self.ok, self.error = ok, error
 
 
-def vote(topic: str, verdict: Verdict, timeout: float) -> list:
-    """Publish this rank's ``verdict`` on ``topic`` and return every world rank's ``ok`` value, by rank.
+def vote(call: str, stage: str, verdict: Verdict, timeout: float | None) -> list:
+    """Publish this rank's ``verdict`` on ``call``'s ``stage`` and return every world rank's ``ok`` value, by rank.
 
     Args:
-        topic: what is voted on (``"save"``, ``"load"``, ...); each rank's n-th vote on a topic meets the others' n-th.
+        call: the function voting (``"save_checkpoint"``, ``"load_checkpoint"``), named in the messages.
+        stage: which of its votes, a key of :data:`STAGES`.
         verdict: this rank's; ``verdict.ok`` must be JSON-serialisable.
-        timeout: seconds to wait for the other ranks' verdicts.
+        timeout: seconds to wait for the other ranks' verdicts; ``None``: :data:`FALLBACK_TIMEOUT`.
     Raises:
-        The first failing rank's error (lowest world rank), on every rank: its own exception object on that rank,
-        the same type and message elsewhere (types outside ``ValueError``, ``TypeError``, ``FileNotFoundError``,
-        ``FileExistsError``, ``NotADirectoryError``, ``KeyError``, ``RuntimeError`` travel as ``ValueError``).
-        TimeoutError: some ranks did not vote within ``timeout`` seconds (names them).
+        ValueError: the ranks are in different calls or stages (``"the ranks are in different checkpoint calls:
+            world rank 0 is in save_checkpoint (...), world rank 1 in load_checkpoint (...); ..."``, the same on
+            every rank), checked first.
+        The first refusing rank's error (lowest world rank), of its type: its exception object on that rank, the
+            same message on every other rank that refused too (every refusing rank raises one and the same
+            error), and named on a rank that refused nothing: ``"<call>: world rank R refused its arguments: <its
+            message>"`` (a message that names its rank already, ``"<call>: world rank R ..."``, as it is). Types
+            outside ``ValueError``, ``TypeError``, ``FileNotFoundError``, ``FileExistsError``,
+            ``NotADirectoryError``, ``KeyError``, ``RuntimeError`` travel as ``ValueError``.
+        TimeoutError: some ranks did not vote within ``timeout`` seconds (names them); or this rank reached a
+            round the others had given up on (names them; see :mod:`~pipesched.runtime.exchange`).
     """
     if not (dist.is_available() and dist.is_initialized()):
         if verdict.error is not None:
             raise verdict.error
         return [verdict.ok]
+    timeout = FALLBACK_TIMEOUT if timeout is None else timeout
     store, rank, world = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
-    key = publish(store, f"{_PREFIX}/{topic}", rank, _entry(verdict))
-    late = f"reach {topic} within {{timeout}} s; every rank must call it, in the same order"
-    entries = read_all(store, key, world, timeout, late)
+    key = publish(store, _PREFIX, rank, {"call": call, "stage": stage, **_entry(verdict)})
+    late = f"reach {_place(call, stage)} within {{timeout}} s; {_ORDER}"
+    entries = read_all(store, key, rank, world, timeout, late)
+    _check_same_call(entries)
     for r, entry in enumerate(entries):
         if "error" in entry:
             if r == rank:
                 raise verdict.error
             kind, message = entry["error"]
+            named = f"{call}: world rank {r} "
+            if verdict.error is None and not message.startswith(named):  # this rank had nothing to refuse
+                message = f"{named}{STAGES[stage][1]}: {message}"
             raise _TYPES.get(kind, ValueError)(message)
     return [entry["ok"] for entry in entries]
+
+
+def _place(call: str, stage: str) -> str:
+    return f"{call} ({STAGES[stage][0] if stage in STAGES else stage})"
+
+
+def _check_same_call(entries: list) -> None:
+    """Raise ``ValueError`` naming every rank's call and stage unless they are the same on every rank."""
+    places = [_place(entry.get("call"), entry.get("stage")) for entry in entries]
+    if len(set(places)) == 1:
+        return
+    groups: dict = {}
+    for rank, place in enumerate(places):
+        groups.setdefault(place, []).append(rank)
+    parts = []
+    for place, ranks in groups.items():
+        who, verb = (f"world rank {ranks[0]}", "is") if len(ranks) == 1 else (f"world ranks {ranks}", "are")
+        parts.append(f"{who} {verb} in {place}" if not parts else f"{who} in {place}")
+    raise ValueError(f"the ranks are in different checkpoint calls: {', '.join(parts)}; {_ORDER} (no rank goes on "
+                     f"with this call)")
 
 
 def check_same(oks: list, field: str, caller: str) -> None:
@@ -84,5 +131,5 @@ def _entry(verdict: Verdict) -> dict:
     if verdict.error is None:
         return {"ok": verdict.ok}
     error = verdict.error
-    message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+    message = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
     return {"error": [type(error).__name__, message]}

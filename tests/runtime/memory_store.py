@@ -13,8 +13,11 @@ class MemoryStore:
     def set(self, key, value):
         self.data[key] = value
 
-    def compare_set(self, key, expected, value):
-        self.data.setdefault(key, value)
+    def compare_set(self, key, expected, value):  # as c10d's: the value now under key (set if absent)
+        if key not in self.data or self.data[key] == expected:
+            self.data[key] = value
+        current = self.data[key]
+        return current.encode() if isinstance(current, str) else current
 
     def wait(self, keys, timeout):
         assert all(k in self.data for k in keys), [k for k in keys if k not in self.data]
