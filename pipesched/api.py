@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .checks import check_positive
+from .checks import as_int, check_positive, check_program
 from .cost import CostModel
 from .errors import PairingError, ScheduleArgumentError, ScheduleError
 from .gcpause import paused_gc
@@ -36,6 +36,10 @@ def build(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: 
             ``memory_limit`` given for a schedule that does not take them.
     """
     info = get_schedule(schedule)
+    if virtual_stages is not None and not isinstance(virtual_stages, bool) and as_int(virtual_stages) is None:
+        raise ScheduleArgumentError(  # a bool goes on to the schedule's own check ("a bool is not a count")
+            f"virtual_stages must be an integer >= 1 or None (the schedule's default: "
+            f"{info.default_virtual_stages} for {schedule!r}), got {virtual_stages!r}", argument="virtual_stages")
     v = info.default_virtual_stages if virtual_stages is None else virtual_stages
     if costs is not None and not isinstance(costs, CostModel):
         raise ScheduleArgumentError(f"costs must be a pipesched.CostModel (seconds, bytes per stage), got "
@@ -192,7 +196,7 @@ def passes_for(backend: str, learning: bool = False) -> dict:
     Raises:
         ValueError: an unknown backend (names the known ones).
     """
-    if backend not in BACKENDS:
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"no passes are defined for backend {backend!r}; known: {', '.join(BACKENDS)}")
     return {"early_receives": 0 if learning else BACKENDS[backend].early_receives}
 
@@ -234,6 +238,7 @@ def step_programs(program: Program, backend: str = "gloo", early_receives: bool 
             report it); a program given with early receives says to pass it in program order instead (gloo: its
             learning step blocks; nccl: a ``PairingError``, the pair's messages in other orders).
     """
+    check_program(program)
     window = passes_for(backend)["early_receives"]
     if not isinstance(early_receives, (bool, type(None))):
         raise ValueError(f"early_receives must be None (the backend's choice), True or False, got {early_receives!r}")

@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 import numbers
+import os
+import reprlib
 
 from .errors import ScheduleArgumentError
+
+_SHORT = reprlib.Repr()  # short reprs for messages (Python 3.11's Repr takes no arguments)
+_SHORT.maxstring = _SHORT.maxother = 60
+_SHORT.maxlong = 40
 
 
 def as_int(value) -> int | None:
@@ -39,3 +45,55 @@ def check_positive(name: str, value, minimum: int = 1) -> int:
         kind = " (a bool is not a count)" if isinstance(value, bool) else ""
         raise ScheduleArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}{kind}", argument=name)
     return number
+
+
+def described(value) -> str:
+    """``value`` for a message: its type and a short repr (``int 3``, ``str '1f1b'``, ``dict {'forward': 1}``)."""
+    try:
+        shown = _SHORT.repr(value)
+    except Exception:  # noqa: BLE001 - an int past Python's digit limit, a repr that raises: the type alone
+        shown = "(no repr)"
+    return f"{type(value).__name__} {shown}"
+
+
+def check_path(value, name: str = "path", where: str = ""):
+    """``value`` if it names a file: a ``str``, ``bytes`` or ``os.PathLike``. Callers check before ``open``.
+
+    Raises:
+        TypeError: anything else, naming ``name``, the value and what is valid; notably an int, which ``open`` takes
+            as a file descriptor: it would read the caller's descriptor and then close it.
+    """
+    if isinstance(value, (str, bytes, os.PathLike)):
+        return value
+    raise TypeError(f"{where}{name} must be a str or os.PathLike, got {described(value)}")
+
+
+def check_program(value, name: str = "program", where: str = ""):
+    """``value`` if it is a :class:`~pipesched.ir.Program`.
+
+    Raises:
+        TypeError: anything else, naming ``name``, the value and what is valid (for a string: how to compile a
+            schedule name into a program).
+    """
+    from .ir import Program  # ir is the base of every module; imported here, not at the top
+
+    if isinstance(value, Program):
+        return value
+    hint = (f" (a schedule name? compile it first: pipesched.compile_program({value!r}, num_ranks, "
+            f"num_microbatches))" if isinstance(value, str) else "")
+    raise TypeError(f"{where}{name} must be a pipesched.Program, got {described(value)}{hint}")
+
+
+def check_cost(value, name: str = "cost", where: str = ""):
+    """``value`` if it is a :class:`~pipesched.cost.CostModel` or ``None`` (the default costs).
+
+    Raises:
+        TypeError: anything else, naming ``name``, the value and what is valid.
+    """
+    from .cost import CostModel
+
+    if value is None or isinstance(value, CostModel):
+        return value
+    hint = " (make one: pipesched.CostModel(**costs))" if isinstance(value, dict) else ""
+    raise TypeError(f"{where}{name} must be a pipesched.CostModel or None (the default costs), got "
+                    f"{described(value)}{hint}")

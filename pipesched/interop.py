@@ -26,7 +26,7 @@ import os
 import warnings
 from collections import Counter
 
-from .checks import as_int
+from .checks import as_int, check_path, check_program
 from .engine import has_comm
 from .errors import ProgramFormatError
 from .ir import COMM_OPS, OVERLAP_PAIRS, Instr, Op, Program
@@ -91,7 +91,9 @@ def from_torch_csv(path, num_ranks: int | None = None, stage_to_rank=None, num_m
         ValueError: ``num_ranks``, ``num_microbatches`` or ``dp_size`` not an integer >= 1, ``num_ranks``
             below the file's rows, or ``stage_to_rank`` naming a rank past them.
         OSError: the file cannot be read.
+        TypeError: ``path`` is not a ``str`` or ``os.PathLike`` (an int would be taken as a file descriptor).
     """
+    check_path(path, where="from_torch_csv: ")  # first: open() would read and then close a descriptor's file
     sizes = []  # plain ints (numpy integers accepted) or None
     for name, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches), ("dp_size", dp_size)):
         sizes.append(None if value is None else as_int(value))
@@ -235,6 +237,7 @@ def _instr(leaf: TorchAction, cell: _Cell, s2r, dp_size: int, path) -> Instr | N
 
 def torch_rows(program: Program, comms: bool | None = None) -> list[list[str]]:
     """The CSV rows (one list of action strings per rank) :func:`to_torch_csv` writes; see there."""
+    check_program(program, where="to_torch_csv: ")
     if comms is None:  # a program on one rank needs no messages: lowered or not, it is what torch runs, unless it
         # came from a compute_only file (torch's lowering adds the REDUCE_GRAD when that is loaded)
         read_as = program.meta.get(TORCH_META, {}).get("form")
@@ -313,7 +316,10 @@ def to_torch_csv(program: Program, path, comms: bool | None = None) -> None:
             several ranks, or torch's dry run (a receive blocks where it is posted) stalls on it even with each
             receive just before its use.
         OSError: the file cannot be written.
+        TypeError: ``program`` is not a :class:`Program`, ``path`` not a ``str`` or ``os.PathLike``.
     """
+    check_program(program, where="to_torch_csv: ")
+    check_path(path, where="to_torch_csv: ")
     rows = torch_rows(program, comms)
     with open(path, "w", newline="", encoding="utf-8") as f:
         csv.writer(f).writerows(rows)

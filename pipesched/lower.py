@@ -11,7 +11,7 @@ from collections import deque
 from operator import itemgetter
 from typing import NamedTuple
 
-from .checks import as_int
+from .checks import as_int, check_cost, check_program
 from .cost import CostModel
 from .deps import ENDS_BACKWARD, route
 from .engine import has_comm
@@ -45,6 +45,7 @@ def split_backward(program: Program, stages=True) -> Program:
     Raises:
         ValueError: ``stages`` has the wrong length, or the program already has SEND/RECV.
     """
+    check_program(program)
     if has_comm(program):
         raise ValueError("split_backward takes a compute-only program; this one already has SEND/RECV "
                          "(apply split_backward before add_send_recv)")
@@ -101,6 +102,7 @@ def add_recompute(program: Program, stages=True) -> Program:
     Raises:
         ValueError: ``stages`` has the wrong length, or the program already has SEND/RECV or R.
     """
+    check_program(program)
     flags = stage_flags(stages, program.num_stages)
     if has_comm(program):
         raise ValueError("add_recompute takes a compute-only program; this one already has SEND/RECV "
@@ -172,6 +174,8 @@ def add_send_recv(program: Program, cost: CostModel = REFERENCE_COST, check: boo
         ScheduleError: ``check`` and the program is invalid (see :func:`pipesched.validate.validate`).
         DeadlockError: the program cannot complete.
     """
+    check_program(program)
+    check_cost(cost)
     if has_comm(program):
         raise ValueError("add_send_recv takes a compute-only program; this one already has SEND/RECV")
     plan, starts, ends = time_instructions(program, cost, check)
@@ -240,6 +244,7 @@ def add_all_reduce(program: Program, dp_size: int) -> Program:
     Raises:
         ValueError: ``dp_size`` is not an integer >= 1, or the program already has ALL_REDUCE.
     """
+    check_program(program)
     given, dp_size = dp_size, as_int(dp_size)  # a numpy integer as a plain int; a bool refused
     if dp_size is None or dp_size < 1:
         raise ValueError(f"dp_size must be an integer >= 1, got {given!r}")
@@ -287,6 +292,7 @@ def add_tie_reduce(program: Program, ties) -> Program:
         ValueError: ill-formed ``ties`` (see :func:`pipesched.ties.check_tie_groups`), a forward-only program,
             a program that already has TIE_REDUCE, or tied stages without a backward.
     """
+    check_program(program)
     groups = _ties.cross_rank_ties(ties, program.stage_to_rank)
     if program.forward_only:
         raise ValueError("add_tie_reduce takes a training program; this one is forward-only (no gradients)")
@@ -320,6 +326,7 @@ def forward_only(program: Program) -> Program:
     Args:
         program: a compute-only or lowered training program; a forward-only one is returned as it is.
     """
+    check_program(program)
     if program.forward_only:
         return program
     streams = tuple(tuple(i for i in stream if i.op in FORWARD_OPS) for stream in program.ranks)
@@ -356,6 +363,7 @@ def post_receives_early(program: Program, window: int = EARLY_RECEIVE_WINDOW) ->
     Raises:
         ValueError: ``window`` is not an integer >= 0.
     """
+    check_program(program)
     given, window = window, as_int(window)  # a numpy integer as a plain int; a bool refused
     if window is None or window < 0:
         raise ValueError(f"window must be an integer >= 0 (instructions a receive moves up), got {given!r}")

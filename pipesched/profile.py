@@ -13,7 +13,7 @@ from pathlib import Path
 
 from . import strict_json
 from .checks import as_int
-from .checks import is_real, plain_number
+from .checks import check_path, is_real, plain_number
 from .cost import CostModel
 
 FORMAT = "pipesched.LayerProfile"
@@ -251,7 +251,8 @@ class LayerProfile:
         return cls(**body)  # boundary_saves: absent or null -> None (unknown)
 
     def save(self, path) -> None:
-        """Write the profile as JSON to ``path``."""
+        """Write the profile as JSON to ``path``. Raises TypeError: ``path`` not a ``str`` or ``os.PathLike``."""
+        check_path(path)
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
 
     @classmethod
@@ -260,8 +261,9 @@ class LayerProfile:
 
         Raises:
             FileNotFoundError: no file at ``path``. ValueError: not JSON, a JSON object giving a key twice, or not
-                a valid profile (names the path).
+                a valid profile (names the path). TypeError: ``path`` is not a ``str`` or ``os.PathLike``.
         """
+        check_path(path)
         text = Path(path).read_text(encoding="utf-8")
         try:
             return cls.from_json(strict_json.loads(text))  # a key given twice: refused, not the last kept

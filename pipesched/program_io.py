@@ -40,10 +40,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import sys
 
 from . import strict_json
-from .checks import as_int
+from .checks import as_int, check_path, check_program, described
 from .errors import ProgramFormatError
 from .ir import OVERLAP_PAIRS, Instr, Op, Program
 
@@ -57,7 +59,11 @@ _REQUIRED_KEYS = ("ranks", "num_microbatches", "stage_to_rank")
 
 
 def to_text(program: Program) -> str:
-    """The text form, one instruction per line so that diffs of two schedules read line by line."""
+    """The text form, one instruction per line so that diffs of two schedules read line by line.
+
+    Raises:
+        TypeError: ``program`` is not a :class:`~pipesched.ir.Program`."""
+    check_program(program)
     lines = [
         "# pipesched program",
         f"schedule: {program.schedule}",
@@ -196,6 +202,9 @@ _DIGITS = re.compile(r"[0-9]+")
 def _text_int(key: str, text: str, minimum: int, valid: str = "") -> int:
     """A header's integer: ASCII digits only (no sign, ``_``, point or other script's digits), >= ``minimum``.
     Raises ``ValueError`` naming the header, the value and what is valid."""
+    limit = sys.get_int_max_str_digits()
+    if limit and len(text) > limit and _DIGITS.fullmatch(text):  # int() would raise Python's own ValueError
+        raise ValueError(f"{key}: an integer of {len(text)} digits, more than Python reads (at most {limit} digits)")
     if _DIGITS.fullmatch(text) is None or int(text) < minimum:
         raise ValueError(f"{key}: {text!r} is not an integer >= {minimum}" + (f" ({valid})" if valid else ""))
     return int(text)
@@ -209,7 +218,8 @@ def _flag(text: str) -> bool:
 
 
 def to_json_dict(program: Program) -> dict:
-    """The JSON form as a dict (see the module docstring)."""
+    """The JSON form as a dict (see the module docstring). Raises ``TypeError``: ``program`` is not a Program."""
+    check_program(program)
     data = {
         "schedule": program.schedule,
         "num_microbatches": program.num_microbatches,
@@ -360,7 +370,14 @@ def to_json(program: Program, indent: int | None = None) -> str:
 def loads(text: str) -> Program:
     """Parse either form: JSON when the text starts with ``{`` or ``[`` or is JSON all the same (a bare number, string,
     true, false or null; JSON but an object is refused as JSON of the wrong shape), the text form otherwise; a leading
-    byte order mark is skipped. A JSON object giving a key twice is refused (``json.loads`` keeps the last silently)."""
+    byte order mark is skipped. A JSON object giving a key twice is refused (``json.loads`` keeps the last silently).
+
+    Raises:
+        TypeError: ``text`` is not a ``str`` (a file's name or bytes: :func:`load` reads a file).
+        ProgramFormatError: not a program in either form (names the line, field or value)."""
+    if not isinstance(text, str):
+        hint = " (to read a file, use pipesched.load(path))" if isinstance(text, (bytes, os.PathLike)) else ""
+        raise TypeError(f"text must be a str (a program's text or JSON form), got {described(text)}{hint}")
     text = text.removeprefix("\ufeff")  # a UTF-8 byte order mark (some editors write one): no part of either form
     if text.lstrip()[:1] not in ("{", "[") and not strict_json.is_json(text):
         return from_text(text)
@@ -374,6 +391,11 @@ def loads(text: str) -> Program:
 
 
 def load(path) -> Program:
-    """Read a program file in either form."""
+    """Read a program file in either form.
+
+    Raises:
+        TypeError: ``path`` is not a ``str`` or ``os.PathLike`` (an int would be taken as a file descriptor, read
+            and closed). OSError: the file cannot be read. ProgramFormatError: as :func:`loads`."""
+    check_path(path)
     with open(path, encoding="utf-8") as handle:
         return loads(handle.read())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from itertools import accumulate
 
+from .checks import check_cost, check_program
 from .cost import CostModel
 from . import engine, progress
 from .deps import STASH_CHANGE
@@ -39,8 +40,10 @@ def simulate(program: Program, cost: CostModel | None = None, check: bool = True
         DeadlockError: the program cannot complete.
         ValueError: a cost does not fit the program (wrong length, negative); CostError (a ValueError): costs so
             large that the step's seconds or held bytes add up past the largest float (names the fields).
+        TypeError: ``program`` is not a :class:`Program`, or ``cost`` not a :class:`CostModel` or None.
     """
-    cost = cost or CostModel()
+    check_program(program)
+    cost = check_cost(cost) or CostModel()
     progress.note(f"simulating: timing {len(program)} instructions")
     plan, starts, ends, peak_bytes = _timed(program, cost, check)
     progress.note(f"simulating: the timeline of {len(ends)} instructions")
@@ -72,7 +75,8 @@ def simulate(program: Program, cost: CostModel | None = None, check: bool = True
 def makespan(program: Program, cost: CostModel | None = None, check: bool = True) -> float:
     """``simulate(program, cost, check).makespan`` (the same float, and the same errors) without making the
     :class:`Timeline`: for callers that rank many programs by their makespan (``zb-auto``'s candidates)."""
-    _, starts, ends, _ = _timed(program, cost or CostModel(), check)
+    check_program(program)
+    _, starts, ends, _ = _timed(program, check_cost(cost) or CostModel(), check)
     return max(ends) - min(starts) if ends else 0.0  # Timeline.makespan: one event per instruction
 
 

@@ -9,6 +9,8 @@ an ``F``. The program reader (:mod:`pipesched.program_io`), :meth:`pipesched.tim
 from __future__ import annotations
 
 import json
+import re
+import sys
 from collections import Counter
 
 
@@ -75,17 +77,39 @@ def loads(text: str):
         seen.append(repeated)
         return repeated
 
+    text = text.removeprefix("\ufeff")  # a byte order mark: skipped
     try:
-        data = json.loads(text.removeprefix("\ufeff"), object_pairs_hook=pairs_hook)  # a byte order mark: skipped
+        data = json.loads(text, object_pairs_hook=pairs_hook)
     except RecursionError:  # arrays or objects nested thousands deep: the decoder recurses once per level
         raise json.JSONDecodeError("nested deeper than this reader allows (Python's recursion limit)", text,
                                    0) from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError:  # int(): an integer longer than Python converts (sys.get_int_max_str_digits()), no position
+        found = _long_integer(text)
+        if found is None:
+            raise
+        raise json.JSONDecodeError(f"an integer of {found[1]} digits, more than Python reads (at most "
+                                   f"{sys.get_int_max_str_digits()} digits)", text, found[0]) from None
     if seen:
         # one is in the document: a repeating object not in it was dropped by a repeated key of the object holding it
         obj, path = _first_repeat(data, ())
         key, times = next(iter(obj.repeated.items()))
         raise DuplicateKeyError(key, times, path)
     return data
+
+
+_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?', re.ASCII)
+
+
+def _long_integer(text: str):
+    """``(position, digits)`` of the first JSON integer (outside strings) longer than Python converts, or None."""
+    limit = sys.get_int_max_str_digits()
+    for match in _TOKEN.finditer(text) if limit else ():
+        token = match[0].removeprefix("-")
+        if token.isdigit() and len(token) > limit:
+            return match.start(), len(token)
+    return None
 
 
 def is_json(text: str) -> bool:

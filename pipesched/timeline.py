@@ -15,6 +15,7 @@ from itertools import accumulate, islice, repeat
 from operator import and_, attrgetter, eq, gt, itemgetter, le
 
 from . import strict_json
+from .checks import check_path
 from .deps import STASH_CHANGE
 from .ir import COMPUTE_OPS, Instr
 
@@ -170,6 +171,8 @@ class Timeline:
         )
 
     def save(self, path) -> None:
+        """Write the timeline as JSON to ``path``. Raises TypeError: ``path`` not a ``str`` or ``os.PathLike``."""
+        check_path(path)
         with open(path, "w", encoding="utf-8") as handle:
             json.dump(self.to_json_dict(), handle)
 
@@ -181,8 +184,10 @@ class Timeline:
             OSError: the file cannot be read. json.JSONDecodeError: not JSON.
             pipesched.strict_json.DuplicateKeyError: a JSON object gives a key twice (a ValueError naming the key
                 and where it is; ``json.load`` would keep the last value silently).
-            KeyError, TypeError: a missing or bad field.
+            KeyError, TypeError: a missing or bad field; TypeError: ``path`` is not a ``str`` or ``os.PathLike``
+                (an int would be taken as a file descriptor, read and closed).
         """
+        check_path(path)
         with open(path, encoding="utf-8") as handle:
             return cls.from_json_dict(strict_json.loads(handle.read()))
 

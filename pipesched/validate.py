@@ -39,6 +39,7 @@ from .deps import REMOTE_KINDS, describe, message, needs, produces, route
 from .errors import DependencyError, InvalidProgramError, PairingError, failure_at, render_grid
 from .gcpause import paused_gc
 from .ir import COLLECTIVE_OPS, COMM_OPS, FORWARD_OPS, RECV_OPS, SEND_OPS, Instr, Op, Program
+from .checks import check_program
 from .ties import check_ties
 from .overlap_check import explain_overlap, overlap_passes
 
@@ -57,7 +58,9 @@ def validate(program: Program) -> Program:
         DependencyError: an instruction precedes what it needs on its rank.
         PairingError: a send without its receive (or the reverse), or receives out of the sends' order.
         DeadlockError: no rank can progress under rendezvous semantics.
+        TypeError: ``program`` is not a :class:`~pipesched.ir.Program`.
     """
+    check_program(program)
     if engine.proven_run(program) is None:
         engine.remember(program, engine.run(check_static(program)))
     else:

@@ -3,12 +3,16 @@ and the model is sized so that every stage gets a layer. Loads no torch."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
 from .. import ScheduleArgumentError, UnknownScheduleError, build, get_schedule
 from ..plan_cli import parse_bytes
 from .corpus import check_corpus
+
+#: the longest ``--timeout``: ``pipesched.runtime.construction.MAX_TIMEOUT_S`` (not imported: this module loads no torch)
+MAX_TIMEOUT_S = 1e7
 
 DESCRIPTION = "Train a small GPT (byte level) across pipeline ranks with pipesched, then show where the bubble was."
 
@@ -20,7 +24,7 @@ def options(argv=None, prog: str | None = None) -> argparse.Namespace:
                         help="any schedule name (`pipesched list`: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv, "
                              "dualpipev, zb-auto, registered ones; default 1f1b)")
     parser.add_argument("--ranks", type=int, default=4, help="pipeline ranks (pipesched demo only; torchrun: "
-                        "world size / dp)")
+                        "world size / dp; default 4)")
     parser.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default 4)")
     parser.add_argument("--virtual-stages", type=int, default=None,
                         help="stages per rank (default: the schedule's: 2 for interleaved-1f1b, else 1)")
@@ -40,7 +44,8 @@ def options(argv=None, prog: str | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", default=None, help="text file or folder (default: the stdlib's source)")
-    parser.add_argument("--corpus-bytes", type=int, default=2_000_000, help="bytes of text to use (default 2e6)")
+    parser.add_argument("--corpus-bytes", type=byte_count, default=2_000_000,
+                        help="bytes of text to use, e.g. 500000 or 5e5 (default 2e6)")
     parser.add_argument("--out", default="out/demo", help="folder for the timeline pictures and trace")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a stuck rank gives up")
     parser.add_argument("--untied", action="store_true", help="give the LM head its own weight (default: tied to "
@@ -94,6 +99,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--data {args.data!r}: no such file or folder")
     if why := check_corpus(args.data, args.corpus_bytes):
         parser.error(why)
+    if not 0 < args.lr < math.inf:  # torch's AdamW would refuse it in every rank, after the ranks start
+        parser.error(f"--lr must be a finite number > 0, got {args.lr}")
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # Pipeline's check (runtime.construction), before any rank starts
+        parser.error(f"--timeout must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:g}, got {args.timeout}")
     if not args.clip >= 0:
         parser.error(f"--clip must be a global gradient norm >= 0 (0: no clipping), got {args.clip}")
     if args.resume and args.checkpoint_dir is None:
@@ -118,6 +127,24 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     except ValueError:
         parser.error(f"--balance must be 'params', 'layers' or layer counts per stage like 2,2,2,1; got {args.balance!r}")
     _fit_model_to_stages(parser, args)
+
+
+def byte_count(text: str) -> int:
+    """``--corpus-bytes``: a whole number of bytes, in digits or as a float that is one (``2e6``, as the help shows).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse names the option)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        number = float(text)
+    except ValueError:
+        number = math.nan
+    if not number.is_integer():  # nan, inf, 2.5
+        raise argparse.ArgumentTypeError(f"a whole number of bytes is needed, e.g. 2000000 or 2e6, got {text!r}")
+    return int(number)
 
 
 def checkpoint_dir_problem(folder: str, resume: bool) -> str | None:
@@ -182,6 +209,9 @@ def _fit_model_to_stages(parser: argparse.ArgumentParser, args: argparse.Namespa
                      f"norm, head) but {ranks} ranks x {args.virtual_stages} virtual stages = {stages} stages need "
                      f"at least {stages}: use --depth {stages - 3} or more (or leave --depth out), or fewer "
                      f"--ranks or --virtual-stages")
+    if isinstance(args.balance, list) and min(args.balance) < 1:
+        parser.error(f"--balance {','.join(map(str, args.balance))}: every stage needs at least one layer (counts >= 1), "
+                     f"got {min(args.balance)} for stage {args.balance.index(min(args.balance))}")
     if isinstance(args.balance, list) and (len(args.balance) != stages or sum(args.balance) != layers):
         parser.error(f"--balance {','.join(map(str, args.balance))}: needs {stages} layer counts (one per stage) "
                      f"summing to the model's {layers} layers, got {len(args.balance)} summing to {sum(args.balance)}")
