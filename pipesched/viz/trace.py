@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from ..checks import check_path
 from ..ir import COMPUTE_OPS, RECV_OPS, SEND_OPS, Op
 from ..timeline import Timeline
 
@@ -59,8 +60,10 @@ def save_chrome_trace(timeline: Timeline, path) -> None:
     """Write :func:`to_chrome_trace` of ``timeline`` to ``path`` as JSON.
 
     Raises:
-        OSError: the file cannot be written.
+        OSError: the file cannot be written. TypeError: ``path`` is not a str or os.PathLike (an int would be
+            taken for a file descriptor).
     """
+    check_path(path, where="save_chrome_trace: ")  # an int would be taken for a file descriptor
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(to_chrome_trace(timeline), handle)
 

@@ -63,3 +63,10 @@ def test_event_rank_outside_the_timeline_raises():
     bad = Timeline((Event(3, Instr.parse("F0.0"), 0.0, 1.0),), num_ranks=2)
     with pytest.raises(ValueError, match="rank 3"):
         to_chrome_trace(bad)
+
+
+def test_an_int_path_is_refused_not_taken_for_a_file_descriptor():
+    _, timeline = sim("1f1b", 2, 2, None)
+    with pytest.raises(TypeError) as caught:
+        save_chrome_trace(timeline, 1)  # fd 1 would be this process's stdout, then closed
+    assert str(caught.value) == "save_chrome_trace: path must be a str or os.PathLike, got int 1"
