@@ -79,8 +79,17 @@ def read_plan(named: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[s
 
 
 def pipe_read_plan(pipe) -> dict[str, list[torch.Tensor]]:
-    """:func:`read_plan` of this rank's tensors: :func:`saved_state`'s own, and each tied copy from its stored name."""
-    return read_plan(_view_state(pipe), tie_aliases(pipe))
+    """:func:`read_plan` of this rank's tensors: :func:`saved_state`'s own, and each tied copy from its stored name.
+    A tensor this rank's layers use under several names (a tie whose stages are all on this rank, as on 1 rank: no
+    :attr:`Pipeline.ties` entry when one stage holds both uses) is stored under its first name too, so a checkpoint
+    holds a tie once whatever the rank count, and one saved on 2 ranks loads on 1 and back."""
+    return read_plan(_view_state(pipe), pipe_aliases(pipe))
+
+
+def pipe_aliases(pipe) -> dict[str, str]:
+    """Each later name of a tensor this rank stores once -> the name it is stored under: a tied copy's
+    (:func:`tie_aliases`) and one this rank's layers share among themselves (:func:`shared_aliases`)."""
+    return {**shared_aliases(rank_view(pipe.stages, pipe.first_layers)), **tie_aliases(pipe)}
 
 
 def shared_aliases(model: nn.Module) -> dict[str, str]:
@@ -158,7 +167,7 @@ def rank_state_dict(pipe) -> dict[str, torch.Tensor]:
 def needed_by(pipe) -> dict[str, str]:
     """Stored name -> why this rank needs it, for a load's error message: ``"pipeline rank 3 needs for its stage 3
     (layer 5's '5.weight', a tied copy stored under its first name)"``."""
-    aliases = tie_aliases(pipe)
+    aliases = pipe_aliases(pipe)
     stage_of = {pipe.first_layers[s] + i: s for s in pipe.stages for i in range(len(pipe.stages[s]))}
     out: dict[str, str] = {}
     for name in _view_state(pipe):
@@ -198,7 +207,7 @@ def load_rank_state_dict(pipe, state_dict, strict: bool = True) -> IncompatibleK
                              needed_by(pipe))
     if problem:
         raise ValueError(problem[1])
-    last = _last_given(state_dict, tie_aliases(pipe), pipe.state_spec)
+    last = _last_given(state_dict, pipe_aliases(pipe), pipe.state_spec)
     with torch.no_grad():
         for name, tensors in plan.items():
             for tensor in tensors:

@@ -1,0 +1,34 @@
+"""Per-rank bodies of tests/runtime/test_checkpoint_tied_ranks.py: a model whose embedding and head share a weight,
+saved on one rank count and loaded on another."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipesched.runtime import Pipeline, load_checkpoint, save_checkpoint
+
+
+def model(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 16))
+    m[4].weight = m[0].weight  # tied: stages 0 and 1 on 2 ranks, one stage on 1 rank
+    return m
+
+
+def save(rank: int, path: str) -> list:
+    pipe = Pipeline(model(0), num_microbatches=2, loss_fn=F.cross_entropy, timeout=60)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    save_checkpoint(path, pipe, opt, step=1)
+    return sorted(pipe.state_dict())
+
+
+def load(rank: int, path: str) -> dict:
+    """Load into a model initialised otherwise; return its tensors (every rank returns the whole unsplit model's
+    state as loaded on this rank: its own stages' tensors, the others' untouched)."""
+    m = model(1)
+    pipe = Pipeline(m, num_microbatches=2, loss_fn=F.cross_entropy, timeout=60)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    info = load_checkpoint(path, pipe, opt)
+    return {"step": info.step, "mine": {k: v.clone() for k, v in pipe.state_dict().items()},
+            "tied": m[4].weight is m[0].weight}
