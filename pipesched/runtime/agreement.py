@@ -16,6 +16,8 @@ from ..program_io import fingerprint
 from .exchange import publish, read_all
 
 _PREFIX = "pipesched/construct"
+_CONNECTED = "pipesched/connected"  # the round after every rank created its Pipeline's process groups
+_LATE_CONNECTED = "finish creating their Pipeline's process groups within {timeout} s"
 _LATE = ("construct their Pipeline within {timeout} s; every rank must construct the same Pipelines in the same "
          "order")
 
@@ -63,6 +65,19 @@ def agree(store, world_rank: int, world_size: int, description: dict, timeout: f
                 raise ValueError(f"world rank {rank} built its Pipeline with {field}={theirs.get(field)!r} but world "
                                  f"rank {world_rank} with {field}={mine!r}; every rank must construct Pipeline with "
                                  f"the same arguments (and the same model)")
+
+
+def connected(store, world_rank: int, world_size: int, timeout: float) -> None:
+    """Once this rank has created every process group of its Pipeline: wait until every rank has, so that no rank
+    returns from construction, and can ``close()`` (destroy) its groups, while a peer is still connecting them
+    (gloo's creation on that peer failed with "Connection closed by peer" when a rank closed right after
+    constructing). One store round, no collective.
+
+    Raises:
+        TimeoutError: some ranks did not finish creating their groups within ``timeout`` seconds (names them).
+    """
+    key = publish(store, _CONNECTED, world_rank, True)
+    read_all(store, key, world_rank, world_size, timeout, _LATE_CONNECTED)
 
 
 def refuse(store, world_rank: int, error: BaseException) -> None:

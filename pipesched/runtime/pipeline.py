@@ -10,7 +10,7 @@ from .comm import init_default_group, make_groups, world_and_rank
 from .amp import autocast_context, checked_autocast, loss_scaling
 from .clipping import clip_grad_norm_ as clip_all_stages
 from .collective import fail_every_rank, peer_loss_as_comm_error
-from .agreement import agree, describe, refuse
+from .agreement import agree, connected, describe, refuse
 from .construction import local_setup
 from .executor import Executor
 from .step_state import Links, RankWork
@@ -164,6 +164,7 @@ class Pipeline:
         grid = self.grid
         self._tie_groups, ties = start_ties(layers, self.ties, self.program, grid, self.timeout, self.device)
         self._pp_group, self._dp_group = make_groups(grid, self.timeout, self.device)
+        connected(dist.distributed_c10d._get_default_store(), grid.world_rank, grid.world_size, self.timeout)
         names = [self._pp_group.group_name] + ([self._dp_group.group_name] if self._dp_group else [])
         names += [group.group_name for group in self._tie_groups.values()]
         self._failures = FailureChannel(dist.distributed_c10d._get_default_store(), names)
