@@ -4,7 +4,7 @@ setting. 2 spawned gloo ranks; and the naming of world ranks with data paralleli
 import pytest
 
 from pipesched.runtime import launch
-from pipesched.runtime.amp import _by_value, _steps
+from pipesched.runtime.scaler_vote import _by_value, _steps
 from pipesched.runtime.comm import Grid
 
 import rt_scaler_ranks
