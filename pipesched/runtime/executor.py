@@ -16,7 +16,7 @@ from .accounting import SavedBytes, tensor_bytes
 from .grad_sum import finish_sum, start_sum
 from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, describe_change, grad_specs, meta_of, tag_of, unsendable
 from .microbatch import as_tuple, stage_output
-from .recompute import check_no_forward_hooks, keep_nothing, replay_rng, rng_state
+from .recompute import check_no_forward_hooks, keep_nothing, replay_rng, rng_state, scratch_buffers
 from .settings import SETTINGS
 from .split import SplitPlans, backward_input, backward_weight
 from .stage import call_stage
@@ -55,6 +55,7 @@ class Executor:
         self.params = {s: list(m.parameters()) for s, m in work.stages.items()}
         self.counter = SavedBytes(p for ps in self.params.values() for p in ps)
         self.split_plans = {s: SplitPlans() for s in work.stages}  # each stage's I/W graph analysis, reused
+        self.modules = {s: list(m.modules()) for s, m in work.stages.items()}  # (their buffers are read at each W)
         self.ties = ties = links.ties  # the TieReducer of TIE_REDUCE (runtime.tie_reduce), None without ties here
         self.reduced = reduced_params(self.params if ties is None else ties.untied(self.params), program.ranks[pp_rank])
         table = {Op.F: self._f, Op.B: self._b, Op.I: self._i, Op.W: self._w, Op.R: self._r,
@@ -301,13 +302,23 @@ class Executor:
         roots, grads = self._backward_roots(s, mb)
         inputs, _ = self.step.inputs.pop((s, mb))
         trainable = [p for p in self.params[s] if p.requires_grad]  # now, not at construction
-        got, self.step.wgrad[(s, mb)] = backward_input(roots, grads, inputs, trainable, self.split_plans[s])
+        # stage 0's input gradient goes to no rank: its W runs the whole backward, as B, which fills the .grad of
+        # a caller's input that requires grad (x.requires_grad_()); I does nothing there
+        got, self.step.wgrad[(s, mb)] = backward_input(roots, grads, inputs if s > 0 else (), trainable,
+                                                       self.split_plans[s])
         if s > 0:
             self.step.input_grads[(s, mb)] = got
 
     def _w(self, instr):
         s, mb = instr.stage, instr.microbatch
-        backward_weight(self.step.wgrad.pop((s, mb)))
+        work = self.step.wgrad.pop((s, mb))
+        if work.groups and any(m._buffers for m in self.modules[s]):  # W restarts inside the graph I ran: a
+            # torch.utils.checkpoint region recomputes its forward again there (I, as the fused backward, already
+            # did once), so what it writes to buffers (BatchNorm's running statistics) goes to scratch copies
+            with scratch_buffers(self.stages[s]):
+                backward_weight(work)
+        else:
+            backward_weight(work)
         self._release(s, mb)
 
     def _release(self, s, mb):

@@ -65,7 +65,10 @@ class Pipeline:
             stage are refused (they would run twice).
         split_backward: run the backward of a stage as ``I`` (input gradient), then the send of that
             gradient, then ``W`` (weight gradients), so the previous stage's rank does not wait for this
-            one's weight gradients (see :mod:`pipesched.runtime.split`; gradients are bitwise the same).
+            one's weight gradients (see :mod:`pipesched.runtime.split`; gradients are bitwise the same). A tensor
+            hook registered inside a split stage (``y.register_hook``) runs at both ``I`` and ``W`` (gradients
+            stay right: ``W`` uses what ``I`` recorded after the hook), so its side effects happen twice, and
+            ``retain_grad()`` gives ``y.grad`` twice the gradient.
             ``False`` (default): a fused ``B``; ``True``: every stage whose input gradient goes to another
             rank; or one bool per stage. It pays off when a message's latency is large next to the
             weight-gradient half; on small layers its bookkeeping costs more (README, Benchmarks).

@@ -14,6 +14,13 @@ those of ``torch.autograd.backward``. One exception to "once": a parameter used 
 (a weight applied twice) restarts ``W`` from both, and the part of the graph between them runs again
 (its result is pinned to the recorded gradient, so nothing is counted twice).
 
+``W`` accumulates into every leaf of the graph that requires grad, as the fused backward does, not only the
+stage's parameters: a loss function's own parameters (a learnable temperature) and tensors created with
+``requires_grad=True`` that are not registered parameters; only the stage inputs are left to ``I``. Tensor hooks
+(``y.register_hook``) on a boundary node's tensor run at ``I`` and again at ``W``: the gradient ``W`` uses is
+pinned to the one ``I`` recorded (after the hooks), so values are right, but a hook's side effects (calls
+counted, ``retain_grad``'s ``.grad``, which gets the gradient twice) happen twice.
+
 ``I`` calls ``torch.autograd.grad``, which the reentrant form of ``torch.utils.checkpoint`` does not
 support; use ``use_reentrant=False`` in stages that are split.
 """
@@ -61,8 +68,11 @@ def backward_input(roots, grads, inputs, params, plans: SplitPlans | None = None
         roots: tensors that require grad (a leaf among them, a parameter returned as an output, gets its gradient
             at ``W``); one that does not fails with torch's own error, as the fused backward does.
         grads: one gradient per root (same shape and dtype), or ``None``.
-        inputs: the stage's input tensors (leaves); those that require grad get a gradient.
-        params: the stage's parameters that require grad.
+        inputs: the stage's input tensors (leaves); those that require grad get a gradient (from ``I``, not in
+            their ``.grad``).
+        params: the stage's parameters that require grad. ``W`` also accumulates into every other leaf of the
+            graph that requires grad (a loss function's parameters, an unregistered tensor created with
+            ``requires_grad=True``), except ``inputs``, as the fused backward does.
         plans: where this stage's graph analysis is kept between calls (:class:`SplitPlans`); ``None``: none is
             kept (each call analyses its graph). Results are the same either way.
     Returns:
@@ -78,23 +88,26 @@ def backward_input(roots, grads, inputs, params, plans: SplitPlans | None = None
     nodes, index, kids = _walk(tops)
     leaf = _leaves(nodes, kids)
     key = (kids, len({index[n] for n in tops}),  # the shape: edges and how many tops (they come first), then where
-           # the inputs and the parameters are (None: not in the graph)
+           # the inputs and the parameters are (None: not in the graph), then every leaf's accumulate node
            tuple(index.get(t.grad_fn) if t.grad_fn is not None else leaf.get(id(t)) for t in need),
-           tuple(leaf.get(id(p)) for p in params))
+           tuple(leaf.get(id(p)) for p in params), tuple(leaf.values()))
     if plans is not None and plans.key == key:
         plans.hits += 1
-        closure, boundary, groups = plans.plan
+        closure, boundary, groups, others = plans.plan
     else:
-        closure, boundary, groups = _plan(*key)
+        closure, boundary, groups, others = _plan(*key)
         if plans is not None:
-            plans.key, plans.plan = key, (closure, boundary, groups)
+            plans.key, plans.plan = key, (closure, boundary, groups, others)
+    if others:  # leaves that are neither parameters nor inputs (a loss function's parameters): the tensors now
+        params = [*params, *(nodes[i].variable for i in others)]
     records: dict = {}
-    handles = [nodes[i].register_prehook(_recorder(records, i)) for i in boundary]
+    recording = [True]  # the boundary hooks record during I, then pin what they recorded (they go with the graph)
+    for i in boundary:
+        nodes[i].register_prehook(_record_then_pin(records, i, recording))
     try:
         got = torch.autograd.grad(roots, need, grads, retain_graph=True, allow_unused=True)
     finally:
-        for handle in handles:
-            handle.remove()
+        recording[0] = False
     records.update(_root_seeds(roots, grads, closure, index))
     work = []
     for starts, positions in groups:
@@ -108,20 +121,17 @@ def backward_weight(work: WeightGrad) -> None:
     """Weight-gradient half: accumulate every parameter's gradient into its ``.grad`` (as
     ``torch.autograd.backward`` does), then let the graph go.
 
-    A group restarting at several boundary nodes, one below another (a parameter used twice), pins each
-    node's incoming gradient to the recorded one, so the part that flows down again is not added twice."""
+    Each boundary node's incoming gradient is pinned to the one ``I`` recorded (by the pre-hook that recorded
+    it): for a group restarting at several boundary nodes, one below another (a parameter used twice), so the
+    part that flows down again is not added twice; and for a tensor hook on the node's tensor
+    (``y.register_hook(lambda g: g * 0.5)``), which runs again when ``W`` restarts there (node pre-hooks run
+    after tensor hooks), so it is not applied twice."""
     if work.whole is not None:
         torch.autograd.backward(*work.whole)
     for starts, params in work.groups:
         edges = [GradientEdge(node, i) for node, grads in starts for i, g in _given(grads)]
         values = [g for _, grads in starts for _, g in _given(grads)]
-        pins = [node.register_prehook(_pin(grads)) for node, grads in starts
-                if isinstance(grads, tuple)] if len(starts) > 1 else []
-        try:
-            _accumulate(edges, values, params)
-        finally:
-            for handle in pins:
-                handle.remove()
+        _accumulate(edges, values, params)
     work.groups, work.whole = [], None
 
 
@@ -200,21 +210,25 @@ def _leaves(nodes, kids) -> dict:
             if not kids[i] and type(node).__name__ == "AccumulateGrad"}
 
 
-def _plan(kids, tops, need, params):
-    """The analysis of a graph's shape: ``(closure, boundary, groups)``. ``closure``: the node indices on a
+def _plan(kids, tops, need, params, leaves):
+    """The analysis of a graph's shape: ``(closure, boundary, groups, others)``. ``closure``: the node indices on a
     path from a top to an input that needs a gradient (``tops``: how many nodes are roots' nodes, indices 0 to
     ``tops - 1``; ``need``: indices, None for an input not in the graph);
     ``boundary``: the closure's nodes that parameters' gradients pass through (``I`` records what flows into
     them); ``groups``: ``[(boundary node indices, parameter positions)]`` (``params``: per parameter the index
-    of its accumulate node, None when the graph does not reach it), a group's ``W`` restarting at its nodes."""
+    of its accumulate node, None when the graph does not reach it), a group's ``W`` restarting at its nodes;
+    ``others``: the accumulate nodes of ``leaves`` (every leaf's) that are neither a parameter's nor an input's,
+    whose tensors ``W`` accumulates into too, as positions ``len(params)`` on in ``groups``."""
     parents: list = [[] for _ in kids]
     for i, row in enumerate(kids):
         for k in row:
             parents[k].append(i)
     closure = frozenset(_upward({i for i in need if i is not None}, parents, stop=()))
-    groups = _groups(params, parents, closure, range(tops))
+    known = {*params, *need}
+    others = tuple(i for i in leaves if i not in known)
+    groups = _groups((*params, *others), parents, closure, range(tops))
     boundary = sorted({i for nodes, _ in groups for i in nodes if i in closure})
-    return closure, tuple(boundary), tuple(groups)
+    return closure, tuple(boundary), tuple(groups), others
 
 
 def _upward(starts, parents, stop) -> set:
@@ -248,16 +262,15 @@ def _groups(params, parents, closure, tops) -> list:
     return [(tuple(sorted(nodes)), tuple(positions)) for nodes, positions in groups]
 
 
-def _recorder(records: dict, key):
-    def record(grad_outputs):
-        records[key] = tuple(grad_outputs)
-    return record
-
-
-def _pin(grads):
-    def pin(grad_outputs):
-        return grads
-    return pin
+def _record_then_pin(records: dict, key, recording: list):
+    """A boundary node's pre-hook: while ``recording[0]`` (``I``) it records the node's incoming gradients in
+    ``records[key]``; after, it replaces them with those (``None``: none recorded, left as they are)."""
+    def hook(grad_outputs):
+        if recording[0]:
+            records[key] = tuple(grad_outputs)
+            return None
+        return records.get(key)
+    return hook
 
 
 def _given(grads):
