@@ -87,9 +87,14 @@ def pipe_read_plan(pipe) -> dict[str, list[torch.Tensor]]:
 
 
 def pipe_aliases(pipe) -> dict[str, str]:
-    """Each later name of a tensor this rank stores once -> the name it is stored under: a tied copy's
-    (:func:`tie_aliases`) and one this rank's layers share among themselves (:func:`shared_aliases`)."""
-    return {**shared_aliases(rank_view(pipe.stages, pipe.first_layers)), **tie_aliases(pipe)}
+    """Each later name of a parameter this rank stores once -> the name it is stored under: a tied copy's
+    (:func:`tie_aliases`) and one this rank's layers share among themselves (:func:`shared_aliases`; the tie of a
+    1-rank Pipeline), as every rank count stores it. A buffer several layers share is stored under each of its
+    names, as on ranks that hold one use each (buffers are no ties)."""
+    view = rank_view(pipe.stages, pipe.first_layers)
+    parameters = {name for name, _ in view.named_parameters(remove_duplicate=False)}
+    shared = {name: first for name, first in shared_aliases(view).items() if name in parameters}
+    return {**shared, **tie_aliases(pipe)}
 
 
 def shared_aliases(model: nn.Module) -> dict[str, str]:

@@ -32,3 +32,18 @@ def test_a_tied_checkpoint_loads_on_another_rank_count(tmp_path, saved_on, loade
         assert got["mine"], got
         for name, value in got["mine"].items():
             assert torch.equal(value, expected[name]), name
+
+
+@pytest.mark.parametrize("saved_on, loaded_on", [(2, 1), (1, 2)])
+def test_a_buffer_shared_by_two_layers_is_stored_under_each_name_on_any_rank_count(tmp_path, saved_on, loaded_on):
+    """Buffers are no ties: each rank holding one use stores it under that use's name, so one rank holding both
+    stores both names (storing the first only, as for a tie, broke 1 -> 2 ranks: "no entry for '4.table'")."""
+    path = str(tmp_path / "ckpt")
+    keys = launch(rt.save, saved_on, path, "table", timeout=120, start_method="fork")
+    names = ["0.weight", "1.table", "2.bias", "2.weight", "3.bias", "3.weight", "4.table", "5.bias", "5.weight"]
+    assert sorted(sum(keys, [])) == names
+    expected = rt.model(0, "table").state_dict()
+    for got in launch(rt.load, loaded_on, path, "table", timeout=120, start_method="fork"):
+        assert got["step"] == 1 and got["tied"] is True and got["mine"], got
+        for name, value in got["mine"].items():
+            assert torch.equal(value, expected[name]), name
