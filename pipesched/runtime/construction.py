@@ -16,7 +16,7 @@ from .measured_costs import plan_for, safe_program
 from .recompute import refuse_forward_hooks
 from .stage import build_stages, layer_starts, layers_of, resolve_balance
 from .state import state_spec
-from .shared_buffers import cross_rank_buffers, refuse_running_stats
+from .shared_buffers import checked_on, refuse_running_stats, shared_buffers
 from .ties import find_ties, program_ties
 
 MAX_TIMEOUT_S = 1e7  # seconds: a longer wait overflows the store's and the process groups' own timeouts
@@ -84,8 +84,8 @@ def local_setup(model, schedule, num_microbatches, loss_fn, virtual_stages, bala
         memory_limit=memory_limit)
     balance = resolve_balance(layers, program.num_stages, balance, profile, program.stage_to_rank)
     ties = find_ties(layers, balance, program.stage_to_rank)  # parameters used by 2+ stages
-    shared = cross_rank_buffers(layers, balance, program.stage_to_rank)  # buffers: nothing sums them
-    refuse_running_stats(shared)  # a norm layer's running statistics on two ranks: refused now
+    shared = shared_buffers(layers, balance, program.stage_to_rank)  # buffers: nothing sums them
+    refuse_running_stats(shared)  # a norm layer's running statistics in two stages: refused now
     # a TIE_REDUCE per rank of a tie that spans ranks; a user's program with ties: checked against the model's
     program = program_with_ties(program, program_ties(ties))
     stages = build_stages(layers, balance, program.stages_of(grid.pp_rank))
@@ -99,4 +99,4 @@ def local_setup(model, schedule, num_microbatches, loss_fn, virtual_stages, bala
         torch.cuda.set_device(device)  # NCCL and all_gather_object use the current device
     warn_if_unlaunched()  # plain `python train.py`: one rank, nothing split (SingleProcessWarning)
     return LocalSetup(layers, state_spec(layers), grid, plan, programs.train, programs, costs, balance, ties,
-                      first_layers, stages, device, [b for b in shared if grid.pp_rank in b.ranks])
+                      first_layers, stages, device, checked_on(shared, grid.pp_rank))

@@ -245,7 +245,8 @@ class Pipeline:
         ``meet`` (default True): first meet the other pipeline ranks in one small all-gather of a marked row
         (:func:`~pipesched.runtime.handshake.meet`, ~0.5 ms on 2 CPU ranks), so a rank that is in another call
         meanwhile (its next ``step()``, ``clip_grad_norm_``, ``gather_timeline``) ends every rank at once with a
-        ``PipelineError`` naming both calls, instead of a mismatched collective that waits for the timeout.
+        ``PipelineError`` naming both calls, instead of a mismatched collective that waits for the timeout (over the
+        pipeline group only: with ``dp_size > 1``, replicas in different calls still wait for the timeout).
         ``False``: for a ``work`` that opens with such a row of its own (clip's, the GradScaler's vote)."""
         self._check_local(None, None)
 

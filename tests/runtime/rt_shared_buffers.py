@@ -51,14 +51,14 @@ def _report(run) -> dict:
         return {"type": type(exc).__name__, "message": str(exc)}
 
 
-def case(rank: int, kind: str, balance) -> dict:
+def case(rank: int, kind: str, balance, schedule: str = "1f1b") -> dict:
     shared = {"batchnorm": lambda: nn.BatchNorm1d(4), "counter": Counter, "table": Table}[kind]()
     model = _model(shared)
     x, y = _batch()
 
     def run():
         expected = reference(kind)  # here, with the rank's one torch thread (reductions split alike)
-        pipe = Pipeline(model, num_microbatches=2, loss_fn=F.mse_loss, balance=balance, timeout=30)
+        pipe = Pipeline(model, schedule=schedule, num_microbatches=2, loss_fn=F.mse_loss, balance=balance, timeout=30)
         losses = [pipe.step(x, y).item() for _ in range(2)]
         pipe.close()
         return {"losses": losses, "expected": expected}

@@ -22,7 +22,19 @@ def test_a_batchnorm_on_two_ranks_is_refused_at_construction_on_every_rank():
             "buffer '1.running_mean' = '4.running_mean' is used by stages [0, 1] on pipeline ranks [0, 1]: "
             "BatchNorm1d updates it in every training forward, and each rank would update only its own copy "
             "(buffers are not summed like tied parameters), so its running statistics would differ from the "
-            "unsplit model's; put its uses on one rank (balance=), or give each use its own module")}, got
+            "unsplit model's; put its uses in one stage (balance=), or give each use its own module")}, got
+
+
+def test_a_batchnorm_in_two_stages_of_one_rank_is_refused_too():
+    """zbv on 2 ranks: stages 0 and 3 on rank 0 (layers 0-1 and 4-5 with balance [2, 1, 1, 2]): the EMA updates
+    would run all microbatches through stage 0, then stage 3, not in the unsplit model's order (helper-77, bug2)."""
+    for got in launch(rt.case, 2, "batchnorm", [2, 1, 1, 2], "zbv", timeout=120, start_method="fork"):
+        assert got == {"type": "ValueError", "message": (
+            "buffer '1.running_mean' = '4.running_mean' is used by stages [0, 3] on pipeline ranks [0]: "
+            "BatchNorm1d updates it in every training forward, and its stages would update it in another order "
+            "than the unsplit model (a rank runs one stage's microbatches before the next stage's), so its running "
+            "statistics would differ from the unsplit model's; put its uses in one stage (balance=), or give each "
+            "use its own module")}, got
 
 
 def test_a_buffer_changed_on_two_ranks_ends_every_rank_naming_it():
