@@ -99,8 +99,9 @@ def _agree_replicas(pipe, error: str, votes: list, dp_group) -> tuple[str, float
     pipeline's vote with the pipeline's MAX found. Every rank of the job gets the same rows, one per replica.
 
     Returns:
-        ``(error, found)`` as :meth:`GradScaler._vote`: the first failed replica's text, else :func:`_judge` of
-        the replicas' votes by world rank; the MAX of the replicas' found.
+        ``(error, found)`` as :meth:`GradScaler._vote`: where the replicas' votes differ (enabled, steps,
+        settings), :func:`_judge`'s text naming each replica's value; else the first failed replica's text, else
+        :func:`_judge` of the replicas' votes by world rank; the MAX of the replicas' found.
     Raises:
         RuntimeError: a replica is in another call (e.g. it opened its next step).
         CommError: the all-gather failed.
@@ -119,12 +120,13 @@ def _agree_replicas(pipe, error: str, votes: list, dp_group) -> tuple[str, float
                            f"GradScaler's overflow vote (scaler.unscale_ or scaler.step) while replicas {others} "
                            f"{doing}: the replicas' scaler calls differed; call scaler.unscale_/scaler.step on every "
                            f"rank of every replica alike, for the same optimizers in the same order")
-    failed = [row for row in replicas if row[-_REPLICA_DATA]]
-    if failed:
-        return decode_text(failed[0]), 0.0
     by_replica = [row[-len(FIELDS):] for row in replicas]
     by_world_rank = [by_replica[rank // grid.pp_size] for rank in range(grid.world_size)]
-    return _judge(by_world_rank, grid, range(grid.world_size)), _most_found(by_replica)
+    judged = _judge(by_world_rank, grid, range(grid.world_size))
+    failed = [row for row in replicas if row[-_REPLICA_DATA]]
+    if failed and not judged.startswith("scaler: the ranks"):  # replicas that differ say so first: a replica whose
+        return decode_text(failed[0]), 0.0  # pipeline got no scaler fails alone, which would blame the others too
+    return judged, _most_found(by_replica)
 
 
 def _steps(count) -> str:

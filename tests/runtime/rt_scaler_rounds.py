@@ -125,11 +125,11 @@ def replicas(rank: int) -> dict:
     x, y = _batch()
     replica, out = rank // 2, {}
 
-    def attempt(**kwargs) -> str:
+    def attempt(passed: bool = True, **kwargs) -> str:
         scaler = GradScaler(pipe, **kwargs)
 
         def body():
-            pipe.step(x, y, scaler=scaler)
+            pipe.step(x, y, scaler=scaler if passed else None)
             scaler.step(opt)
             scaler.update()
         said = _said(body)
@@ -139,6 +139,7 @@ def replicas(rank: int) -> dict:
     out["init_scale by replica"] = attempt(init_scale=1024.0 * (1 + replica))
     out["disabled on world rank 3"] = attempt(init_scale=1024.0, enabled=rank != 3)
     out["disabled on replica 1"] = attempt(init_scale=1024.0, enabled=replica == 0)
+    out["no scaler to pipe.step on replica 1"] = attempt(passed=replica == 0, init_scale=1024.0)
     out["alike"] = attempt(init_scale=1024.0)
     pipe.close()
     return out

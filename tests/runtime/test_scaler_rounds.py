@@ -95,5 +95,11 @@ def test_with_data_parallelism_every_rank_of_the_job_raises_the_same_error():
             "disabled on replica 1": (f"ValueError: scaler: the ranks' GradScalers differ in enabled: True on "
                                       f"{', '.join(where[:2])}, False on {', '.join(where[2:])}; build it with the "
                                       f"same arguments on every rank"),
+            # replica 0's pipeline passed it and replica 1's did not (helper-77, bug7: every rank said "no
+            # pipe.step() got this GradScaler", replica 0's too)
+            "no scaler to pipe.step on replica 1": (
+                f"ValueError: scaler: the ranks passed this GradScaler to pipe.step(..., scaler=...) in different "
+                f"numbers of steps: in 1 step on {', '.join(where[:2])}, in no step (scaler=None) on "
+                f"{', '.join(where[2:])}; pass it to pipe.step on every rank in every step"),
             "alike": "ok",
         }, results
