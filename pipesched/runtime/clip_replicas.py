@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from .clip_args import ARGUMENTS, EINF, FOREACH, MAX_NORM, NORM_TYPE, mismatch_message, refusal_message, shown_argument
-from .handshake import CLIP_MARK, REPLICA_MARK, SIG_LEN, decode_text, encode_text
-from .transport import gather_rows
+from .handshake import CLIP_MARK, SIG_LEN, decode_text, encode_text, replica_rows
 
 #: a replica's row in the agreement over the data-parallel group (:func:`agree_replicas`): SIG_LEN int64 words,
 #: ``[CLIP_MARK, 1, 1, *text, *data]``, ``data`` the last ``_DATA`` words: ``[calls, error, max_norm, norm_type,
@@ -46,17 +45,14 @@ def agree_replicas(pipe, rows: list, calls: int, dp_group) -> list:
     args = [0, 0, 0, 0] if error else [float_bits(rows[0][MAX_NORM]), float_bits(rows[0][NORM_TYPE]),
                                        int(rows[0][EINF]), int(rows[0][FOREACH])]
     words = encode_text([CLIP_MARK, 1, 1], error or _MEETING, SIG_LEN - _DATA) + [calls, int(bool(error)), *args]
-    replicas = gather_rows(words, dp_group, grid.dp_size, torch.int64, pipe.device,
-                           "the all-gather of clip_grad_norm_ over the data-parallel group (the replicas' agreement)")
-    others = [k for k, row in enumerate(replicas) if row[0] != CLIP_MARK]
-    if others:
-        opened = [k for k in others if replicas[k][0] == REPLICA_MARK]
-        doing = "opened the next step (step() or forward())" if opened == others else "are in another collective"
-        raise RuntimeError(f"clip_grad_norm_: replicas {[k for k in range(grid.dp_size) if k not in others]} are in "
-                           f"clip_grad_norm_'s agreement of the replicas while replicas {others} {doing}: the "
-                           f"replicas' clip_grad_norm_ calls differed. Call it on every rank of every replica alike; "
-                           f"with pipe.anticipate_clip = True, set it alike on every rank and change gradients "
-                           f"between step() and clip_grad_norm_() alike on every replica")
+    replicas = replica_rows(
+        words, CLIP_MARK, dp_group, grid, pipe.device,
+        "the all-gather of clip_grad_norm_ over the data-parallel group (the replicas' agreement)",
+        lambda in_call, others, doing: (
+            f"clip_grad_norm_: replicas {in_call} are in clip_grad_norm_'s agreement of the replicas while replicas "
+            f"{others} {doing}: the replicas' clip_grad_norm_ calls differed. Call it on every rank of every replica "
+            f"alike; with pipe.anticipate_clip = True, set it alike on every rank and change gradients between "
+            f"step() and clip_grad_norm_() alike on every replica"))
     counts = [row[-_DATA] for row in replicas]
     if len(set(counts)) > 1:
         raise RuntimeError(f"clip_grad_norm_: the replicas made different numbers of clip_grad_norm_ calls (by "

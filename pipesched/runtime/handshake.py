@@ -91,6 +91,23 @@ def meet(group, size: int, device, mark: int, what: str) -> None:
     check_rows_meet([row[:2] for row in rows], mark)
 
 
+def replica_rows(words: list, mark: int, dp_group, grid, device, what: str, mismatch) -> list:
+    """All-gather this replica's row ``words`` (opening with ``mark``) over the data-parallel group; every replica's
+    row, by replica. ``mismatch(in_call, others, doing)`` words the error where some replicas' rows open with another
+    mark (``others``: those replicas; ``doing``: what they are in, e.g. their next step's agreement).
+
+    Raises:
+        RuntimeError: ``mismatch``'s text, on every rank of the job alike. CommError: the all-gather failed.
+    """
+    replicas = gather_rows(words, dp_group, grid.dp_size, torch.int64, device, what)
+    others = [k for k, row in enumerate(replicas) if row[0] != mark]
+    if others:
+        opened = [k for k in others if replicas[k][0] == REPLICA_MARK]
+        doing = "opened the next step (step() or forward())" if opened == others else "are in another collective"
+        raise RuntimeError(mismatch([k for k in range(grid.dp_size) if k not in others], others, doing))
+    return replicas
+
+
 class StepKey(NamedTuple):
     """What a step's message metas follow from, and so the key they are cached under: the input's description
     and every pipeline rank's settings. Two steps with equal keys send messages of the same shapes, dtypes,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .clip_replicas import bits_float, float_bits
-from .handshake import REPLICA_MARK, ROW_LEN, SCALER_MARK, SIG_LEN, check_rows_meet, decode_text, encode_text
+from .handshake import ROW_LEN, SCALER_MARK, SIG_LEN, check_rows_meet, decode_text, encode_text, replica_rows
 from .transport import gather_rows
 
 #: a rank's vote, the words after ``[SCALER_MARK, 0]`` in its row: whether its scaler is enabled, its count of
@@ -110,16 +110,13 @@ def _agree_replicas(pipe, error: str, votes: list, dp_group) -> tuple[str, float
     agreed = list(votes[0])
     agreed[FOUND] = float_bits(_most_found(votes))
     words = encode_text([SCALER_MARK, 1, 1], error or _MEETING, SIG_LEN - _REPLICA_DATA) + [int(bool(error)), *agreed]
-    replicas = gather_rows(words, dp_group, grid.dp_size, torch.int64, pipe.device,
-                           "the GradScaler's overflow vote over the data-parallel group (the replicas' agreement)")
-    others = [k for k, row in enumerate(replicas) if row[0] != SCALER_MARK]
-    if others:
-        opened = [k for k in others if replicas[k][0] == REPLICA_MARK]
-        doing = "opened the next step (step() or forward())" if opened == others else "are in another collective"
-        raise RuntimeError(f"scaler: replicas {[k for k in range(grid.dp_size) if k not in others]} are in the "
-                           f"GradScaler's overflow vote (scaler.unscale_ or scaler.step) while replicas {others} "
-                           f"{doing}: the replicas' scaler calls differed; call scaler.unscale_/scaler.step on every "
-                           f"rank of every replica alike, for the same optimizers in the same order")
+    replicas = replica_rows(
+        words, SCALER_MARK, dp_group, grid, pipe.device,
+        "the GradScaler's overflow vote over the data-parallel group (the replicas' agreement)",
+        lambda in_call, others, doing: (
+            f"scaler: replicas {in_call} are in the GradScaler's overflow vote (scaler.unscale_ or scaler.step) while "
+            f"replicas {others} {doing}: the replicas' scaler calls differed; call scaler.unscale_/scaler.step on "
+            f"every rank of every replica alike, for the same optimizers in the same order"))
     by_replica = [row[-len(FIELDS):] for row in replicas]
     by_world_rank = [by_replica[rank // grid.pp_size] for rank in range(grid.world_size)]
     judged = _judge(by_world_rank, grid, range(grid.world_size))
