@@ -12,7 +12,7 @@ from ..plan_cli import parse_bytes
 from .corpus import check_corpus
 
 #: the longest ``--timeout``: ``pipesched.runtime.construction.MAX_TIMEOUT_S`` (not imported: this module loads no torch)
-MAX_TIMEOUT_S = 1e7
+MAX_TIMEOUT_S = 1e9
 
 DESCRIPTION = "Train a small GPT (byte level) across pipeline ranks with pipesched, then show where the bubble was."
 
@@ -99,8 +99,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--data {args.data!r}: no such file or folder")
     if why := check_corpus(args.data, args.corpus_bytes):
         parser.error(why)
-    if not 0 < args.lr < math.inf:  # torch's AdamW would refuse it in every rank, after the ranks start
-        parser.error(f"--lr must be a finite number > 0, got {args.lr}")
+    if not 0 <= args.lr < math.inf:  # torch's AdamW would refuse it in every rank, after the ranks start
+        parser.error(f"--lr must be a finite number >= 0, got {args.lr}")
     if not 0 < args.timeout <= MAX_TIMEOUT_S:  # Pipeline's check (runtime.construction), before any rank starts
         parser.error(f"--timeout must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:g}, got {args.timeout}")
     if not args.clip >= 0:

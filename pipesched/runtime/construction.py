@@ -19,7 +19,7 @@ from .state import state_spec
 from .shared_buffers import checked_on, refuse_running_stats, shared_buffers
 from .ties import find_ties, program_ties
 
-MAX_TIMEOUT_S = 1e7  # seconds: a longer wait overflows the store's and the process groups' own timeouts
+MAX_TIMEOUT_S = 1e9  # seconds (~31 years): gloo keeps a timeout in int64 nanoseconds (overflows near 9.2e9 s)
 
 
 @dataclass
@@ -68,7 +68,7 @@ def local_setup(model, schedule, num_microbatches, loss_fn, virtual_stages, bala
     if virtual_stages is not None:
         virtual_stages = check_positive("virtual_stages", virtual_stages, 1)
     if not is_real(timeout) or not 0 < timeout <= MAX_TIMEOUT_S:
-        raise ValueError(f"timeout must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:g} (about 115 days: "
+        raise ValueError(f"timeout must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:g} (about 31 years: "
                          f"the store and the process groups take no longer), got {timeout!r}")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")

@@ -98,8 +98,8 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
     world_size = as_int(world_size)  # a numpy integer: a plain int for the children's environment
     if not is_real(timeout) or not timeout > 0:
         raise ValueError(f"timeout must be a number of seconds > 0 (inf: no limit), got {timeout!r}")
-    if not is_real(grace) or not grace >= 0:
-        raise ValueError(f"grace must be a number of seconds >= 0, got {grace!r}")
+    if not is_real(grace) or not 0 <= grace < float("inf"):  # threading's waits refuse an infinite timeout
+        raise ValueError(f"grace must be a finite number of seconds >= 0, got {grace!r}")
     if as_int(threads) is None or threads < 1:
         raise ValueError(f"threads must be an integer >= 1 (torch threads per rank), got {threads!r}")
     threads = as_int(threads)

@@ -242,7 +242,8 @@ def test_ctrl_c_prints_one_line_and_stops_every_rank(tmp_path):
     ({"timeout": 0}, "timeout must be a number of seconds > 0 (inf: no limit), got 0"),
     ({"timeout": "10"}, "timeout must be a number of seconds > 0 (inf: no limit), got '10'"),
     ({"timeout": float("nan")}, "timeout must be a number of seconds > 0 (inf: no limit), got nan"),
-    ({"grace": -1}, "grace must be a number of seconds >= 0, got -1"),
+    ({"grace": -1}, "grace must be a finite number of seconds >= 0, got -1"),
+    ({"grace": float("inf")}, "grace must be a finite number of seconds >= 0, got inf"),
     ({"threads": 0}, "threads must be an integer >= 1 (torch threads per rank), got 0"),
     ({"threads": 1.5}, "threads must be an integer >= 1 (torch threads per rank), got 1.5"),
 ])

@@ -110,10 +110,11 @@ def test_grid_layout():
     ({"schedule": "zigzag"}, UnknownScheduleError, "unknown schedule 'zigzag'; valid names: 1f1b, dualpipev, gpipe, interleaved-1f1b, zb-auto, zb-h1, zb-h2, zbv"),
     ({"dp_size": 2}, ValueError, "dp_size=2 does not divide the world size 1"),
     ({"balance": [4, 4]}, ValueError, r"balance has 2 entries but the pipeline has 1 stages"),
-    ({"timeout": 0}, ValueError, r"timeout must be a number of seconds > 0 and at most 1e\+07 \(about 115 days: the "
+    ({"timeout": 0}, ValueError, r"timeout must be a number of seconds > 0 and at most 1e\+09 \(about 31 years: the "
                                  r"store and the process groups take no longer\), got 0"),
-    ({"timeout": float("inf")}, ValueError, r"timeout must be a number of seconds > 0 and at most 1e\+07 .*, got inf"),
+    ({"timeout": float("inf")}, ValueError, r"timeout must be a number of seconds > 0 and at most 1e\+09 .*, got inf"),
     ({"timeout": 1e15}, ValueError, r"timeout must be .*, got 1000000000000000\.0"),
+    ({"timeout": 2e9}, ValueError, r"timeout must be .*, got 2000000000\.0"),
     ({"timeout": float("nan")}, ValueError, r"timeout must be .*, got nan"),
     ({"timeout": True}, ValueError, r"timeout must be .*, got True"),
     ({"recompute": [True, False]}, ScheduleArgumentError, r"recompute has 2 flags but the program has 1 stages"),
