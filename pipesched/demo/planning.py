@@ -68,7 +68,7 @@ def profile_sizes(size: int) -> tuple[int, ...]:
 
 def measure_link():
     """Latency (s), bandwidth (bytes/s) and send overhead (s) between two local ranks (gloo): the
-    :class:`~pipesched.runtime.profiling.Link` of :func:`pipesched.runtime.profile_link` on two processes started
+    :class:`~pipesched.runtime.link_profile.Link` of :func:`pipesched.runtime.profile_link` on two processes started
     for it."""
     from ..runtime import launch
 

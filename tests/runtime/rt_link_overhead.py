@@ -3,7 +3,7 @@ import torch
 
 from pipesched.demo.planning import _link
 from pipesched.runtime import profile_link
-from pipesched.runtime.profiling import _round_trip
+from pipesched.runtime.link_profile import _round_trip
 
 SMALL = 1 << 8  # bytes: the smallest message of the small-size profile below
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from pipesched.profile import LayerProfile
-from pipesched.runtime.profiling import _bandwidth, _fit
+from pipesched.runtime.link_profile import _bandwidth, _fit
 
 SIZES = [1 << 10, 1 << 16, 1 << 20, 1 << 22]  # profile_link's default nbytes
 

@@ -10,7 +10,7 @@ import pytest
 from pipesched.planner import predict
 from pipesched.profile import LayerProfile
 from pipesched.runtime import launch
-from pipesched.runtime.profiling import Link, _link_of
+from pipesched.runtime.link_profile import Link, _link_of
 
 import rt_link_overhead
 
