@@ -15,7 +15,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import nn
 
-from .stage import layer_starts
+from .stage import stage_of_each_layer
 
 
 _RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")  # torch's norm layers' (and their kind's)
@@ -38,15 +38,13 @@ class SharedBuffer(NamedTuple):
 def shared_buffers(layers: Sequence[nn.Module], balance: Sequence[int], stage_to_rank) -> list[SharedBuffer]:
     """Every buffer (by identity) that two stages or more use, in the order of its first use (the ranks may be one:
     ``zbv`` holds stages 0 and ``2p - 1`` on rank 0)."""
-    starts = layer_starts(balance)
     uses: dict[int, list] = {}  # id(buffer) -> [(name, stage, owner, key)]
-    for stage in range(len(balance)):
-        for index in range(starts[stage], starts[stage + 1]):
-            for path, owner in layers[index].named_modules(remove_duplicate=False):
-                for key, tensor in owner._buffers.items():
-                    if tensor is not None:
-                        name = ".".join(p for p in (str(index), path, key) if p)
-                        uses.setdefault(id(tensor), []).append((name, stage, owner, key))
+    for stage, index in stage_of_each_layer(balance):
+        for path, owner in layers[index].named_modules(remove_duplicate=False):
+            for key, tensor in owner._buffers.items():
+                if tensor is not None:
+                    name = ".".join(p for p in (str(index), path, key) if p)
+                    uses.setdefault(id(tensor), []).append((name, stage, owner, key))
     shared = []
     for found in uses.values():
         stages = tuple(sorted({stage for _, stage, _, _ in found}))

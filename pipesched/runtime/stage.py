@@ -111,6 +111,12 @@ def layer_starts(balance: Sequence[int]) -> list[int]:
     return starts
 
 
+def stage_of_each_layer(balance: Sequence[int]):
+    """``(stage, index in the model)`` of every layer, in model order: ``[2, 1] -> (0, 0), (0, 1), (1, 2)``."""
+    starts = layer_starts(balance)
+    return ((stage, index) for stage in range(len(balance)) for index in range(starts[stage], starts[stage + 1]))
+
+
 def build_stages(layers: Sequence[nn.Module], balance: Sequence[int], stage_ids: Sequence[int]) -> dict[int, nn.Sequential]:
     """``{stage: nn.Sequential of its layers}`` for the requested stages; the layers are shared, not copied."""
     starts = layer_starts(balance)

@@ -22,7 +22,7 @@ from ..lower import add_tie_reduce
 from ..ties import tie_ranks
 from ..validate import validate
 from .comm import backend_for
-from .stage import layer_starts
+from .stage import stage_of_each_layer
 from .state import rank_view
 from .tie_reduce import TieReducer
 
@@ -57,12 +57,10 @@ def find_ties(layers: Sequence[nn.Module], balance: Sequence[int], stage_to_rank
     Sharing is identity: a frozen parameter (``requires_grad=False``) is a tie too, since it may be unfrozen later
     (its copies must then be summed, and they must be identical now); buffers are not ties (nothing sums them).
     """
-    starts = layer_starts(balance)
     uses: dict[int, list[tuple[str, int]]] = {}  # id(parameter) -> [(name, stage)] in model order
-    for stage in range(len(balance)):
-        for index in range(starts[stage], starts[stage + 1]):
-            for name, tensor in layers[index].named_parameters(remove_duplicate=False):
-                uses.setdefault(id(tensor), []).append((f"{index}.{name}", stage))
+    for stage, index in stage_of_each_layer(balance):
+        for name, tensor in layers[index].named_parameters(remove_duplicate=False):
+            uses.setdefault(id(tensor), []).append((f"{index}.{name}", stage))
     ties = []
     for found in uses.values():
         stages = tuple(sorted({stage for _, stage in found}))
