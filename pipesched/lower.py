@@ -3,23 +3,28 @@ tied-gradient sums, the forward-only part, receives posted early.
 
 Each pass takes a program and returns a new one; none decides *what* runs, only where the extra
 instructions go (or, for :func:`forward_only`, which part runs). :func:`compile_program` in
-:mod:`pipesched.api` chains them and validates the result, whichever passes ran.
+:mod:`pipesched.api` chains them and validates the result, whichever passes ran. The collectives' passes
+(:func:`add_all_reduce`, :func:`add_tie_reduce`) live in :mod:`pipesched.lower_collectives`, receives posted early
+(:func:`post_receives_early`) in :mod:`pipesched.lower_receives`; both are re-exported here.
 """
 from __future__ import annotations
 
-from collections import deque
 from operator import itemgetter
 from typing import NamedTuple
 
-from .checks import as_int, check_cost, check_program
+from .checks import check_cost, check_program
 from .cost import CostModel
-from .deps import ENDS_BACKWARD, route
+from .deps import route
 from .engine import has_comm
 from .gcpause import paused_gc
-from .ir import BACKWARD_OPS, COMM_OPS, FORWARD_OPS, OVERLAP_PAIRS, RECV_OPS, SEND_OPS, Instr, Op, Program
+from .ir import BACKWARD_OPS, FORWARD_OPS, OVERLAP_PAIRS, Instr, Op, Program
+from .lower_collectives import add_all_reduce, add_tie_reduce
+from .lower_receives import EARLY_RECEIVE_WINDOW, post_receives_early
 from .timeline import timeline_order
 from .timing import COST_FIELD, time_instructions
-from . import ties as _ties
+
+__all__ = ["REFERENCE_COST", "EARLY_RECEIVE_WINDOW", "split_backward", "add_recompute", "stage_flags",
+           "add_send_recv", "add_all_reduce", "add_tie_reduce", "forward_only", "post_receives_early"]
 
 #: The cost model that orders communication: the usual backward = 2 x forward, free messages.
 REFERENCE_COST = CostModel(forward=1.0, backward=2.0)
@@ -233,83 +238,6 @@ def _check_durations(plan, cost: CostModel) -> None:
                 )
 
 
-def add_all_reduce(program: Program, dp_size: int) -> Program:
-    """Add ``ALL_REDUCE(s)`` after the last backward (B or W) of each stage, and after the sends that
-    directly follow it, so the reduction overlaps the rank's remaining work without delaying a send.
-
-    Deadlock freedom: ALL_REDUCE only starts an asynchronous collective over the data-parallel group;
-    it never blocks the pipeline stream. The replicas of a pipeline rank run the same program, so they
-    start their collectives in the same order, and every rank waits for them only after its stream ends.
-
-    Raises:
-        ValueError: ``dp_size`` is not an integer >= 1, or the program already has ALL_REDUCE.
-    """
-    check_program(program)
-    given, dp_size = dp_size, as_int(dp_size)  # a numpy integer as a plain int; a bool refused
-    if dp_size is None or dp_size < 1:
-        raise ValueError(f"dp_size must be an integer >= 1, got {given!r}")
-    if any(i.op is Op.ALL_REDUCE for st in program.ranks for i in st):
-        raise ValueError("the program already has ALL_REDUCE instructions")
-    if dp_size == 1:
-        return _with_dp(program, program.ranks, 1)
-    streams = []
-    for stream in program.ranks:
-        last = {i.stage: pos for pos, i in enumerate(stream) if i.op in ENDS_BACKWARD}
-        after: dict[int, list[int]] = {}
-        for stage, pos in last.items():
-            while pos + 1 < len(stream) and stream[pos + 1].op in (Op.SEND_B, Op.SEND_F):
-                pos += 1
-            after.setdefault(pos, []).append(stage)
-        out = []
-        for pos, instr in enumerate(stream):
-            out.append(instr)
-            out.extend(Instr(Op.ALL_REDUCE, s) for s in sorted(after.get(pos, ())))
-        streams.append(tuple(out))
-    return _with_dp(program, streams, dp_size)
-
-
-def _with_dp(program: Program, streams, dp_size: int) -> Program:
-    return Program(tuple(streams), program.stage_to_rank, program.num_microbatches, dp_size,
-                   program.schedule, dict(program.meta), program.forward_only, program.ties)
-
-
-def add_tie_reduce(program: Program, ties) -> Program:
-    """Record ``ties`` (groups of stages sharing a parameter) in the program and add one ``TIE_REDUCE`` per rank
-    holding a tied stage; a tie whose stages are all on one rank needs no collective and is left out (not
-    recorded, no ``TIE_REDUCE``: :func:`pipesched.ties.cross_rank_ties`). The ``TIE_REDUCE`` goes after the last
-    backward (B or W) of its tied stages, and after the sends and ALL_REDUCEs that directly follow it, naming the
-    tied stage whose backward ends last (:mod:`pipesched.ties`).
-
-    Deadlock freedom: TIE_REDUCE only starts asynchronous collectives (one per tie, over the tie's ranks, in tie
-    order on every rank, so ranks sharing two ties start them in one order); it never blocks the stream, and
-    every rank waits for them only after its stream ends.
-
-    Args:
-        program: a training program (compute-only or lowered), with or without ALL_REDUCE.
-        ties: sequence of groups of >= 2 stages, e.g. ``[(0, 3)]``; empty, or all on one rank each: ``program``
-            unchanged.
-    Raises:
-        ValueError: ill-formed ``ties`` (see :func:`pipesched.ties.check_tie_groups`), a forward-only program,
-            a program that already has TIE_REDUCE, or tied stages without a backward.
-    """
-    check_program(program)
-    groups = _ties.cross_rank_ties(ties, program.stage_to_rank)
-    if program.forward_only:
-        raise ValueError("add_tie_reduce takes a training program; this one is forward-only (no gradients)")
-    if program.ties or program.stages_with(Op.TIE_REDUCE):
-        raise ValueError("the program already has ties or TIE_REDUCE instructions (apply add_tie_reduce once)")
-    tied = Program(program.ranks, program.stage_to_rank, program.num_microbatches, program.dp_size,
-                   program.schedule, dict(program.meta), program.forward_only, groups)
-    streams = []
-    for rank, stream in enumerate(program.ranks):
-        stages = _ties.tied_stages(tied, rank)
-        if stages:
-            anchor, pos = _ties.insert_position(stream, stages)
-            stream = stream[:pos] + (Instr(Op.TIE_REDUCE, anchor),) + stream[pos:]
-        streams.append(stream)
-    return tied.replace(streams)
-
-
 def forward_only(program: Program) -> Program:
     """The forward part of ``program``: its F, SEND_F and RECV_F in the same order on each rank, marked
     :attr:`~pipesched.ir.Program.forward_only` (what ``Pipeline.forward()`` runs; :func:`pipesched.validate.validate`
@@ -333,69 +261,3 @@ def forward_only(program: Program) -> Program:
     result = Program(streams, program.stage_to_rank, program.num_microbatches, program.dp_size, program.schedule,
                      dict(program.meta), forward_only=True, ties=program.ties)
     return _pairs_mapped(result, keep=lambda i: i.op in FORWARD_OPS)
-
-
-#: how many instructions earlier :func:`post_receives_early` posts a receive by default
-EARLY_RECEIVE_WINDOW = 16
-
-
-def post_receives_early(program: Program, window: int = EARLY_RECEIVE_WINDOW) -> Program:
-    """Post each receive up to ``window`` instructions earlier, so its transfer overlaps the compute before it.
-
-    On each rank, a RECV at position ``i`` moves to just before the instruction at position ``i - window``
-    (to the start of the stream when ``i < window``); the receives keep their order. Where that puts it inside
-    a run of sends and receives, the run's sends that came before it in ``program`` stay ahead of it: a send
-    is on a peer's critical path, a posted receive is not. Nothing but receives moves, and none moves later.
-
-    Deadlock freedom (the checker's model, :mod:`pipesched.engine`): a RECV needs nothing and never blocks,
-    so posting it earlier only lets the SEND that waits for it fire sooner. Take a complete execution of
-    ``program``; fire each moved RECV as soon as it is at its rank's head and everything else when it fired
-    there: each instruction still finds what it needed. The receives from each rank keep their order, so
-    first-in first-out matching pairs the same messages. :func:`~pipesched.api.compile_program` validates
-    the result all the same, like every program it returns.
-
-    Not for a backend whose messages between two ranks run in issue order on one stream (NCCL): there a
-    posted receive holds up every later message between the pair (:func:`pipesched.api.passes_for`).
-
-    Args:
-        program: a lowered program (one without receives comes back unchanged).
-        window: how many instructions earlier; 0 returns ``program`` itself.
-    Raises:
-        ValueError: ``window`` is not an integer >= 0.
-    """
-    check_program(program)
-    given, window = window, as_int(window)  # a numpy integer as a plain int; a bool refused
-    if window is None or window < 0:
-        raise ValueError(f"window must be an integer >= 0 (instructions a receive moves up), got {given!r}")
-    if window == 0:
-        return program
-    return program.replace(_receives_early(stream, window) for stream in program.ranks)
-
-
-def _receives_early(stream, window: int) -> tuple:
-    """One rank's stream in :func:`post_receives_early`'s order."""
-    def key(pos: int) -> tuple[int, int, int]:
-        return (pos - window, 0, pos) if stream[pos].op in RECV_OPS else (pos, 1, pos)
-
-    out, run = [], []  # run: positions of the current run of sends and receives
-    for pos in sorted(range(len(stream)), key=key) + [None]:
-        if pos is not None and stream[pos].op in COMM_OPS:
-            run.append(pos)
-            continue
-        out.extend(stream[k] for k in _sends_first(run, stream))
-        run = []
-        if pos is not None:
-            out.append(stream[pos])
-    return tuple(out)
-
-
-def _sends_first(run: list[int], stream) -> list[int]:
-    """The positions of a run of sends and receives (each kind in stream order), each send as early as it can
-    go without passing a receive that came before it in ``stream``."""
-    recvs = deque(k for k in run if stream[k].op in RECV_OPS)
-    out = []
-    for k in (k for k in run if stream[k].op in SEND_OPS):
-        while recvs and recvs[0] < k:
-            out.append(recvs.popleft())
-        out.append(k)
-    return out + list(recvs)
