@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .checks import as_int, check_positive, check_program
+from .checks import as_int, check_positive, check_program, described
 from .cost import CostModel
 from .errors import PairingError, ScheduleArgumentError, ScheduleError
 from .gcpause import paused_gc
@@ -120,11 +120,14 @@ def compile_program(
             per rank) that ``zb-auto`` is built for; refused for other schedules (see :func:`build`).
     Raises:
         UnknownScheduleError, ScheduleArgumentError: as :func:`build`; ``early_receives`` not an integer >= 0;
-            ill-formed ``ties`` (``argument="ties"``).
+            ``forward_only`` not a bool; ill-formed ``ties`` (``argument="ties"``).
         ScheduleError: the compiled program fails validation (a bug in a schedule or a pass; please report it).
     """
     dp_size = check_positive("dp_size", dp_size)  # plain ints from here on (a numpy integer is accepted)
     early_receives = check_positive("early_receives", early_receives, 0)
+    if not isinstance(forward_only, bool):  # a truthy "no" or nan would compile the forward-only program
+        raise ScheduleArgumentError(f"forward_only must be True or False, got {described(forward_only)}",
+                                    argument="forward_only")
     progress.note(f"building {schedule}")
 
     def passes(program: Program) -> Program:  # the passes of the step, the same for zb-auto's candidates

@@ -68,6 +68,19 @@ def check_path(value, name: str = "path", where: str = ""):
     raise TypeError(f"{where}{name} must be a str or os.PathLike, got {described(value)}")
 
 
+def check_flag(value, name: str, where: str = "", none: str = ""):
+    """``value`` if it is ``True`` or ``False`` (or ``None`` when ``none`` says what ``None`` means): a flag, where
+    a truthy ``"no"``, ``1`` or ``nan`` must not pass for ``True``.
+
+    Raises:
+        TypeError: anything else, naming ``name``, the value and what is valid.
+    """
+    if isinstance(value, bool) or (none and value is None):
+        return value
+    valid = f"True, False or None ({none})" if none else "True or False"
+    raise TypeError(f"{where}{name} must be {valid}, got {described(value)}")
+
+
 def check_program(value, name: str = "program", where: str = ""):
     """``value`` if it is a :class:`~pipesched.ir.Program`.
 

@@ -26,7 +26,7 @@ import os
 import warnings
 from collections import Counter
 
-from .checks import as_int, check_path, check_program
+from .checks import as_int, check_flag, check_path, check_program, described
 from .engine import has_comm
 from .errors import ProgramFormatError
 from .ir import COMM_OPS, OVERLAP_PAIRS, Instr, Op, Program
@@ -91,9 +91,12 @@ def from_torch_csv(path, num_ranks: int | None = None, stage_to_rank=None, num_m
         ValueError: ``num_ranks``, ``num_microbatches`` or ``dp_size`` not an integer >= 1, ``num_ranks``
             below the file's rows, or ``stage_to_rank`` naming a rank past them.
         OSError: the file cannot be read.
-        TypeError: ``path`` is not a ``str`` or ``os.PathLike`` (an int would be taken as a file descriptor).
+        TypeError: ``path`` is not a ``str`` or ``os.PathLike`` (an int would be taken as a file descriptor),
+            ``schedule`` not a ``str``, ``stage_to_rank`` not a sequence.
     """
     check_path(path, where="from_torch_csv: ")  # first: open() would read and then close a descriptor's file
+    if not isinstance(schedule, str):  # the program's label: to_json and a Pipeline's agreement print it
+        raise TypeError(f"from_torch_csv: schedule must be a str (the program's label), got {described(schedule)}")
     sizes = []  # plain ints (numpy integers accepted) or None
     for name, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches), ("dp_size", dp_size)):
         sizes.append(None if value is None else as_int(value))
@@ -101,6 +104,9 @@ def from_torch_csv(path, num_ranks: int | None = None, stage_to_rank=None, num_m
             raise ValueError(f"from_torch_csv: {name} must be an integer >= 1, got {value!r}")
     num_ranks, num_microbatches, dp_size = sizes
     if stage_to_rank is not None:
+        if isinstance(stage_to_rank, (str, bytes)) or not hasattr(stage_to_rank, "__iter__"):
+            raise TypeError(f"from_torch_csv: stage_to_rank must be None or a sequence of integer ranks (one per "
+                            f"stage), got {described(stage_to_rank)}")
         ranks = tuple(as_int(r) for r in stage_to_rank)
         if None in ranks:
             raise ValueError(f"from_torch_csv: stage_to_rank={tuple(stage_to_rank)} must hold integer ranks (not "
@@ -238,6 +244,7 @@ def _instr(leaf: TorchAction, cell: _Cell, s2r, dp_size: int, path) -> Instr | N
 def torch_rows(program: Program, comms: bool | None = None) -> list[list[str]]:
     """The CSV rows (one list of action strings per rank) :func:`to_torch_csv` writes; see there."""
     check_program(program, where="to_torch_csv: ")
+    check_flag(comms, "comms", where="to_torch_csv: ", none="the program's own form")
     if comms is None:  # a program on one rank needs no messages: lowered or not, it is what torch runs, unless it
         # came from a compute_only file (torch's lowering adds the REDUCE_GRAD when that is loaded)
         read_as = program.meta.get(TORCH_META, {}).get("form")
@@ -316,7 +323,8 @@ def to_torch_csv(program: Program, path, comms: bool | None = None) -> None:
             several ranks, or torch's dry run (a receive blocks where it is posted) stalls on it even with each
             receive just before its use.
         OSError: the file cannot be written.
-        TypeError: ``program`` is not a :class:`Program`, ``path`` not a ``str`` or ``os.PathLike``.
+        TypeError: ``program`` is not a :class:`Program`, ``path`` not a ``str`` or ``os.PathLike``, ``comms`` not
+            ``None`` or a bool.
     """
     check_program(program, where="to_torch_csv: ")
     check_path(path, where="to_torch_csv: ")

@@ -110,8 +110,13 @@ def balance_by_time(layer_costs: Sequence[float], num_stages: int, stage_to_rank
 
 def rank_loads(values: Sequence[float], balance: Sequence[int], stage_to_rank: Sequence[int] | None = None) -> tuple:
     """Per rank (0 .. max rank), the sum of ``values`` over the layers of its stages; ``stage_to_rank`` as in
-    :func:`balance_by_time` (``None``: stage ``s`` on rank ``s``)."""
-    s2r = tuple(range(len(balance))) if stage_to_rank is None else tuple(stage_to_rank)
+    :func:`balance_by_time` (``None``: stage ``s`` on rank ``s``).
+
+    Raises:
+        ValueError: ``balance`` not a sequence of integers >= 1 summing to ``len(values)``, or ``stage_to_rank`` not
+            one integer rank >= 0 per stage (names the argument, its value and what is valid).
+    """
+    balance, s2r = _checked_cut(values, balance, stage_to_rank)
     loads = [0] * (max(s2r) + 1)
     start = 0
     for s, count in enumerate(balance):
@@ -121,6 +126,28 @@ def rank_loads(values: Sequence[float], balance: Sequence[int], stage_to_rank: S
 
 
 # ---- checks and exact numbers ---------------------------------------------------------------------------------
+
+def _checked_cut(values, balance, stage_to_rank) -> tuple[tuple, tuple]:
+    """:func:`rank_loads`' ``balance`` and ``stage_to_rank`` as tuples of plain ints (see there for the errors)."""
+    def ints(seq, minimum):
+        if isinstance(seq, (str, bytes)) or not hasattr(seq, "__iter__"):
+            return None
+        out = tuple(as_int(v) for v in seq)
+        return out if out and all(v is not None and v >= minimum for v in out) else None
+
+    n = len(values)
+    counts = ints(balance, 1)
+    if counts is None or sum(counts) != n:
+        raise ValueError(f"balance must be a sequence of layer counts (integers >= 1) summing to len(values)={n}, "
+                         f"got {balance!r}")
+    if stage_to_rank is None:
+        return counts, tuple(range(len(counts)))
+    s2r = ints(stage_to_rank, 0)
+    if s2r is None or len(s2r) != len(counts):
+        raise ValueError(f"stage_to_rank must be None or one integer rank >= 0 per stage ({len(counts)} stages), "
+                         f"got {stage_to_rank!r}")
+    return counts, s2r
+
 
 def _checked(layer_costs, num_stages, stage_to_rank, memory, memory_limit):
     if as_int(num_stages) is None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 
-from .checks import as_int, check_positive
+from .checks import as_int, check_positive, described
 from .gcpause import paused_gc
 from .partition import balance_by_time
 from .plan_args import check_args, check_model, nothing_runs, schedule_names, virtual_stage_choices
@@ -67,12 +67,15 @@ def plan(profile, world_size: int, memory_per_rank: float, global_batch: int, sc
             < 1, a global_batch no dp x m divides (none of pp x dp = world_size has dp dividing it), an unknown or
             empty ``schedules``, a bad ``virtual_stages`` (not integers >= 1, only v = 1 for a schedule that runs
             v >= 2, v above the layer count), a profile of another model (``num_layers`` or ``layer_names``
-            differ).
+            differ), ``split_backward`` not None or a bool.
         PlanError: no configuration fits ``memory_per_rank`` (names the smallest budget that fits and its plan).
     """
     world_size, memory_per_rank, global_batch, top, optimizer_states, max_microbatches = check_args(
         profile, world_size, memory_per_rank, global_batch, top, optimizer_states, max_microbatches)
     check_model(profile, num_layers, layer_names)
+    if split_backward is not None and not isinstance(split_backward, bool):  # not truthiness: "no" would split
+        raise ScheduleArgumentError(f"split_backward must be None (try both), True or False, got "
+                                    f"{described(split_backward)}", argument="split_backward")
     names = schedule_names(schedules)
     names, vs = virtual_stage_choices(virtual_stages, names, schedules is None, profile.num_layers)
     search = Search(profile, world_size, global_batch, names, optimizer_states, max_microbatches, vs,

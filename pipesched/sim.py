@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from itertools import accumulate
 
-from .checks import check_cost, check_program
+from .checks import check_cost, check_flag, check_program
 from .cost import CostModel
 from . import engine, progress
 from .deps import STASH_CHANGE
@@ -40,10 +40,12 @@ def simulate(program: Program, cost: CostModel | None = None, check: bool = True
         DeadlockError: the program cannot complete.
         ValueError: a cost does not fit the program (wrong length, negative); CostError (a ValueError): costs so
             large that the step's seconds or held bytes add up past the largest float (names the fields).
-        TypeError: ``program`` is not a :class:`Program`, or ``cost`` not a :class:`CostModel` or None.
+        TypeError: ``program`` is not a :class:`Program`, ``cost`` not a :class:`CostModel` or None, or ``check`` not
+            a bool.
     """
     check_program(program)
     cost = check_cost(cost) or CostModel()
+    check_flag(check, "check", where="simulate: ")  # not truthiness: check="no" would validate, check=0 would not
     progress.note(f"simulating: timing {len(program)} instructions")
     plan, starts, ends, peak_bytes = _timed(program, cost, check)
     progress.note(f"simulating: the timeline of {len(ends)} instructions")

@@ -87,12 +87,16 @@ def stage_activation_bytes(model, microbatch, num_stages: int, balance=None, los
         forward saves; the stage input; what a recomputing stage holds after its R (input and saved
         tensors, one that is both counted once).
     Raises:
-        TypeError, ValueError: as :func:`~pipesched.runtime.stage.resolve_balance`.
+        TypeError, ValueError: as :func:`~pipesched.runtime.stage.resolve_balance`; ``ScheduleArgumentError`` (a
+            ValueError): ``num_stages`` not an integer >= 1.
     """
     from .microbatch import as_tuple, stage_output
     from .recompute import scratch_buffers
     from .stage import build_stages, layers_of, resolve_balance
 
+    from ..checks import check_positive
+
+    num_stages = check_positive("num_stages", num_stages)  # a bool, 0 or -1 would cut nonsense (0: ZeroDivision)
     layers = layers_of(model)
     stages = build_stages(layers, resolve_balance(layers, num_stages, balance), range(num_stages))
     counter = SavedBytes(p for layer in layers for p in layer.parameters())

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..checks import as_int
+from ..checks import as_int, described
 
 
 class Link(NamedTuple):
@@ -50,24 +50,28 @@ def profile_link(group=None, nbytes=(1 << 10, 1 << 16, 1 << 20, 1 << 22), repeat
     Returns:
         A :class:`Link` ``(latency, bandwidth, send_overhead)``, the same floats on every rank of the group.
     Raises:
-        RuntimeError: torch.distributed is not initialised. ValueError: the group has fewer than 2 ranks,
-            bad ``nbytes`` or ``repeat`` (raised on every rank, before any message).
+        RuntimeError: torch.distributed is not initialised. TypeError: ``group`` is not a process group.
+        ValueError: the group has fewer than 2 ranks; bad ``nbytes``, ``repeat`` or ``device`` on any rank of the
+            group, or ranks that passed different ``nbytes`` or ``repeat`` (on every rank of the group, after one
+            small all-gather of each rank's checked arguments and before any message of the measurement: gloo
+            aborted the process on the ping-pong's mismatched sizes).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("profile_link needs torch.distributed initialised (pipesched.runtime.launch or torchrun)")
-    sizes = [as_int(n) for n in nbytes] if isinstance(nbytes, (list, tuple)) else []  # numpy integers: plain ints
-    if len(set(sizes)) < 2 or not all(n is not None and n > 0 for n in sizes):
-        raise ValueError(f"nbytes must hold >= 2 distinct positive ints (bytes), got {nbytes!r}")
-    sizes = sorted(set(sizes))
-    if as_int(repeat) is None or repeat < 1:
-        raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
-    repeat = as_int(repeat)
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"profile_link: group must be None (the default group) or a torch.distributed ProcessGroup, "
+                        f"got {described(group)}")
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     if len(ranks) < 2:
         raise ValueError(f"profile_link needs a group of at least 2 ranks, got {len(ranks)}")
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
-            else torch.device("cpu")
+    try:
+        sizes, repeat, device = _checked(nbytes, repeat, device, group)
+        mine = {"nbytes": sizes, "repeat": repeat}
+    except ValueError as exc:  # the other ranks must hear of it, not wait in the ping-pong
+        refusal, mine = exc, {"error": str(exc)}
+    _agree(mine, ranks, group)
+    if "error" in mine:
+        raise refusal
     me, (a, b) = dist.get_rank(), ranks[:2]
     # rank a's fit, then a's and b's send calls of the smallest size, each in its own slots (zeros elsewhere): every
     # number is >= 0, so a MAX over the group puts them together exactly, the same floats on every rank
@@ -82,6 +86,43 @@ def profile_link(group=None, nbytes=(1 << 10, 1 << 16, 1 << 20, 1 << 22), repeat
     dist.all_reduce(result, op=dist.ReduceOp.MAX, group=group)
     intercept, seconds_per_byte, *calls = result.tolist()
     return _link_of(intercept, seconds_per_byte, statistics.median(calls))
+
+
+def _checked(nbytes, repeat, device, group) -> tuple[list, int, torch.device]:
+    """This rank's checked ``(sizes, repeat, device)`` (:func:`profile_link`'s arguments); ValueError naming each."""
+    sizes = [as_int(n) for n in nbytes] if isinstance(nbytes, (list, tuple)) else []  # numpy integers: plain ints
+    if len(set(sizes)) < 2 or not all(n is not None and n > 0 for n in sizes):
+        raise ValueError(f"nbytes must hold >= 2 distinct positive ints (bytes), got {nbytes!r}")
+    if as_int(repeat) is None or repeat < 1:
+        raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
+    if device is None:
+        return sorted(set(sizes)), as_int(repeat), (torch.device("cuda", torch.cuda.current_device())
+                                                    if dist.get_backend(group) == "nccl" else torch.device("cpu"))
+    try:
+        return sorted(set(sizes)), as_int(repeat), torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a device: {exc}") from None
+
+
+def _agree(mine: dict, ranks: list, group) -> None:
+    """One all-gather of every rank's checked arguments (or its refusal) over ``group``: raise on every rank when a
+    rank refused (quotes it; the refusing rank raises its own error) or when ranks passed different ones.
+
+    Raises:
+        ValueError: names the first other refusing rank and its message, or the first rank whose ``nbytes`` or
+            ``repeat`` differ from this rank's, with both values.
+    """
+    rows: list = [None] * len(ranks)
+    dist.all_gather_object(rows, mine, group=group)
+    me = dist.get_rank()
+    for rank, row in zip(ranks, rows):
+        if "error" in row and rank != me and "error" not in mine:
+            raise ValueError(f"profile_link: rank {rank} refused its arguments: {row['error']}")
+    for rank, row in zip(ranks, rows):
+        if "error" not in mine and "error" not in row and row != mine:
+            raise ValueError(f"profile_link: rank {rank} passed nbytes={row['nbytes']}, repeat={row['repeat']} but "
+                             f"rank {me} nbytes={mine['nbytes']}, repeat={mine['repeat']}; every rank of the group "
+                             f"must pass the same")
 
 
 def _link_of(intercept: float, seconds_per_byte: float, overhead: float) -> Link:

@@ -13,6 +13,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ..checks import check_flag
+
 
 class IncompatibleKeys(NamedTuple):
     """What a non-strict load skipped: names of this rank's tensors the state dict lacks, and names in it that
@@ -197,10 +199,11 @@ def load_rank_state_dict(pipe, state_dict, strict: bool = True) -> IncompatibleK
     Returns:
         :class:`IncompatibleKeys`: with ``strict=False``, this rank's names it lacked and names the model lacks.
     Raises:
-        TypeError: ``state_dict`` is not a mapping, or an entry is not a tensor (names it).
+        TypeError: ``state_dict`` is not a mapping, or an entry is not a tensor (names it); ``strict`` not a bool.
         ValueError: the first offending name (see :func:`first_mismatch`): with ``strict``, a tensor of this rank it
             lacks or a name the unsplit model does not have; always, a shape that differs from the model's.
     """
+    check_flag(strict, "strict", where="load_state_dict: ")
     if not hasattr(state_dict, "items"):
         raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
     for name, value in state_dict.items():
