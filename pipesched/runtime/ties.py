@@ -56,6 +56,8 @@ def find_ties(layers: Sequence[nn.Module], balance: Sequence[int], stage_to_rank
         layers: the model's layers, in order. balance: layers per stage. stage_to_rank: pipeline rank per stage.
     Sharing is identity: a frozen parameter (``requires_grad=False``) is a tie too, since it may be unfrozen later
     (its copies must then be summed, and they must be identical now); buffers are not ties (nothing sums them).
+    Another tensor over a parameter's memory (a view or slice that is not the same ``Parameter``, a buffer over a
+    weight) with uses on two ranks is no tie: :func:`~pipesched.runtime.shared_buffers.shared_buffers` refuses it.
     """
     uses: dict[int, list[tuple[str, int]]] = {}  # id(parameter) -> [(name, stage)] in model order
     for stage, index in stage_of_each_layer(balance):
