@@ -11,6 +11,8 @@ after the others gave up on it (late by more than ``timeout``) raises ``TimeoutE
 """
 from __future__ import annotations
 
+import hashlib
+
 from ..ir import Op
 from ..program_io import fingerprint
 from .exchange import publish, read_all
@@ -43,8 +45,18 @@ def describe(program, balance, num_layers: int, world_size: int, early_receives:
             "program fingerprint": f"{fingerprint(program):014x}"}
 
 
-def agree(store, world_rank: int, world_size: int, description: dict, timeout: float) -> None:
-    """Publish this rank's ``description`` (JSON-ready) and check every rank published the same one.
+def model_shapes(state_spec: dict) -> str:
+    """The ``model`` field every rank agrees on: how many tensors the unsplit model's ``state_dict()`` has and a
+    digest of their names and shapes (``Pipeline.state_spec``), so that a model of other widths on one rank (same
+    layer count, other ``Linear`` sizes) is refused at construction on every rank, not at a step's first message."""
+    digest = hashlib.blake2b(repr(sorted(state_spec.items())).encode(), digest_size=6).hexdigest()
+    return f"{len(state_spec)} tensors, names and shapes digest {digest}"
+
+
+def agree(store, world_rank: int, world_size: int, description: dict, timeout: float) -> int:
+    """Publish this rank's ``description`` (JSON-ready) and check every rank published the same one. Returns the
+    round's number (1 for the job's first Pipeline construction, refused ones counted): the same on every rank for
+    one Pipeline, and another for each other Pipeline (the checkpoint votes compare it).
 
     Raises:
         ValueError: a rank refused its arguments (names it and quotes its error), or a rank described another
@@ -65,6 +77,7 @@ def agree(store, world_rank: int, world_size: int, description: dict, timeout: f
                 raise ValueError(f"world rank {rank} built its Pipeline with {field}={theirs.get(field)!r} but world "
                                  f"rank {world_rank} with {field}={mine!r}; every rank must construct Pipeline with "
                                  f"the same arguments (and the same model)")
+    return int(key.rsplit("/", 1)[1])
 
 
 def connected(store, world_rank: int, world_size: int, timeout: float) -> None:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..checks import as_int
+from ..checks import as_int, check_flag, described
 from . import rng_state
 from .failure import describe
 from .optim_state import check_owned, flat_state, load_flat_state
@@ -80,7 +80,9 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
     Raises:
         TypeError, ValueError: a bad argument (names it, its value and what is valid; ``pipe`` not a Pipeline
             included), ranks that give different
-            ``path`` or ``step`` (names both ranks and values), an optimizer on some ranks and ``None`` on a rank
+            ``path`` or ``step`` (names both ranks and values), or different Pipelines (rank-dependent code saving
+            ``pipe_a`` on one rank and ``pipe_b`` on another: names both ranks and each one's Pipeline, which says
+            which of the job's Pipelines it is), an optimizer on some ranks and ``None`` on a rank
             that holds parameters (names both ranks), or an optimizer holding another rank's parameters. Every
             rank that refused its arguments raises the first refusing rank's error; a rank that refused nothing
             raises it named: ``save_checkpoint: world rank R refused its arguments: <its message>``.
@@ -103,12 +105,13 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
         step = None if step is None else as_int(step)  # a numpy integer: a plain int in the vote and the metadata
         state = _named_failure(lambda: _state_to_save(pipe, optimizer, step, extra, rank), "save_checkpoint", rank,
                                "collecting its state to save")  # before the vote: its error is every rank's
-        verdict = Verdict(ok={"path": target, "step": step, **_optimizer_given(pipe, optimizer)})
+        verdict = Verdict(ok={"path": target, "step": step, "pipeline": _which(pipe),
+                              **_optimizer_given(pipe, optimizer)})
     except Exception as exc:  # noqa: BLE001 - every rank must learn it
         verdict = Verdict(error=exc)
     try:
         oks = vote("save_checkpoint", "arguments", verdict, _timeout_of(pipe))
-        for field in ("path", "step"):
+        for field in ("path", "step", "pipeline"):
             check_same(oks, field, "save_checkpoint")
         check_optimizers(oks, "save_checkpoint")
     except Exception:
@@ -152,7 +155,8 @@ def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
     Raises:
         TypeError, ValueError: first, before anything is read, on every rank: a bad ``path``, ``pipe`` or
             ``optimizer`` type (on the other ranks: ``load_checkpoint: world rank R refused its arguments: ...``),
-            ranks that give different ``path`` (absolute; names both ranks and paths), an optimizer on
+            ranks that give different ``path`` (absolute; names both ranks and paths) or different Pipelines
+            (names both ranks and each one's Pipeline), an optimizer on
             some ranks and ``None`` on a rank that holds parameters (names both ranks), or ranks in different
             checkpoint calls (one saving while another loads: names each rank's).
         FileNotFoundError: ``path`` does not exist (names it).
@@ -219,7 +223,11 @@ def load_into(model, path, strict: bool = True) -> CheckpointInfo:
     Raises:
         FileNotFoundError, ValueError: as :func:`load_checkpoint` (a missing, incomplete or foreign directory; the
             first name or shape that does not fit ``model``).
+        TypeError: ``model`` is not an ``nn.Module``, or ``strict`` not a bool (names the argument and its value).
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"load_into: model must be an nn.Module (the unsplit model), got {described(model)}")
+    check_flag(strict, "strict", where="load_into: ")
     target, entries, meta = read_checkpoint(path)
     local = model.state_dict()
     spec = {name: tuple(t.shape) for name, t in local.items()}
@@ -241,7 +249,12 @@ def latest_checkpoint(directory) -> str | None:
     ``ckpt/step-000100`` over ``ckpt/step-000090``), or ``None`` if there is none (or no such directory).
     Hidden entries (a save's temporary directories) and anything that is not a complete pipesched checkpoint are
     skipped. Local: reads the directory on this rank only, so two ranks may get different answers (e.g. a save
-    finishing in between, or a folder not shared); :func:`load_checkpoint` refuses different paths on every rank."""
+    finishing in between, or a folder not shared); :func:`load_checkpoint` refuses different paths on every rank.
+
+    Raises:
+        TypeError: ``directory`` is not a ``str`` or ``os.PathLike`` (names it and the value)."""
+    if isinstance(directory, bytes) or not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"latest_checkpoint: directory must be a str or os.PathLike, got {described(directory)}")
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         return None
@@ -276,6 +289,15 @@ def _timeout_of(pipe) -> float | None:
     return pipe.timeout if isinstance(pipe, Pipeline) else None
 
 
+def _which(pipe) -> str:
+    """Which of the job's Pipelines ``pipe`` is, the same on every rank for one Pipeline and another for any other
+    (its construction's round, :func:`~pipesched.runtime.agreement.agree`), so that rank-dependent code saving
+    (loading) ``pipe_a`` on one rank and ``pipe_b`` on another at one path is refused on every rank, not a
+    checkpoint mixing two models' layers."""
+    return (f"Pipeline #{pipe._construction} of the job ({pipe.program.schedule}, {sum(pipe.balance)} layers, "
+            f"{len(pipe.state_spec)} tensors)")
+
+
 def _optimizer_given(pipe, optimizer) -> dict:
     """What :func:`~pipesched.runtime.vote.check_optimizers` compares: whether this rank gave an optimizer and
     whether its stages hold any parameter."""
@@ -290,11 +312,12 @@ def _agree_load_arguments(path, pipe, optimizer) -> None:
         _check_pipe(pipe)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be None or a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        verdict = Verdict(ok={"path": as_path(path), **_optimizer_given(pipe, optimizer)})
+        verdict = Verdict(ok={"path": as_path(path), "pipeline": _which(pipe), **_optimizer_given(pipe, optimizer)})
     except Exception as exc:  # noqa: BLE001 - every rank must learn it
         verdict = Verdict(error=exc)
     oks = vote("load_checkpoint", "arguments", verdict, _timeout_of(pipe))
     check_same(oks, "path", "load_checkpoint")
+    check_same(oks, "pipeline", "load_checkpoint")
     check_optimizers(oks, "load_checkpoint")
 
 

@@ -10,7 +10,7 @@ from .comm import init_default_group, make_groups, world_and_rank
 from .amp import autocast_context, checked_autocast, loss_scaling
 from .clipping import clip_grad_norm_ as clip_all_stages
 from .collective import fail_every_rank, peer_loss_as_comm_error
-from .agreement import agree, connected, describe, refuse
+from .agreement import agree, connected, describe, model_shapes, refuse
 from .construction import local_setup
 from .executor import Executor
 from .step_state import Links, RankWork
@@ -123,11 +123,16 @@ class Pipeline:
         ScheduleError (``DeadlockError``, ``PairingError``, ...): ``schedule`` is a Program that fails validation
             (the validator's error), before any communication, on every rank.
         ValueError: another rank of the job built its Pipeline with other arguments (names the first that
-            differs, both ranks and both values), or refused its own (quotes its error); checked on every rank
+            differs, both ranks and both values; ``model``: other tensor names or shapes, e.g. other widths, shown
+            as a digest), or refused its own (quotes its error); checked on every rank
             through the default group's store before any pipeline group exists, so no rank waits for the others.
         ValueError: a layer of a recomputed stage on this rank has a forward hook or pre-hook, or a global module
             forward hook is registered (names the layer, its class and the hook; see
             :func:`~pipesched.runtime.recompute.check_no_forward_hooks`); the other ranks raise it too, as above.
+        ValueError: a parameter shares memory with another tensor of the model that is not the same ``Parameter``
+            (a view or slice of another layer's weight, a buffer over a weight) and their uses span two pipeline
+            ranks (names both, their stages and ranks; :mod:`~pipesched.runtime.shared_buffers`), before any
+            communication, on every rank.
         ValueError: the copies of a tied parameter differ between ranks at construction (names the parameter's names
             in the unsplit model and two ranks whose copies differ), on every rank
             (:func:`~pipesched.runtime.ties.check_copies`).
@@ -156,14 +161,15 @@ class Pipeline:
                 refuse(dist.distributed_c10d._get_default_store(), dist.get_rank(), exc)
             raise
         init_default_group(self.device, self.timeout)  # communication starts here
-        agree(dist.distributed_c10d._get_default_store(), self.grid.world_rank, self.grid.world_size,
+        self._construction = agree(  # which of the job's Pipelines this is, the same on every rank (checkpoint.py)
+            dist.distributed_c10d._get_default_store(), self.grid.world_rank, self.grid.world_size,
               dict(costs=costs_field(self._plan, self.costs),  # first: a measured safe program has another name
                    memory_limit=memory_limit_field(memory_limit, self._plan is not None or
                                                    self.program.schedule == "zb-auto", self.program.num_ranks,
                                                    self.program.num_microbatches),
                    **describe(self.program, self.balance, len(layers), self.grid.world_size,
                               self.programs.early_receives),
-                   autocast=str(self.autocast)), self.timeout)
+                   autocast=str(self.autocast), model=model_shapes(self.state_spec)), self.timeout)
         grid = self.grid
         self._tie_groups, ties = start_ties(layers, self.ties, self.program, grid, self.timeout, self.device)
         self._pp_group, self._dp_group = make_groups(grid, self.timeout, self.device)
