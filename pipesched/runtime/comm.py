@@ -171,7 +171,39 @@ def make_groups(grid: Grid, timeout: float, device: torch.device):
     """Create every replica's pipeline group and every pipeline rank's DP group (collective over the world,
     same order on every rank); return ``(my_pp_group, my_dp_group or None)``. Their backend follows the
     device the stages live on (NCCL for CUDA, gloo otherwise), whatever the default group's is. Waits on
-    them time out after ``timeout`` seconds."""
+    them time out after ``timeout`` seconds.
+
+    Raises:
+        PipelineError: the creation failed on some rank, on every rank (:func:`_groups_failed`): the rank that
+            failed first is named with its exception, on that rank at once, on the others (blocked in the
+            creation) when their wait ends, after ``timeout``; where no rank published a failure (a rank never
+            came), this rank's timeout, saying what it waited for and ``timeout``.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    attempt = store.add(f"pipesched/groups/count/{grid.world_rank}", 1)  # this rank's n-th meets the others' n-th
+    try:
+        return _new_groups(grid, timeout, device)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn who failed
+        raise _groups_failed(store, f"pipesched/groups/{attempt}/error", grid, timeout, exc) from exc
+
+
+def _groups_failed(store, key: str, grid: Grid, timeout: float, exc: BaseException):
+    """The ``PipelineError`` for a failed :func:`make_groups`: the first record published under ``key`` (this
+    rank's own if none: published for the others, whose creation waits on this rank until their timeout)."""
+    from .failure import FailureChannel, FailureRecord, PipelineError
+
+    where = (f"while creating the Pipeline's process groups (dist.new_group, every rank of the job, "
+             f"timeout={timeout:g} s)")
+    channel = FailureChannel(store, [])
+    channel.keys = channel.read_keys = [key]
+    mine = FailureRecord.local(grid.world_rank, None, exc, grid.pp_rank, where=where)
+    channel.publish(mine)
+    record = channel.lookup() or mine
+    note = "" if record.rank == grid.world_rank else f"its own wait ended with {type(exc).__name__}"
+    return PipelineError(record, grid.world_rank, note)
+
+
+def _new_groups(grid: Grid, timeout: float, device: torch.device):
     delta = datetime.timedelta(seconds=timeout)
     backend = backend_for(device)
     pp_group = dp_group = None

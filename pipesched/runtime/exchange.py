@@ -28,8 +28,12 @@ from __future__ import annotations
 
 import datetime
 import json
+import time
+
+from .failure import PipelineError, job_failure
 
 _COMPLETE = "complete"
+_POLL_S = 0.05  # the longest pause between two looks at a round's entries (and at the job's failure key)
 
 
 def publish(store, sequence: str, world_rank: int, entry) -> str:
@@ -51,12 +55,17 @@ def read_all(store, key: str, world_rank: int, world_size: int, timeout: float, 
             {late}"``, naming them; or this rank reached a round the others had already given up on:
             ``"world ranks [..] gave up on this round (world ranks [..] did not {late}); world rank R reached it
             after that and does not go on alone"``.
+        PipelineError: another rank's launch ``fn`` raised outside any Pipeline call meanwhile
+            (:func:`~pipesched.runtime.failure.publish_job_failure`): at once, naming it, not after ``timeout``.
     """
     keys = [f"{key}/{rank}" for rank in range(world_size)]
+    failed = None
     try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
+        failed = _wait(store, keys, timeout)
     except Exception as exc:  # noqa: BLE001 - the store reports a timeout as one of several types
         _timed_out(store, key, keys, world_rank, timeout, late, exc)
+    if failed is not None:
+        raise PipelineError(failed, world_rank, f"while waiting for every rank's entry in {key}")
     else:
         ruling = _rule(store, key, _COMPLETE)
         if ruling != _COMPLETE:
@@ -66,6 +75,27 @@ def read_all(store, key: str, world_rank: int, world_size: int, timeout: float, 
                                f"{record['missing']} did not {record['late']}); world rank {world_rank} reached "
                                f"it after that and does not go on alone")
     return [json.loads(store.get(k)) for k in keys]
+
+
+def _wait(store, keys: list, timeout: float):
+    """Wait until every key of ``keys`` is set, at most ``timeout`` seconds (raises as the store's ``wait`` does), or
+    until a launch ``fn`` published its failure (returns that record; ``None`` once the keys are set)."""
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    while not store.check(keys):
+        failed = job_failure(store)
+        if failed is not None:
+            return failed
+        if time.monotonic() >= deadline:  # one last look; the store's own timeout error if still missing
+            try:
+                store.wait(keys, datetime.timedelta(milliseconds=1))
+            except Exception as exc:  # noqa: BLE001 - said with the whole wait's length
+                missing = ", ".join(k for k in keys if not store.check([k]))
+                raise TimeoutError(f"wait timeout after {timeout:g} s, keys: {missing}") from exc
+            return None
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(2 * pause, _POLL_S)
+    return None
 
 
 def _timed_out(store, key: str, keys: list, world_rank: int, timeout: float, late: str, exc) -> None:

@@ -8,9 +8,14 @@ configured timeout, so no rank waits forever even if a process hangs without fai
 
 The store lives in one process (world rank 0 under ``env://``). The rank that publishes the first record,
 and world rank 0, keep their processes, and so the store, up until every rank of the job has read the record
-or a bounded grace period ends (:func:`linger`: ``launch``'s children other than world rank 0 call it before exiting,
-rank 0's waits for the parent's word that every rank reported or died; a Pipeline registers it at interpreter exit). If a rank still finds no record while a connection closed (a process was killed), it names the
-lost rank and publishes that ``lost`` record for the others (:mod:`pipesched.runtime.lost_rank`).
+or a bounded grace period ends (:meth:`FailureChannel.keep_alive_for` registers one :class:`Linger` per record at
+interpreter exit; ``launch``'s children, which skip interpreter exit, each wait instead for the parent's word that every
+rank reported or died, at most ``grace``). If a rank still finds no record while a connection closed (a process was
+killed), it names the lost rank and publishes that ``lost`` record for the others (:mod:`pipesched.runtime.lost_rank`).
+
+A rank whose :func:`~pipesched.runtime.launch` ``fn`` raises outside any Pipeline call publishes a record under the
+job's key (:data:`JOB_KEY`, :func:`publish_job_failure`) before its connections close; every channel reads that key
+first, so a peer's Pipeline names that rank's error, not its closed connection or its unclosed Pipeline.
 """
 from __future__ import annotations
 
@@ -42,6 +47,9 @@ class FailureRecord:
         ended: ``rank`` left on purpose while others could still wait on it: ``"closed"`` (``pipe.close()``) or
             ``"exited"`` (its process or launch ``fn`` ended without closing the Pipeline), published by that rank
             before its connections closed (:mod:`pipesched.runtime.departure`); else ``None``.
+        where: what the rank was running, in words, where no instruction names it (``"while running
+            run_collective's collective"``, ``"in its launch fn, outside any Pipeline call"``); ``None``: while
+            preparing or finishing a step.
     """
 
     rank: int | None
@@ -55,12 +63,15 @@ class FailureRecord:
     id: str | None = None
     lost: bool = False
     ended: str | None = None
+    where: str | None = None
 
     @classmethod
-    def local(cls, rank: int, instr, exc: BaseException, pp_rank: int | None = None) -> FailureRecord:
-        """The record of a failure of this rank: ``exc`` raised while running ``instr`` (or outside any: ``None``)."""
+    def local(cls, rank: int, instr, exc: BaseException, pp_rank: int | None = None,
+              where: str | None = None) -> FailureRecord:
+        """The record of a failure of this rank: ``exc`` raised while running ``instr`` (or outside any: ``None``;
+        ``where`` then says what ran, ``None``: while preparing or finishing a step)."""
         return cls(
-            rank=rank, pp_rank=pp_rank, id=f"{rank}:{time.time_ns()}",
+            rank=rank, pp_rank=pp_rank, id=f"{rank}:{time.time_ns()}", where=None if instr is not None else where,
             instr=None if instr is None else str(instr),
             op=None if instr is None else instr.op.value,
             stage=None if instr is None else instr.stage,
@@ -107,7 +118,8 @@ class PipelineError(RuntimeError):
         rank: world rank of the rank that failed first (``record.lost`` true: of the rank whose process was
             lost).
         pp_rank: its pipeline rank (``None`` if unknown).
-        instr: the instruction it was running, text form (``"F1.2"``), or ``None`` (outside any instruction).
+        instr: the instruction it was running, text form (``"F1.2"``), or ``None`` (outside any instruction: the
+            message then says what ran, ``record.where``, e.g. ``while running run_collective's collective``).
         op, stage, microbatch: the instruction's kind (``"F"``, ``"B"``, ...), stage and microbatch, or ``None``.
         cause: ``"ExceptionType: message"`` of the original exception.
         detail: the original traceback text (on every rank).
@@ -130,6 +142,8 @@ class PipelineError(RuntimeError):
             if self.instr is not None:
                 where = (f"at instruction {self.instr} (kind {self.op}, stage {self.stage}, "
                          f"microbatch {self.microbatch})")
+            elif self.record.where is not None:
+                where = self.record.where
             else:
                 where = "outside any instruction (while preparing or finishing the step)"
             who = f"world rank {self.rank}" + (f" (pipeline rank {self.pp_rank})" if self.pp_rank is not None else "")
@@ -168,6 +182,7 @@ class FailureChannel:
         self.store = store
         self.unreachable = False  # a store operation failed: its host process has probably exited
         self.keys = [f"pipesched/{name}/error" for name in group_names]
+        self.read_keys = [JOB_KEY, *self.keys]  # a launch fn's own failure (publish_job_failure) is read first
 
     def publish(self, record: FailureRecord) -> None:
         """Write ``record`` under every key that holds no record yet (best effort: the store may be gone)."""
@@ -183,7 +198,7 @@ class FailureChannel:
         deadline = time.monotonic() + wait_s
         errors = 0
         while True:
-            for key in self.keys:
+            for key in self.read_keys:
                 try:
                     if self.store.check([key]):
                         return FailureRecord.from_json(self.store.get(key).decode())
@@ -205,38 +220,66 @@ class FailureChannel:
             except Exception:  # noqa: BLE001 - best effort
                 self.unreachable = True
 
-    def keep_alive_for(self, record: FailureRecord, world_size: int, grace_s: float) -> None:
-        """This process published ``record`` first (or hosts the store): let :func:`linger` keep it up at exit
-        until all ``world_size`` ranks have read it, at most ``grace_s`` seconds."""
-        if world_size > 1 and record.id is not None:
-            global _registered
-            readers = world_size - 1 if record.lost or record.ended else world_size  # nor does a rank that left
-            _origins.append((self.store, _seen_key(record), readers, grace_s))
-            if not _registered:
-                _registered = True
-                atexit.register(linger)
+    def keep_alive_for(self, record: FailureRecord, world_size: int, grace_s: float) -> Linger | None:
+        """This process published ``record`` first (or hosts the store): keep it up at interpreter exit until all
+        ``world_size`` ranks have read it, at most ``grace_s`` seconds (a :class:`Linger` of its own, registered with
+        ``atexit``; returned, ``None`` when nobody else reads the record)."""
+        if world_size <= 1 or record.id is None:
+            return None
+        readers = world_size - 1 if record.lost or record.ended else world_size  # nor does a rank that left
+        wait = Linger(self.store, _seen_key(record), readers, grace_s)
+        atexit.register(wait)
+        return wait
 
 
 def _seen_key(record: FailureRecord) -> str:
     return f"pipesched/seen/{record.id}"
 
 
-_origins: list = []  # (store, seen key, world size, grace s) of records this process published first
-_registered = False
+class Linger:
+    """Keeps this process (and the store it may host) up until ``readers`` ranks have read one failure record (the
+    count under ``key``), at most ``grace_s`` seconds; called once, at interpreter exit or earlier."""
 
+    def __init__(self, store, key: str, readers: int, grace_s: float) -> None:
+        self.store, self.key, self.readers, self.grace_s = store, key, readers, grace_s
 
-def linger(max_s: float | None = None) -> float:
-    """Wait until every rank has read each failure record this process published first, so that the store
-    it may host stays reachable; at most each record's grace (or ``max_s``) seconds. Returns the seconds waited."""
-    start = time.monotonic()
-    while _origins:
-        store, key, world, grace = _origins.pop()
-        deadline = start + (grace if max_s is None else min(grace, max_s))
+    def __call__(self, max_s: float | None = None) -> float:
+        """Wait (at most ``grace_s``, or ``max_s`` if smaller); returns the seconds waited. Unregisters itself: a
+        later call, or interpreter exit, waits no more."""
+        atexit.unregister(self)
+        start = time.monotonic()
+        deadline = start + (self.grace_s if max_s is None else min(self.grace_s, max_s))
+        self.grace_s = 0.0
         while time.monotonic() < deadline:
             try:
-                if store.add(key, 0) >= world:
+                if self.store.add(self.key, 0) >= self.readers:
                     break
             except Exception:  # noqa: BLE001 - the store is gone: nothing to keep alive
                 break
             time.sleep(0.05)
-    return time.monotonic() - start
+        return time.monotonic() - start
+
+
+#: the store key of the first failure of a launch ``fn`` outside any Pipeline call (:func:`publish_job_failure`)
+JOB_KEY = "pipesched/job/error"
+
+
+def publish_job_failure(store, rank: int, exc: BaseException) -> FailureRecord:
+    """Publish (first wins, best effort) that world rank ``rank``'s launch ``fn`` raised ``exc`` outside any Pipeline
+    call, under :data:`JOB_KEY`; returns the record now there (another rank's, if it published first)."""
+    record = FailureRecord.local(rank, None, exc, where="in its launch fn, outside any Pipeline call")
+    try:
+        found = store.compare_set(JOB_KEY, "", record.to_json())
+        return FailureRecord.from_json(found.decode() if isinstance(found, bytes) else found)
+    except Exception:  # noqa: BLE001 - the store is gone: the parent still reports this rank's error
+        return record
+
+
+def job_failure(store) -> FailureRecord | None:
+    """The record :func:`publish_job_failure` left, ``None`` if none (or the store does not answer)."""
+    try:
+        if store.check([JOB_KEY]):
+            return FailureRecord.from_json(store.get(JOB_KEY).decode())
+    except Exception:  # noqa: BLE001 - a store that is gone holds nothing
+        pass
+    return None

@@ -58,13 +58,16 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
       spawned child cannot run (above), with the reason and what to do.
 
     When a child's ``fn`` returns or raises, the child reports, then destroys its process groups (its gloo
-    connections close, so a peer blocked on it fails at once, as if it had exited). World rank 0's child hosts the
-    c10d store: it stays up after that until every other rank's ``fn`` has ended (reported, or its process died),
-    at most ``grace`` seconds, so a rank that returned early never takes the store from ranks still using it
-    (a checkpoint vote, a failure record). The other children stay up at most ``grace`` seconds while a failure
-    record they published first is unread. ``launch`` returns as soon as every rank has reported or died and
-    stops the children still up (SIGTERM, then SIGKILL after 5 s for all of them together). Worst case, from the
-    start: ``timeout`` + 5 s; from the first failure (an exception reported, or a child found dead about 0.2 s
+    connections close, so a peer blocked on it fails at once, as if it had exited). Every child then stays up until
+    every rank's ``fn`` has ended (reported, or its process died), at most ``grace`` seconds: world rank 0's child
+    hosts the c10d store, so a rank that returned early never takes the store from ranks still using it (a
+    checkpoint vote, a failure record), and a rank that failed first keeps its record readable. A ``fn`` that raises
+    outside any Pipeline call publishes its error first (:func:`~pipesched.runtime.failure.publish_job_failure`):
+    a peer's Pipeline, or a peer waiting in a construction or checkpoint round, then raises a ``PipelineError``
+    naming that rank and its error, at once (a peer blocked in ``fn``'s own collective gets torch's closed-connection
+    error there, and its child reports a ``PipelineError`` naming that rank instead). ``launch`` returns as soon as
+    every rank has reported or died and stops the children still up (SIGTERM, then SIGKILL after 5 s for all of
+    them together). Worst case, from the start: ``timeout`` + 5 s; from the first failure (an exception reported, or a child found dead about 0.2 s
     after it died): ``grace`` + 5 s.
 
     Ctrl-C (``KeyboardInterrupt`` in this process) prints ``interrupted: stopping N ranks`` to ``sys.stderr``,
@@ -73,8 +76,8 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
 
     Args:
         timeout: seconds for the whole run; grace: seconds the others get to end after one child fails; the
-            most world rank 0's child waits for the others' ``fn`` after its own ended; the most a child whose
-            rank failed first stays up until the others have read its failure record. Children start with
+            most a child waits for the others' ``fn`` after its own ended (world rank 0's hosts the store; a rank
+            that failed first keeps its failure record readable). Children start with
             ``TORCH_CPP_LOG_LEVEL=ERROR`` unless it is set (a forked child that inherits an imported torch keeps
             this process's level).
 
@@ -82,8 +85,8 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
         The return values of ``fn``, by rank (they must be picklable).
     Raises:
         The first failing child's exception (preferring the rank a :class:`PipelineError` names as the
-        origin), re-raised with the child's traceback as ``__cause__``; the other children get ``grace``
-        seconds to end on their own and are then terminated.
+        origin: its own ``PipelineError``, or the exception its ``fn`` raised), re-raised with the child's traceback
+        as ``__cause__``; the other children get ``grace`` seconds to end on their own and are then terminated.
         ValueError: a ``start_method`` that cannot run ``fn`` here (says why and what to do); a bad ``world_size``,
             ``timeout``, ``grace`` or ``threads`` (names it and what is valid), before any child starts.
         TimeoutError: the children did not all finish within ``timeout`` seconds (all are terminated).
@@ -273,9 +276,14 @@ def _drain(results, outcome, errors) -> bool:
 def _reraise(errors) -> None:
     died = [e for e in errors if e[2] is None]  # a child that died without reporting (text None)
     chosen = died[0] if died else errors[0]
+    named = {getattr(exc, "rank", None) for exc in map(_load, (e[1] for e in errors))
+             if exc is not None and type(exc).__name__ == "PipelineError"}
     for rank, payload, text in errors:
         exc = _load(payload)
         if exc is not None and getattr(exc, "rank", None) == rank and type(exc).__name__ == "PipelineError":
+            chosen = (rank, payload, text)
+            break
+        if not died and rank in named and text is not None:  # the origin's own exception, which the others named
             chosen = (rank, payload, text)
             break
     rank, payload, text = chosen
@@ -301,8 +309,6 @@ def _child(rank, world_size, port, threads, fn, args, results, grace, released) 
     import torch
     import torch.distributed as dist
 
-    from .failure import linger
-
     torch.set_num_threads(threads)
     store = None
     try:
@@ -312,6 +318,7 @@ def _child(rank, world_size, port, threads, fn, args, results, grace, released) 
         results.put(("ok", rank, pickle.dumps(value), ""))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         text = traceback.format_exc()
+        exc = _told(exc, rank, store)  # before this rank's connections close (finally)
         try:
             payload = pickle.dumps(exc)
         except Exception:  # noqa: BLE001
@@ -322,11 +329,30 @@ def _child(rank, world_size, port, threads, fn, args, results, grace, released) 
         results.join_thread()
         gc.collect()  # the Pipelines fn left unclosed announce it to peers still waiting (runtime/departure.py)
         _close_groups(dist)  # peers blocked on this rank fail at once, as if it had exited
-        if rank == 0 and store is not None:
-            released.wait(grace)  # the store host stays until every other rank's fn has ended (or died)
-        else:
-            linger(grace)  # a rank that failed first stays until the others have read its record
+        # every rank stays until every rank's fn has ended (or died), at most grace: the store host for the others, a
+        # rank that failed first until the others have read its record (os._exit skips a Pipeline's atexit Linger)
+        released.wait(grace)
         os._exit(0)  # skip interpreter teardown (gloo threads); closes this rank's connections at once
+
+
+def _told(exc: BaseException, rank: int, store) -> BaseException:
+    """What this rank reports for ``exc``, its ``fn``'s exception outside any Pipeline call: its own failure is
+    published for the others (:func:`~pipesched.runtime.failure.publish_job_failure`: a peer's Pipeline, or a peer
+    waiting in a store round, names it); a collective error or timeout that followed another rank's published
+    failure is reported as a ``PipelineError`` naming that rank. A ``PipelineError`` is reported as it is."""
+    from .failure import PipelineError, describe, job_failure, publish_job_failure
+    from .torch_errors import peer_closed_connection
+
+    if store is None or isinstance(exc, PipelineError):
+        return exc
+    import torch.distributed as dist
+
+    earlier = job_failure(store)
+    waited = peer_closed_connection(exc) or isinstance(exc, (TimeoutError, getattr(dist, "DistError", TimeoutError)))
+    if earlier is not None and earlier.rank != rank and waited:
+        return PipelineError(earlier, rank, f"its launch fn then raised {describe(exc)}")
+    publish_job_failure(store, rank, exc)
+    return exc
 
 
 def _close_groups(dist) -> None:

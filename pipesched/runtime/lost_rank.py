@@ -8,7 +8,10 @@ same lost rank instead of its direct peer. Who is lost, in order:
 
 1. the store is unreachable: the process hosting it is gone, and under ``env://`` and
    :func:`~pipesched.runtime.launch` that is world rank 0 (it lingers while any rank has a record to read,
-   :func:`~pipesched.runtime.failure.linger`, so it is gone only if it was lost). Under torchrun's agent store
+   :class:`~pipesched.runtime.failure.Linger`, so it is gone only if it was lost). Unless this rank itself began the
+   call more than ``timeout`` after its previous call ended: a rank waiting on it meanwhile timed out, so the job most
+   likely ended already and the store host exited after naming that failure (gone with the store): the record then
+   says so (``ended="exited"``), not that the host was killed. Under torchrun's agent store
    (``TORCHELASTIC_USE_AGENT_STORE=True``) the store outlives every worker and this rule never applies;
 2. a point-to-point wait: the peer it waited on;
 3. a collective (the step-opening all-gather, the data-parallel all-reduce): the first member of this rank's
@@ -55,7 +58,8 @@ def closed_members(group, world_ranks, device) -> list[int]:
     return closed
 
 
-def lost_record(exc: CommError, grid, failures: FailureChannel, groups, device) -> FailureRecord | None:
+def lost_record(exc: CommError, grid, failures: FailureChannel, groups, device, away_s: float = 0.0,
+                timeout: float = float("inf")) -> FailureRecord | None:
     """The record naming the lost rank after ``exc`` (a wait whose connection closed) found no failure record
     in the store; published (the first published wins, and that one is returned, so every rank names the same).
 
@@ -65,11 +69,23 @@ def lost_record(exc: CommError, grid, failures: FailureChannel, groups, device) 
         failures: the failure channel (its ``unreachable`` flag says whether the store answered).
         groups: ``(pipeline group, data-parallel group or None)`` of this rank, before teardown.
         device: the stages' device (probing needs gloo: CPU).
+        away_s: how long this rank was away from the Pipeline before the failing call (since its last call ended);
+            more than ``timeout`` (the Pipeline's) with the store host gone: the job most likely already ended.
     Returns:
         A ``lost`` :class:`~pipesched.runtime.failure.FailureRecord` (its ``rank``/``pp_rank``: the lost rank), or
         ``None`` when no lost rank can be named (a collective whose members all still answer).
     """
     host = store_host()
+    me = f"world rank {grid.world_rank} (pipeline rank {grid.pp_rank})"
+    if failures.unreachable and host is not None and host != grid.world_rank and away_s > timeout:
+        return FailureRecord(
+            rank=host, pp_rank=host % grid.pp_size, ended="exited", id=f"exited:{host}:{time.time_ns()}",
+            cause=f"the job most likely ended already: world rank {host} (pipeline rank {host % grid.pp_size}), which "
+                  f"hosts the store, has exited (the store no longer answers), and {me} began this call {away_s:.0f} s "
+                  f"after its previous one ended, more than timeout={timeout:g} s, so a rank waiting on it meanwhile "
+                  f"timed out; the failure record that named the rank that failed first went with the store. "
+                  f"{me} found this while waiting for {exc.what}",
+            traceback=f"{type(exc.original).__name__}: {exc.original}")
     if failures.unreachable and host is not None and host != grid.world_rank:
         lost, how = host, "hosts the store, which no longer answers"
     elif exc.peer is not None:
@@ -84,7 +100,6 @@ def lost_record(exc: CommError, grid, failures: FailureChannel, groups, device) 
         if not closed:
             return None
         lost, how = closed[0], "closed its connection"
-    me = f"world rank {grid.world_rank} (pipeline rank {grid.pp_rank})"
     record = FailureRecord(
         rank=lost, pp_rank=lost % grid.pp_size, lost=True, id=f"lost:{lost}:{time.time_ns()}",
         cause=f"world rank {lost} (pipeline rank {lost % grid.pp_size}) was lost: its process ended in the middle of "

@@ -1,6 +1,7 @@
 """``Pipeline``: an ``nn.Sequential`` trained with a compiled pipeline schedule over torch.distributed."""
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 import torch
@@ -192,6 +193,7 @@ class Pipeline:
         self._broken: PipelineError | None = None
         self._closed = False
         self._running = 0  # calls (step, forward, collectives) in progress on this Pipeline
+        self._idle_since, self._away_s = time.monotonic(), 0.0  # the last call's end; the pause before this call
         self._departure = watch(self, self._failures, self.grid)  # said to peers still waiting if it goes unclosed
 
     @classmethod
@@ -262,7 +264,8 @@ class Pipeline:
                            "the collective of run_collective")  # as a lost peer in work is named
             return work(self._pp_group, self._dp_group)
 
-        return self._guarded(lambda: peer_loss_as_comm_error(run, "the collective of run_collective"))
+        return self._guarded(lambda: peer_loss_as_comm_error(run, "the collective of run_collective"),
+                             where="in a collective call outside any step (run_collective)")
 
     def state_dict(self) -> dict:
         """Every parameter and buffer of this rank under the unsplit model's names (``"3.attn.weight"``), detached,
@@ -467,14 +470,16 @@ class Pipeline:
         if self._broken is not None:
             raise PipelineError(self._broken.record, self.grid.world_rank, "this Pipeline failed in an earlier step")
 
-    def _guarded(self, run):
+    def _guarded(self, run, where: str | None = None):  # where: what runs, for a failure outside any instruction
         self._running += 1  # close() refuses to run inside a call (a layer's forward, a hook, another thread)
+        self._away_s = time.monotonic() - self._idle_since  # said if the store host is gone (lost_rank.py)
         try:
             return run()
         except Rejected as exc:  # every rank refused the call alike: a plain ValueError (TypeError), no record
             raise exc.kind(str(exc)) from exc.__cause__
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
-            error = fail(self, exc)
+            error = fail(self, exc, where)
             raise error from (None if isinstance(exc, CommError) else exc)
         finally:
             self._running -= 1
+            self._idle_since = time.monotonic()

@@ -17,19 +17,21 @@ from .stalled import silent_members, stall_note
 _ORIGIN_GRACE_S = 30.0  # at most this the origin's (and the store host's) process lingers at exit for its peers
 
 
-def fail(pipe, exc: BaseException) -> PipelineError:
+def fail(pipe, exc: BaseException, where: str | None = None) -> PipelineError:
     """Publish (or read) the first failure, tear ``pipe``'s process groups down, and return the ``PipelineError``
-    to raise (also kept as ``pipe._broken``: every later call raises it)."""
+    to raise (also kept as ``pipe._broken``: every later call raises it). ``where``: what ran, said where no
+    instruction was running (``None``: a step, while preparing or finishing it)."""
     grid, me, instr = pipe.grid, pipe.grid.world_rank, pipe._executor.current
     note, record = "", None
     if isinstance(exc, CommError):
         note = f"while waiting for {exc.what}"
         record = pipe._failures.lookup(wait_s=1.0)
         if record is None and exc.connection_lost:  # a process was lost: name it (published for the others)
-            record = lost_record(exc, grid, pipe._failures, (pipe._pp_group, pipe._dp_group), pipe.device)
+            record = lost_record(exc, grid, pipe._failures, (pipe._pp_group, pipe._dp_group), pipe.device,
+                                 away_s=getattr(pipe, "_away_s", 0.0), timeout=pipe.timeout)
     origin = record is None
     if origin:
-        record = FailureRecord.local(me, instr, exc, grid.pp_rank)
+        record = FailureRecord.local(me, instr, exc, grid.pp_rank, where=where)
         if isinstance(exc, CommError) and not exc.connection_lost:  # timed out: name who did not (stalled.py)
             members = set(grid.pipeline_ranks(grid.dp_rank)) | set(grid.dp_ranks(grid.pp_rank))
             note = stall_note(silent_members(pipe._failures, me, members), grid.pp_size, pipe.timeout)

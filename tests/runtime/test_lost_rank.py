@@ -140,13 +140,13 @@ def test_a_collective_names_the_member_whose_connection_closed_and_publishes_it(
 def test_the_store_host_lingers_for_the_survivors_only_after_a_lost_record():
     """World rank 0 keeps the store up until every rank read the record; the lost rank never reads it, so for a
     lost record the survivors (world size - 1) are everyone."""
-    from pipesched.runtime.failure import FailureChannel, FailureRecord, linger
+    from pipesched.runtime.failure import FailureChannel, FailureRecord
 
     class Counting:
         def add(self, key, n):
             return 2  # two of three ranks have read it
 
-    FailureChannel(Counting(), ["g"]).keep_alive_for(FailureRecord(rank=1, id="lost:1:5", lost=True), 3, 30.0)
+    linger = FailureChannel(Counting(), ["g"]).keep_alive_for(FailureRecord(rank=1, id="lost:1:5", lost=True), 3, 30.0)
     assert linger(max_s=5.0) < 1.0  # returns at once, not after the grace
 
 

@@ -192,13 +192,14 @@ class _CountingStore:
 
 
 def test_a_failing_rank_lingers_until_every_rank_read_its_record_at_most_its_grace():
-    from pipesched.runtime.failure import FailureChannel, FailureRecord, linger
+    from pipesched.runtime.failure import FailureChannel, FailureRecord
     info = FailureRecord(rank=0, id="0:1")
-    FailureChannel(_CountingStore(2), ["g"]).keep_alive_for(info, 2, 30.0)  # both ranks have read it
+    linger = FailureChannel(_CountingStore(2), ["g"]).keep_alive_for(info, 2, 30.0)  # both ranks have read it
     assert linger() < 10.0  # returns at once, far inside the 30 s grace
-    FailureChannel(_CountingStore(1), ["g"]).keep_alive_for(info, 2, 30.0)  # the other rank never reads it
+    linger = FailureChannel(_CountingStore(1), ["g"]).keep_alive_for(info, 2, 30.0)  # the other rank never reads it
     assert linger(max_s=0.1) < 10.0  # bounded by max_s, not the 30 s grace
-    assert linger() == pytest.approx(0.0, abs=5.0)  # nothing left to wait for
+    assert linger() == pytest.approx(0.0, abs=5.0)  # nothing left to wait for (nor at interpreter exit)
+    assert FailureChannel(_CountingStore(0), ["g"]).keep_alive_for(info, 1, 30.0) is None  # nobody else reads it
 
 
 def test_clocks_turn_marks_into_seconds_from_the_step_start(monkeypatch):
