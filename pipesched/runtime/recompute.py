@@ -17,10 +17,13 @@ Python attributes a forward assigns (not buffers) are not replayed.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import torch
 from torch import nn
+
+from .shared_buffers import byte_span, storage_groups
 
 
 def rng_state(device: torch.device) -> tuple:
@@ -57,6 +60,68 @@ def _buffer_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
     """Every ``(owner, name)`` that holds a buffer (or ``None``) in ``module``, each once; one tensor registered
     in two places gives two slots."""
     return [(owner, name) for owner in module.modules() for name in owner._buffers]
+
+
+def _memory_groups(tensors) -> list[list[torch.Tensor]]:
+    """The distinct tensors of ``tensors`` (``None`` skipped), grouped by memory as
+    :mod:`~pipesched.runtime.shared_buffers` groups a model's (one storage, overlapping bytes); groups in order
+    of first appearance (tensors alone on their storage first: the common case, which skips the grouping)."""
+    distinct = list({id(t): t for t in tensors if t is not None}.values())
+    keys = [_storage_key(t) for t in distinct]
+    storages = collections.Counter(key for key in keys if key is not None)
+    alone = [key is None or storages[key] == 1 for key in keys]
+    holder = nn.Module()
+    for k, t in enumerate(t for t, single in zip(distinct, alone) if not single):
+        holder._buffers[str(k)] = t
+    return [[t] for t, single in zip(distinct, alone) if single] + [
+        [owner._buffers[key] for _, _, owner, key, _ in group] for group in storage_groups([holder], [1])]
+
+
+def _storage_key(t: torch.Tensor):
+    """``(device, storage address)`` of ``t``, or ``None`` where it has no ordinary storage (cheaper than
+    :func:`~pipesched.runtime.shared_buffers.byte_span`: only tensors that share a key are grouped further)."""
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return None
+    return (t.device, ptr) if ptr else None
+
+
+def _clone_together(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    """Clones of ``tensors`` (distinct tensors over one memory: one group of :func:`_memory_groups`) that share
+    memory exactly as they do: the bytes they cover are cloned once and each clone is a view of that copy with its
+    tensor's dtype, offset, size and stride (so a write through one is read through the other, as in the model).
+    One tensor is cloned alone, and so is each of a group that cannot be rebuilt so (no ordinary storage, a
+    conjugate or negative view, quantized). Returns the clones and the bytes they hold. Call under ``no_grad``."""
+    if len(tensors) == 1:
+        clone = tensors[0].detach().clone()
+        return [clone], clone.numel() * clone.element_size()
+    spans = [byte_span(t) for t in tensors]
+    if all(s is not None for s in spans) and not any(
+            t.is_conj() or t.is_neg() or t.is_quantized for t in tensors):
+        align = max(t.element_size() for t in tensors)  # powers of two: every member's offset stays whole
+        first = min(s[1] for s in spans) // align * align
+        end = max(s[2] for s in spans)
+        size = -(-(end - first) // align) * align
+        raw = torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(tensors[0].untyped_storage())
+        base = torch.empty(size, dtype=torch.uint8, device=raw.device)
+        base[:end - first].copy_(raw[first:end])
+        return [base.view(t.dtype).as_strided(t.shape, t.stride(),
+                                              (t.storage_offset() * t.element_size() - first) // t.element_size())
+                for t in tensors], size
+    clones = [t.detach().clone() for t in tensors]
+    return clones, sum(t.numel() * t.element_size() for t in clones)
+
+
+def _scratch(tensors, groups=None) -> list:
+    """A scratch copy of each of ``tensors`` (``None`` stays ``None``): one tensor in two places gets one copy, and
+    tensors that share memory get copies that share it alike (:func:`_clone_together`). ``groups``: those of
+    :func:`_memory_groups` for ``tensors``, where known."""
+    copies: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for group in _memory_groups(tensors) if groups is None else groups:
+            copies.update(zip(map(id, group), _clone_together(group)[0]))
+    return [None if t is None else copies[id(t)] for t in tensors]
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -119,23 +184,28 @@ class BufferLedger:
     """
 
     def __init__(self) -> None:
-        self._latest: dict[int, torch.Tensor] = {}  # id(buffer) -> the clone of its value at the last snapshot
+        # ids of a group of buffers over one memory -> the clones of their values at the last snapshot
+        self._latest: dict[tuple, list[torch.Tensor]] = {}
 
     def snapshot(self, module: nn.Module) -> BufferSnapshot:
-        """Every buffer of ``module`` as it is now (see the class)."""
+        """Every buffer of ``module`` as it is now (see the class). Buffers that share memory (views of one
+        storage) are cloned together, into clones that share memory alike (:func:`_clone_together`)."""
         slots = _buffer_slots(module)
-        tensors = {id(t): t for t in (owner._buffers[name] for owner, name in slots) if t is not None}
-        known = [(key, t, self._latest[key]) for key, t in tensors.items() if key in self._latest]
-        same = _same_bits([(t, clone) for _, t, clone in known])
-        values = {key: clone for (key, _, clone), keep in zip(known, same) if keep}
+        groups = {tuple(map(id, group)): group for group in _memory_groups([owner._buffers[name]
+                                                                           for owner, name in slots])}
+        known = [key for key in groups if key in self._latest]
+        same = iter(_same_bits([pair for key in known for pair in zip(groups[key], self._latest[key])]))
+        kept = {key for key in known if all([next(same) for _ in key])}
+        values: dict[int, torch.Tensor] = {}
         made = 0
         with torch.no_grad():
-            for key, t in tensors.items():
-                if key not in values:
-                    values[key] = self._latest[key] = t.detach().clone()
-                    made += t.numel() * t.element_size()
+            for key, group in groups.items():
+                if key not in kept:
+                    self._latest[key], nbytes = _clone_together(group)
+                    made += nbytes
+                values.update(zip(key, self._latest[key]))
         return BufferSnapshot(slots, [None if owner._buffers[name] is None else values[id(owner._buffers[name])]
-                                      for owner, name in slots], made)
+                                      for owner, name in slots], made, [self._latest[key] for key in groups])
 
 
 class BufferSnapshot:
@@ -145,30 +215,27 @@ class BufferSnapshot:
         nbytes: bytes of the clones this snapshot made (those it shares with an earlier one are not counted).
     """
 
-    def __init__(self, slots, values, nbytes: int) -> None:
+    def __init__(self, slots, values, nbytes: int, groups) -> None:
         self._slots, self._values, self.nbytes = slots, values, nbytes
+        self._groups = groups  # the distinct values, grouped by memory (as the buffers they are clones of)
 
     def replayed(self):
         """A context for the recompute: every buffer slot holds a scratch copy of its value at the snapshot
-        (slots that shared a tensor share one copy), so the recompute computes with the values its forward saw,
-        also when another microbatch's forward changed them since, and writes only to the copies; on exit (also
+        (slots that shared a tensor share one copy; buffers that share memory, views of one storage, get copies
+        that share it alike, so a write through one is read through the other as in the model), so the recompute
+        computes with the values its forward saw, also when another microbatch's forward changed them since, and
+        writes only to the copies; on exit (also
         on an exception) every slot holds again the very tensor it held on entry, untouched. Tensors the
         recompute's autograd graph saved from a buffer are the copies, which nothing changes any more."""
-        with torch.no_grad():
-            scratch: dict[int, torch.Tensor] = {}
-            values = [None if v is None else scratch.setdefault(id(v), v.clone()) for v in self._values]
-        return _swapped(self._slots, values)
+        return _swapped(self._slots, _scratch(self._values, self._groups))
 
 
 def scratch_buffers(module: nn.Module):
     """A context in which every buffer of ``module`` is a scratch copy, so a forward run inside it (a
-    measurement) leaves the module's buffers exactly as they were."""
+    measurement) leaves the module's buffers exactly as they were; buffers that share memory get copies that
+    share it alike (the W of a split backward recomputes a checkpointed region in it)."""
     slots = _buffer_slots(module)
-    with torch.no_grad():
-        scratch: dict[int, torch.Tensor] = {}
-        values = [None if t is None else scratch.setdefault(id(t), t.detach().clone())
-                  for t in (owner._buffers[name] for owner, name in slots)]
-    return _swapped(slots, values)
+    return _swapped(slots, _scratch([owner._buffers[name] for owner, name in slots]))
 
 
 # ---- hooks --------------------------------------------------------------------------------------------------

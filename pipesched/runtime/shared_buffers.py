@@ -56,7 +56,7 @@ def shared_buffers(layers: Sequence[nn.Module], balance: Sequence[int], stage_to
     their names. Raises ``ValueError`` (:func:`_refuse_aliased`) where such memory is also a parameter's, another
     tensor's too, and its uses span ranks (before any communication: every rank builds the same model)."""
     shared = []
-    for group in _storage_groups(layers, balance):
+    for group in storage_groups(layers, balance):
         if any(kind == "parameter" for *_, kind in group):
             _refuse_aliased(group, stage_to_rank)
             continue
@@ -96,7 +96,7 @@ def _refuse_aliased(group, stage_to_rank) -> None:
                      f"(balance=)")
 
 
-def _storage_groups(layers: Sequence[nn.Module], balance: Sequence[int]) -> list[list]:
+def storage_groups(layers: Sequence[nn.Module], balance: Sequence[int]) -> list[list]:
     """Every use of a parameter or buffer, grouped by memory: ``[(name, stage, owner, key, kind), ...]`` per group
     (``kind`` ``"parameter"`` or ``"buffer"``), uses in model order, groups in the order of their first use. One
     tensor's uses are one group; tensors over one storage whose byte ranges overlap join a group (a tensor without
@@ -112,7 +112,7 @@ def _storage_groups(layers: Sequence[nn.Module], balance: Sequence[int]) -> list
                         name = ".".join(p for p in (str(index), path, key) if p)
                         uses.setdefault(id(tensor), []).append((next(number), name, stage, owner, key, kind))
                         if id(tensor) not in spans:
-                            spans[id(tensor)] = _span(tensor)
+                            spans[id(tensor)] = byte_span(tensor)
     parent = {k: k for k in uses}
 
     def root(k):
@@ -138,7 +138,7 @@ def _storage_groups(layers: Sequence[nn.Module], balance: Sequence[int]) -> list
     return [[use[1:] for use in sorted(group, key=lambda use: use[0])] for group in groups.values()]
 
 
-def _span(tensor) -> tuple | None:
+def byte_span(tensor) -> tuple | None:
     """``((device, storage address), first byte, end byte)`` of the memory ``tensor`` covers, or ``None`` where it
     has none to share (empty, meta, sparse, or a tensor without an ordinary storage)."""
     try:
