@@ -82,13 +82,17 @@ def check_rows_meet(heads: list[list[int]], mark: int) -> None:
                            f"(by pipeline rank: {counts}); call it on every rank alike")
 
 
-def meet(group, size: int, device, mark: int, what: str) -> None:
+def meet(group, size: int, device, mark: int, what: str, words: list | None = None) -> list:
     """A row shaped as the step opening's and clip's (``ROW_LEN`` int64 words, ``mark`` first), so that a rank that
     is in another pipeline collective meanwhile meets it in an all-gather of the same size and every rank raises one
     error naming the calls (:func:`check_rows_meet`), instead of gloo aborting on two gathers of different sizes or
-    waiting for the timeout. ``what``: the all-gather, for a ``CommError``."""
-    rows = gather_rows([mark] + [0] * (ROW_LEN - 1), group, size, torch.int64, device, what)
+    waiting for the timeout. ``what``: the all-gather, for a ``CommError``. ``words``: the row after ``mark``
+    (``ROW_LEN - 1`` words, the first 0; default zeros), e.g. the call's arguments (``runtime/call_args.py``).
+    Returns every rank's row, by rank."""
+    row = [mark] + (list(words) if words is not None else [0] * (ROW_LEN - 1))
+    rows = gather_rows(row, group, size, torch.int64, device, what)
     check_rows_meet([row[:2] for row in rows], mark)
+    return rows
 
 
 def replica_rows(words: list, mark: int, dp_group, grid, device, what: str, mismatch) -> list:

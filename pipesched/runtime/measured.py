@@ -9,7 +9,8 @@ import torch.distributed as dist
 from ..ir import Instr
 from ..timeline import Event, Timeline, peak_inflight
 from .failure import CommError
-from .handshake import TIMELINE_MARK, meet
+from .call_args import meet_with_argument
+from .handshake import TIMELINE_MARK
 
 
 @dataclass
@@ -59,24 +60,32 @@ def local_timeline(record: StepRecord, program, pp_rank: int) -> Timeline:
                     _inflight(program, record.train), peaks, ranks=(pp_rank,))
 
 
-def gather_timeline(record: StepRecord, program, pp_rank: int, group, device=None) -> Timeline:
+def gather_timeline(record: StepRecord | None, program, pp_rank: int, group, device=None, kind: object = "step",
+                    refusal: BaseException | None = None) -> Timeline:
     """Every pipeline rank's events of the last step in one timeline (collective over the pipeline group).
 
     Clocks are aligned with each rank's wall-clock time at its step start (exact on one host; across
     hosts as good as their clock synchronisation): time 0 is the earliest rank's start.
 
-    ``device``: where the row of :func:`_meet` goes (the pipeline's device; None: CPU).
+    ``device``: where the meeting row goes (the pipeline's device; None: CPU). ``kind``: the caller's argument and
+    ``refusal``: this rank's own error about it (a bad ``kind``, no finished ``kind``; ``record`` is then None), both
+    carried in the row with which the ranks meet, before anything else travels
+    (:func:`~pipesched.runtime.call_args.meet_with_argument`).
 
     Raises:
         CommError: the all-gather failed (a peer is gone, or the timeout passed); the Pipeline turns it into a
             ``PipelineError`` naming the rank that failed first or was lost.
-        RuntimeError: some pipeline ranks are in another collective call (:func:`_meet`).
+        RuntimeError: some pipeline ranks are in another collective call
+            (:func:`~pipesched.runtime.handshake.check_rows_meet`).
+        Rejected: a rank refused its ``kind``, or the ranks passed different ones
+            (:func:`~pipesched.runtime.call_args.judge`): on every rank, before the events travel.
     """
+    meet_with_argument(group, program.num_ranks, device, TIMELINE_MARK,  # every rank in gather_timeline(), same kind
+                       "the all-gather of gather_timeline over the pipeline group", "gather_timeline", "kind", kind,
+                       refusal)
     mine = (pp_rank, record.wall0, [(str(i), s, e) for i, s, e in record.seconds()], record.peak,
             _message_bytes(record))
     gathered = [None] * program.num_ranks
-    meet(group, program.num_ranks, device, TIMELINE_MARK,  # every rank in gather_timeline(), or an error naming them
-         "the all-gather of gather_timeline over the pipeline group")
     try:
         dist.all_gather_object(gathered, mine, group=group)
     except RuntimeError as exc:

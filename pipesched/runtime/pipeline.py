@@ -10,13 +10,13 @@ import torch.distributed as dist
 from .comm import init_default_group, make_groups, world_and_rank
 from .amp import autocast_context, checked_autocast, loss_scaling
 from .clipping import clip_grad_norm_ as clip_all_stages
-from .collective import fail_every_rank, peer_loss_as_comm_error
+from .call_args import meet_with_argument, shown
+from .collective import peer_loss_as_comm_error
 from .agreement import agree, connected, describe, model_shapes, refuse
 from .construction import local_setup
 from .executor import Executor
 from .step_state import Links, RankWork
 from .handshake import COLLECTIVE_MARK, Handshake, Rejected, StepKey
-from .handshake import meet as meet_ranks
 from .norm_parts import NormParts
 from .heap import keep_freed_memory
 from .failure import CommError, FailureChannel, PipelineError
@@ -255,13 +255,27 @@ class Pipeline:
         meanwhile (its next ``step()``, ``clip_grad_norm_``, ``gather_timeline``) ends every rank at once with a
         ``PipelineError`` naming both calls, instead of a mismatched collective that waits for the timeout (over the
         pipeline group only: with ``dp_size > 1``, replicas in different calls still wait for the timeout).
-        ``False``: for a ``work`` that opens with such a row of its own (clip's, the GradScaler's vote)."""
+        ``False``: for a ``work`` that opens with such a row of its own (clip's, the GradScaler's vote).
+
+        A ``work`` that is not callable, or a ``meet`` that is not a bool (then this rank meets the others), is this
+        rank's ``TypeError``, carried in the meeting row (:mod:`~pipesched.runtime.call_args`): every rank raises a
+        ``TypeError`` before ``work`` runs (its own where every rank refused, else ``run_collective: pipeline rank R
+        refused its call: ...``), and the pipeline stays usable. With ``meet=False`` there is no row to carry it: a
+        non-callable ``work`` fails every rank as ``work``'s own exception would."""
         self._check_local(None, None)
+        refusal = None
+        if not callable(work):
+            refusal = TypeError(f"work must be a callable work(pp_group, dp_group), got {shown(work)}")
+        elif not isinstance(meet, bool):
+            refusal = TypeError(f"meet must be True or False, got {shown(meet)}")
 
         def run():
-            if meet:
-                meet_ranks(self._pp_group, self.program.num_ranks, self.device, COLLECTIVE_MARK,
-                           "the collective of run_collective")  # as a lost peer in work is named
+            if meet is not False:  # the refusal rides in the row; work's repr differs by rank: not compared
+                meet_with_argument(self._pp_group, self.program.num_ranks, self.device, COLLECTIVE_MARK,
+                                   "the collective of run_collective", "run_collective", "work", work, refusal,
+                                   compare=False)  # as a lost peer in work is named
+            elif refusal is not None:
+                raise refusal
             return work(self._pp_group, self._dp_group)
 
         return self._guarded(lambda: peer_loss_as_comm_error(run, "the collective of run_collective"),
@@ -406,17 +420,32 @@ class Pipeline:
     def gather_timeline(self, kind: str = "step"):
         """The whole pipeline's measured timeline of the last training :meth:`step` (``kind="forward"``: of
         the last :meth:`forward`); collective over the pipeline's ranks, through :meth:`run_collective` (a closed
-        or failed pipeline, or a rank lost or failed meanwhile: the error :meth:`step` gives, on every rank). A bad
-        ``kind``, or no finished ``kind``, is a ``PipelineError`` on every rank caused by this rank's ``ValueError``
-        / ``RuntimeError`` (:func:`~pipesched.runtime.collective.fail_every_rank`; one rank: that error itself)."""
+        or failed pipeline, or a rank lost or failed meanwhile: the error :meth:`step` gives, on every rank).
+
+        Every rank's ``kind`` and its own verdict on it travel in the first, marked row of the call
+        (:mod:`~pipesched.runtime.call_args`), before any event, so a bad call is refused on every rank at once and
+        the pipeline stays usable:
+
+        Raises:
+            TypeError, ValueError: ``kind`` is not a str (``TypeError``), or not ``"step"`` / ``"forward"``
+                (``ValueError``); ``RuntimeError``: no finished ``kind`` yet. Where every rank passed the same
+                ``kind``, each raises its own error.
+            ValueError: the ranks passed different ``kind`` (``gather_timeline: the pipeline ranks passed different
+                kind: 'step' on pipeline rank(s) [0], 'fwd' on pipeline rank(s) [1]; ...``), on every rank.
+            TypeError, ValueError, RuntimeError: only some ranks refused the same ``kind`` (e.g. no finished step on
+                one rank): the first refusing rank's type on every rank, ``gather_timeline: pipeline rank R refused
+                its call: <its error>``.
+            RuntimeError, PipelineError: a closed or failed pipeline, as :meth:`step`; a rank failed meanwhile."""
+        self._check_local(None, None)
+        record = refusal = None
         try:
             record = self._record(kind)
             if record is None:
                 raise RuntimeError(f"gather_timeline(kind={kind!r}) needs a finished {kind}()")
-        except (ValueError, RuntimeError) as exc:  # the other ranks would wait in the all-gather
-            fail_every_rank(self, exc)
+        except (TypeError, ValueError, RuntimeError) as exc:  # ruled on in the meeting row: no rank waits
+            record, refusal = None, exc
         return self.run_collective(lambda pp_group, _: gather_timeline(record, self.program, self.pp_rank, pp_group,
-                                                                       self.device), meet=False)
+                                                                       self.device, kind, refusal), meet=False)
 
     def close(self) -> None:
         """Destroy this pipeline's process groups (collective: call it on every rank); the Pipeline is
@@ -456,6 +485,8 @@ class Pipeline:
         return None if record is None else record.allocated
 
     def _record(self, kind: str):
+        if not isinstance(kind, str):
+            raise TypeError(f"kind must be 'step' or 'forward' (a str), got {shown(kind)}")
         if kind not in self._records:
             raise ValueError(f"kind must be 'step' or 'forward', got {kind!r}")
         return self._records[kind]

@@ -1,7 +1,8 @@
 """A public collective call outside ``step()`` that fails on ONE rank ends every rank with that rank's error, at once,
 never leaving the others waiting until the timeout: GradScaler's ``update()`` without ``step`` on a rank without
-parameters, ``step`` twice, an optimizer that fails inside ``scaler.step``; ``gather_timeline`` with a bad ``kind``
-on one rank (a ``PipelineError`` naming the rank on every rank); ``clip_grad_norm_`` with a bad ``max_norm`` on one
+parameters, ``step`` twice, an optimizer that fails inside ``scaler.step`` (a ``PipelineError`` naming the rank on
+every rank; a bad ``gather_timeline(kind=)`` on one rank is refused instead: test_call_args_refused.py);
+``clip_grad_norm_`` with a bad ``max_norm`` on one
 rank (a ``ValueError`` quoting it on every rank, the pipeline still usable). 2 forked gloo ranks per case.
 
 No timing assertion: the Pipeline timeout is 60 s; the failing rank waits (alive) until the other has raised, at most
@@ -25,7 +26,6 @@ FATAL = {
     "update without step": (1, UPDATE_ALONE),
     "step twice": (0, "RuntimeError: step() has already been called since the last update()."),
     "optimizer fails": (0, "RuntimeError: momentum buffer of a parameter on the wrong device"),
-    "gather bad kind": (1, "ValueError: kind must be 'step' or 'forward', got 'fwd'"),
 }
 
 
