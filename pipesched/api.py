@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .checks import as_int, check_positive, check_program, described
+from .checks import as_int, check_positive, check_program, check_program_size, described
 from .cost import CostModel
 from .errors import PairingError, ScheduleArgumentError, ScheduleError
 from .gcpause import paused_gc
@@ -32,8 +32,10 @@ def build(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: 
             :func:`simulated_makespan`; :func:`compile_program` passes one that applies its own passes first).
     Raises:
         UnknownScheduleError: ``schedule`` is not registered (lists the valid names).
-        ScheduleArgumentError: a size the schedule cannot run (names the argument and what is valid); ``costs`` or
-            ``memory_limit`` given for a schedule that does not take them.
+        ScheduleArgumentError: a size the schedule cannot run (names the argument and what is valid); a program
+            too big (``num_ranks * num_microbatches * virtual_stages`` above
+            :data:`~pipesched.checks.MAX_PROGRAM_SIZE`, refused before building); ``costs`` or ``memory_limit``
+            given for a schedule that does not take them.
     """
     info = get_schedule(schedule)
     if virtual_stages is not None and not isinstance(virtual_stages, bool) and as_int(virtual_stages) is None:
@@ -41,6 +43,9 @@ def build(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: 
             f"virtual_stages must be an integer >= 1 or None (the schedule's default: "
             f"{info.default_virtual_stages} for {schedule!r}), got {virtual_stages!r}", argument="virtual_stages")
     v = info.default_virtual_stages if virtual_stages is None else virtual_stages
+    sizes = [as_int(value) for value in (num_ranks, num_microbatches, v)]
+    if all(size is not None and size >= 1 for size in sizes):  # else the schedule's own checks name the fault
+        check_program_size(*sizes)  # before building: m=10**30 would never finish
     if costs is not None and not isinstance(costs, CostModel):
         raise ScheduleArgumentError(f"costs must be a pipesched.CostModel (seconds, bytes per stage), got "
                                     f"{type(costs).__name__} {costs!r}", argument="costs")

@@ -49,11 +49,48 @@ def check_positive(name: str, value, minimum: int = 1) -> int:
 
 def described(value) -> str:
     """``value`` for a message: its type and a short repr (``int 3``, ``str '1f1b'``, ``dict {'forward': 1}``)."""
+    return f"{type(value).__name__} {short(value)}"
+
+
+#: The most ``num_ranks x num_microbatches x virtual_stages`` (``p * m * v``: one per stage and microbatch) a
+#: program may have; :func:`check_program_size` refuses more before anything is built. A compiled program holds
+#: about 6 instructions per stage and microbatch (F, B, a SEND/RECV pair each way): measured on one CPU core,
+#: ``interleaved-1f1b`` at p=64, m=1024, v=4 (262,144, the largest configuration pipesched is meant for) compiles
+#: to 1,568,768 instructions in ~10 s and ~450 MB; at this limit (twice that, p=128: 3,141,632 instructions)
+#: ~29 s and ~0.8 GB (the CLI shows progress on a terminal meanwhile). Beyond it compile time and memory grow in proportion (m=10**30 would never finish).
+MAX_PROGRAM_SIZE = 2 ** 19
+#: The most timed (``repeat``) or untimed (``warmup``) runs per measurement :func:`~pipesched.runtime.profile_layers`
+#: takes: far past any use (the median of 5 is the default), well short of never finishing.
+MAX_RUNS = 10_000
+
+
+def short(value) -> str:
+    """A short repr of ``value`` for a message (an int past Python's digit limit is shown by its size)."""
     try:
-        shown = _SHORT.repr(value)
-    except Exception:  # noqa: BLE001 - an int past Python's digit limit, a repr that raises: the type alone
-        shown = "(no repr)"
-    return f"{type(value).__name__} {shown}"
+        return _SHORT.repr(value)
+    except Exception:  # noqa: BLE001 - an int past Python's digit limit, a repr that raises
+        bits = value.bit_length() if isinstance(value, int) else None
+        return f"(an int of {bits} bits)" if bits is not None else "(no repr)"
+
+
+def check_program_size(num_ranks: int, num_microbatches: int, virtual_stages: int = 1, where: str = "",
+                       names=("num_ranks", "num_microbatches", "virtual_stages")) -> None:
+    """Refuse a program too big to build in reasonable time and memory: ``num_ranks * num_microbatches *
+    virtual_stages`` (ints >= 1) above :data:`MAX_PROGRAM_SIZE`. Called before anything is built or read.
+
+    Raises:
+        ScheduleArgumentError: naming the arguments, their values, their product and the limit;
+            ``argument`` is the largest one's name.
+    """
+    sizes = (num_ranks, num_microbatches, virtual_stages)
+    if num_ranks * num_microbatches * virtual_stages <= MAX_PROGRAM_SIZE:
+        return
+    shown = " x ".join(f"{name}={short(value)}" for name, value in zip(names, sizes))
+    largest = names[max(range(3), key=lambda i: sizes[i])]
+    raise ScheduleArgumentError(
+        f"{where}{shown} is too big a program: {' x '.join(names)} must be at most {MAX_PROGRAM_SIZE:,} (one per "
+        f"stage and microbatch, ~6 instructions each; e.g. p=64, m=1024, v=4 is 262,144 and compiles in ~10 s); "
+        f"use fewer microbatches or ranks", argument=largest)
 
 
 def check_path(value, name: str = "path", where: str = ""):

@@ -242,7 +242,7 @@ def _add_optional_commands(sub) -> None:
 
 
 #: the commands that show progress on a terminal (:mod:`pipesched.progress`) while they build, simulate, draw
-_PROGRESS_COMMANDS = ("show", "simulate", "render")
+_PROGRESS_COMMANDS = ("show", "simulate", "render", "plan")
 #: instructions (p * m * v; zb-auto: 20 times that, for its candidates) from which work is known to take seconds
 LONG_WORK = 500_000
 

@@ -26,7 +26,7 @@ import os
 import warnings
 from collections import Counter
 
-from .checks import as_int, check_flag, check_path, check_program, described
+from .checks import as_int, check_flag, check_path, check_program, check_program_size, described, short
 from .engine import has_comm
 from .errors import ProgramFormatError
 from .ir import COMM_OPS, OVERLAP_PAIRS, Instr, Op, Program
@@ -89,7 +89,8 @@ def from_torch_csv(path, num_ranks: int | None = None, stage_to_rank=None, num_m
             ``stage_to_rank`` gives, a SEND/RECV without a neighbour stage, a stage with no action and no
             ``stage_to_rank`` (each names the file, line, column and action).
         ValueError: ``num_ranks``, ``num_microbatches`` or ``dp_size`` not an integer >= 1, ``num_ranks``
-            below the file's rows, or ``stage_to_rank`` naming a rank past them.
+            below the file's rows, ``num_ranks x num_microbatches`` above :data:`~pipesched.checks.MAX_PROGRAM_SIZE`
+            (a ``ScheduleArgumentError``), or ``stage_to_rank`` naming a rank past them.
         OSError: the file cannot be read.
         TypeError: ``path`` is not a ``str`` or ``os.PathLike`` (an int would be taken as a file descriptor),
             ``schedule`` not a ``str``, ``stage_to_rank`` not a sequence.
@@ -103,14 +104,17 @@ def from_torch_csv(path, num_ranks: int | None = None, stage_to_rank=None, num_m
         if value is not None and (sizes[-1] is None or value < 1):
             raise ValueError(f"from_torch_csv: {name} must be an integer >= 1, got {value!r}")
     num_ranks, num_microbatches, dp_size = sizes
+    check_program_size(num_ranks or 1, num_microbatches or 1, 1, where="from_torch_csv: ")  # before any row is made
     if stage_to_rank is not None:
         if isinstance(stage_to_rank, (str, bytes)) or not hasattr(stage_to_rank, "__iter__"):
             raise TypeError(f"from_torch_csv: stage_to_rank must be None or a sequence of integer ranks (one per "
                             f"stage), got {described(stage_to_rank)}")
         ranks = tuple(as_int(r) for r in stage_to_rank)
         if None in ranks:
-            raise ValueError(f"from_torch_csv: stage_to_rank={tuple(stage_to_rank)} must hold integer ranks (not "
-                             f"bools)")
+            bad = next(r for r in stage_to_rank if as_int(r) is None)
+            kind = " (a bool is not a rank)" if isinstance(bad, bool) else ""
+            raise ValueError(f"from_torch_csv: stage_to_rank={short(tuple(stage_to_rank))} must hold integer ranks "
+                             f"(one per stage): {described(bad)} is not an integer{kind}")
         stage_to_rank = ranks
     rows = _read_rows(path)
     if num_ranks is not None and num_ranks < len(rows):

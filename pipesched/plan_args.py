@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from .checks import as_int, check_positive, is_real, plain_number
+from .checks import as_int, check_positive, check_program_size, is_real, plain_number
 from .errors import ScheduleArgumentError, UnknownScheduleError
 from .plan_search import Search
 from .registry import get_schedule
@@ -30,6 +30,8 @@ def check_args(profile, world_size, memory_per_rank, global_batch, top, optimize
     top = check_positive("top", top)
     if max_microbatches is not None:
         max_microbatches = check_positive("max_microbatches", max_microbatches)
+        # the search tries every m up to it: refused past what one rank's program may hold (else it never ends)
+        check_program_size(1, max_microbatches, 1, names=("pp", "max_microbatches", "virtual_stages"))
     memory_per_rank, optimizer_states = _plain_number(memory_per_rank), _plain_number(optimizer_states)
     if isinstance(memory_per_rank, bool) or not isinstance(memory_per_rank, (int, float)) \
             or not 0 < memory_per_rank < math.inf:

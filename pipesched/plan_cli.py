@@ -13,6 +13,8 @@ import math
 import re
 import sys
 
+from . import progress
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
@@ -80,6 +82,7 @@ def run_plan(args: argparse.Namespace) -> int:
         result = plan(profile, args.world_size, memory, args.batch, schedules=args.schedules, top=args.top,
                       optimizer_states=args.optimizer_states, max_microbatches=args.max_microbatches)
     except PlanError as exc:
+        progress.clear()  # the status line of the search (a terminal only), before the error
         from .cli import decided
 
         decided(args, 1)  # kept if the reader of the output goes away (BrokenPipeError)
@@ -91,6 +94,7 @@ def run_plan(args: argparse.Namespace) -> int:
         return 1
     except ValueError as exc:
         raise ValueError(_as_option(str(exc))) from None
+    progress.clear()  # the status line of the search (a terminal only), before the report
     if args.render:
         _render(result.best, args.render)
     if args.json:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 
-from .checks import as_int, check_positive, described
+from .checks import as_int, check_positive, check_program_size, described
 from .gcpause import paused_gc
 from .partition import balance_by_time
 from .plan_args import check_args, check_model, nothing_runs, schedule_names, virtual_stage_choices
@@ -112,6 +112,7 @@ def predict(profile, global_batch: int, schedule: str, pp: int, dp: int = 1, num
     except UnknownScheduleError as exc:
         raise ScheduleArgumentError(f"schedule: {exc.args[0]}", argument="schedule") from None
     v = info.default_virtual_stages if virtual_stages is None else check_positive("virtual_stages", virtual_stages)
+    check_program_size(pp, num_microbatches, v, names=("pp", "num_microbatches", "virtual_stages"))
     L, S = profile.num_layers, pp * v
     if S > L:
         raise ScheduleArgumentError(f"pp={pp} x virtual_stages={v} = {S} stages but the profile has {L} layers "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from .checks import as_int, check_program
+from .checks import as_int, check_program, described, short
 from .errors import ProgramFormatError
 from .ir import OVERLAP_PAIRS, Instr, Op, Program
 from .program_pairs import overlap_groups, with_groups
@@ -164,5 +164,23 @@ def _json_flag(value) -> bool:
     return value
 
 
+#: the widest ``indent`` :func:`to_json` takes (spaces per level; a wider one only makes a huge file)
+MAX_INDENT = 64
+
+
 def to_json(program: Program, indent: int | None = None) -> str:
+    """``program`` as JSON text; ``indent``: ``None`` (one line) or spaces per level, an int 0..:data:`MAX_INDENT`.
+
+    Raises:
+        TypeError: ``indent`` not None or an int (a bool, a float, a str). ValueError: an int outside 0..MAX_INDENT.
+    """
+    if indent is not None:
+        number = as_int(indent)
+        if number is None:
+            raise TypeError(f"to_json: indent must be None (one line) or an int 0..{MAX_INDENT} (spaces per level), "
+                            f"got {described(indent)}")
+        if not 0 <= number <= MAX_INDENT:
+            raise ValueError(f"to_json: indent must be None (one line) or an int 0..{MAX_INDENT} (spaces per level), "
+                             f"got {short(number)}")
+        indent = number
     return json.dumps(to_json_dict(program), indent=indent)

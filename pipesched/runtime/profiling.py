@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from ..checks import as_int
+from ..checks import MAX_RUNS, as_int, described, short
 from ..profile import LayerProfile
 from .loss import needs_target
 from .accounting import SavedBytes, tensor_bytes
@@ -66,7 +66,8 @@ def profile_layers(model, sample_input, target=None, loss_fn=None, repeat: int =
         names and the device; no link (``latency`` 0, ``bandwidth`` inf: see :func:`profile_link`).
     Raises:
         TypeError: ``model`` is not an ``nn.Sequential``/list of modules, ``sample_input`` not a tensor or tuple
-            of tensors, ``loss_fn`` not callable. ValueError: ``repeat`` < 1 or ``warmup`` < 0; ``sizes`` not
+            of tensors, ``loss_fn`` not callable. ValueError: ``repeat`` not in 1..MAX_RUNS or ``warmup`` not in
+            0..MAX_RUNS (:data:`pipesched.checks.MAX_RUNS`: far past any use, short of never finishing); ``sizes`` not
             ints in ``[1, microbatch_size]``; a layer's output (not the last's) is not a tensor or tuple of
             tensors; ``loss_fn`` takes a target and ``target`` is None.
     Warns:
@@ -78,9 +79,11 @@ def profile_layers(model, sample_input, target=None, loss_fn=None, repeat: int =
         counts.append(as_int(value))
         if counts[-1] is None or counts[-1] < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if counts[-1] > MAX_RUNS:  # a huge count would never finish
+            raise ValueError(f"{name} must be an int {low}..{MAX_RUNS:,} (runs per measurement), got {short(value)}")
     repeat, warmup = counts
     if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        raise TypeError(f"loss_fn must be callable, got {described(loss_fn)}")
     if loss_fn is not None and target is None and needs_target(loss_fn):
         raise ValueError("profile_layers: loss_fn takes (output, target) but target is None: pass target= (a "
                          "microbatch's target, as for the sample)")
