@@ -20,24 +20,38 @@ def least_max(objective, limits, seeds, budget, first=False, order="cost"):
     stages cannot hold the rest within their caps (by sum, and by count: each holds at most as many of the
     remaining layers as its cap fits of the smallest ones, and the last stage's owner holds the last layer), or
     when the same (stage, position, per-owner sums) already failed."""
-    P, s2r_objective = objective
-    quantities = [(P, s2r_objective, None)] + list(limits)
-    n, S = len(P) - 1, len(s2r_objective)
-    caps = [cap for _, _, cap in quantities]
-    best = {"cut": None}
-    for cut in seeds:
-        value = evaluate(P, s2r_objective, cut)
-        if caps[0] is None or value - 1 < caps[0]:
-            caps[0], best["cut"] = value - 1, list(cut)
-    if first:
-        caps[0] = None
-    owners = [_Owners(s2r) for _, s2r, _ in quantities]
-    items = [_sorted_suffixes(Q) for Q, _, _ in quantities]
-    sums = [[0] * o.count for o in owners]
-    cut, failed = [0], set()
+    search = _Search(objective, limits, seeds, budget, first, order)
+    search.dfs(0, 0)
+    return search.best
 
-    def fits(k, e) -> bool:
-        for q, (Q, s2r, _) in enumerate(quantities):
+
+class _Search:
+    """:func:`least_max`'s state: the quantities (the objective first) with their caps, the per-owner sums of the
+    partial cut, its positions, the best cut found and the (stage, position, sums) that already failed."""
+
+    def __init__(self, objective, limits, seeds, budget, first, order):
+        P, s2r_objective = objective
+        self.P, self.s2r = P, s2r_objective
+        self.quantities = [(P, s2r_objective, None)] + list(limits)
+        self.n, self.S = len(P) - 1, len(s2r_objective)
+        self.caps = [cap for _, _, cap in self.quantities]
+        self.best = None
+        for cut in seeds:
+            value = evaluate(P, s2r_objective, cut)
+            if self.caps[0] is None or value - 1 < self.caps[0]:
+                self.caps[0], self.best = value - 1, list(cut)
+        if first:
+            self.caps[0] = None
+        self.budget, self.first, self.order = budget, first, order
+        self.owners = [_Owners(s2r) for _, s2r, _ in self.quantities]
+        self.items = [_sorted_suffixes(Q) for Q, _, _ in self.quantities]
+        self.sums = [[0] * o.count for o in self.owners]
+        self.cut, self.failed = [0], set()
+
+    def fits(self, k, e) -> bool:
+        """Whether the owners still to receive stages after stage ``k`` (ending at ``e``) can hold the rest."""
+        n, caps, sums, owners, items = self.n, self.caps, self.sums, self.owners, self.items
+        for q, (Q, s2r, _) in enumerate(self.quantities):
             cap = caps[q]
             if cap is None:
                 continue
@@ -53,53 +67,60 @@ def least_max(objective, limits, seeds, budget, first=False, order="cost"):
                 return False
         return True
 
-    def share(k, i):
+    def share(self, k, i):
         """The objective's cost this stage would take if every owner still to receive stages ended equal."""
-        here, r = owners[0].holding[k], s2r_objective[k]
+        P, n, sums, owners = self.P, self.n, self.sums, self.owners
+        here, r = owners[0].holding[k], self.s2r[k]
         level = P[n] - P[i] + sum(sums[0][o] for o in here)  # x len(here); ints: no float overflow at any scale
         den = len(here) * owners[0].left[k]
         return (2 * (level - len(here) * sums[0][r]) + den) // (2 * den)  # rounded to the nearest int
 
-    def dfs(k, i) -> bool:
-        """True: stop (the first cut found in ``first`` mode, or the budget spent)."""
+    def dfs(self, k, i) -> bool:
+        """Stage ``k`` starting at layer ``i``, each end in turn. True: stop (the first cut found in ``first``
+        mode, or the budget spent)."""
+        budget = self.budget
         if budget[0] is not None:
             if budget[0] <= 0:
                 return True
             budget[0] -= 1
+        quantities, caps, sums, n, order = self.quantities, self.caps, self.sums, self.n, self.order
         key = (k, i, tuple(map(tuple, sums)))
-        if key in failed:
+        if key in self.failed:
             return False
-        found, rest = best["cut"], S - k - 1
-        for e in _ends(i, n, rest, order, P, share(k, i) if order == "cost" and rest else None):
+        found, rest = self.best, self.S - k - 1
+        for e in _ends(i, n, rest, order, self.P, self.share(k, i) if order == "cost" and rest else None):
             new = [sums[q][s2r[k]] + Q[e] - Q[i] for q, (Q, s2r, _) in enumerate(quantities)]
             if any(cap is not None and x > cap for x, cap in zip(new, caps)):
                 if order == "lexicographic":
                     break  # a longer stage only adds
                 continue
             if rest == 0:
-                best["cut"] = cut + [n]
-                if first:
+                self.best = self.cut + [n]
+                if self.first:
                     return True
-                caps[0] = evaluate(P, s2r_objective, best["cut"]) - 1
+                caps[0] = evaluate(self.P, self.s2r, self.best) - 1
                 break
-            old = [sums[q][s2r[k]] for q, (_, s2r, _) in enumerate(quantities)]
-            for q, (_, s2r, _) in enumerate(quantities):
-                sums[q][s2r[k]] = new[q]
-            ok = fits(k, e)
-            if ok:
-                cut.append(e)
-                stop = dfs(k + 1, e)
-                cut.pop()
-            for q, (_, s2r, _) in enumerate(quantities):
-                sums[q][s2r[k]] = old[q]
-            if ok and stop:
+            if self.descend(k, e, new):
                 return True
-        if best["cut"] is found:
-            failed.add(key)
+        if self.best is found:
+            self.failed.add(key)
         return False
 
-    dfs(0, 0)
-    return best["cut"]
+    def descend(self, k, e, new) -> bool:
+        """Stage ``k`` ends at ``e`` (per-owner sums ``new``): the next stages, if the rest can still fit. True:
+        stop."""
+        quantities, sums = self.quantities, self.sums
+        old = [sums[q][s2r[k]] for q, (_, s2r, _) in enumerate(quantities)]
+        for q, (_, s2r, _) in enumerate(quantities):
+            sums[q][s2r[k]] = new[q]
+        ok = self.fits(k, e)
+        if ok:
+            self.cut.append(e)
+            stop = self.dfs(k + 1, e)
+            self.cut.pop()
+        for q, (_, s2r, _) in enumerate(quantities):
+            sums[q][s2r[k]] = old[q]
+        return ok and stop
 
 
 def _ends(i, n, rest, order, P, share):

@@ -48,14 +48,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
     corpus = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()  # (N,)
     split = int(0.9 * len(corpus))
     model = make_gpt(256, args.context, args.width, args.depth, args.heads, dropout=0.0, tied=not args.untied)
-    candidate = getattr(args, "candidate", None)  # --plan's winner
-    if candidate is not None:
-        pipe = Pipeline.from_plan(model, candidate, loss_fn=lm_loss, timeout=args.timeout,
-                                  autocast=autocast_dtype(args.autocast))
-    else:
-        pipe = Pipeline(model, schedule=args.schedule, num_microbatches=args.microbatches, loss_fn=lm_loss,
-                        virtual_stages=args.virtual_stages, dp_size=args.dp, recompute=args.recompute,
-                        balance=args.balance, timeout=args.timeout, autocast=autocast_dtype(args.autocast))
+    pipe = make_pipeline(model, args)
     pipe.anticipate_clip = True  # this loop clips right after step() and changes no gradient in between
     val_stream = batches(corpus[split:], args.batch, args.context, torch.Generator().manual_seed(args.seed + 7))
     val_data = [next(val_stream) for _ in range(8)]  # the same batches before and after training
@@ -70,12 +63,37 @@ def train(rank: int, args: argparse.Namespace) -> None:
         return
     start_val = evaluate(pipe, val_data)
     if report:
-        print(f"{args.schedule}: {pipe.program.num_ranks} pipeline ranks x {args.dp} dp, {args.microbatches} microbatches, "
-              f"{args.virtual_stages} virtual stage(s) per rank, {args.depth} blocks ({args.depth + 3} layers in "
-              f"{pipe.program.num_stages} stages), {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters"
-              f"{' (embedding tied to the head)' if pipe.ties else ''}, autocast {str(pipe.autocast).replace('torch.', '') if pipe.autocast else 'off'}, clip "
-              f"{args.clip or 'off'}, {len(text) / 1e6:.1f} MB of text; validation loss at step {first - 1} "
-              f"{start_val:.3f}", flush=True)
+        print_start(args, pipe, model, len(text), first, start_val)
+    step_times = train_steps(args, pipe, corpus, split, optimizer, schedule, first, report)
+    finish(args, pipe, model, val_data, start_val, step_times, report)
+
+
+def make_pipeline(model: nn.Sequential, args: argparse.Namespace) -> Pipeline:
+    """The demo's pipeline: ``--plan``'s winner (``args.candidate``) if there is one, else the options'."""
+    candidate = getattr(args, "candidate", None)  # --plan's winner
+    if candidate is not None:
+        return Pipeline.from_plan(model, candidate, loss_fn=lm_loss, timeout=args.timeout,
+                                  autocast=autocast_dtype(args.autocast))
+    return Pipeline(model, schedule=args.schedule, num_microbatches=args.microbatches, loss_fn=lm_loss,
+                    virtual_stages=args.virtual_stages, dp_size=args.dp, recompute=args.recompute,
+                    balance=args.balance, timeout=args.timeout, autocast=autocast_dtype(args.autocast))
+
+
+def print_start(args: argparse.Namespace, pipe: Pipeline, model: nn.Sequential, text_bytes: int, first: int,
+                start_val: float) -> None:
+    """Rank 0's first line: the run's shape and the validation loss before the first step."""
+    print(f"{args.schedule}: {pipe.program.num_ranks} pipeline ranks x {args.dp} dp, {args.microbatches} microbatches, "
+          f"{args.virtual_stages} virtual stage(s) per rank, {args.depth} blocks ({args.depth + 3} layers in "
+          f"{pipe.program.num_stages} stages), {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters"
+          f"{' (embedding tied to the head)' if pipe.ties else ''}, autocast {str(pipe.autocast).replace('torch.', '') if pipe.autocast else 'off'}, clip "
+          f"{args.clip or 'off'}, {text_bytes / 1e6:.1f} MB of text; validation loss at step {first - 1} "
+          f"{start_val:.3f}", flush=True)
+
+
+def train_steps(args: argparse.Namespace, pipe: Pipeline, corpus, split: int, optimizer, schedule, first: int,
+                report: bool) -> list:
+    """Steps ``first`` .. ``--steps`` on ``corpus[:split]`` (rank 0 prints every 10th, checkpoints as asked);
+    returns each step's seconds in ``pipe.step``."""
     started, tokens, step_times = time.perf_counter(), 0, []
     for step in range(first, args.steps + 1):
         # every replica sees different data; all ranks of one pipeline see the same batches; seeded by the step
@@ -100,6 +118,14 @@ def train(rank: int, args: argparse.Namespace) -> None:
                                    extra={"lr_schedule": schedule.state_dict()})
             if report:
                 print(f"saved {path}", flush=True)
+    return step_times
+
+
+def finish(args: argparse.Namespace, pipe: Pipeline, model: nn.Sequential, val_data: list, start_val: float,
+           step_times: list, report: bool) -> None:
+    """After the last step (collective): the validation loss, the timelines, the plan's prediction next to the
+    run, and on rank 0 the losses, a sample and the files written."""
+    candidate = getattr(args, "candidate", None)  # --plan's winner
     measured = pipe.gather_timeline()  # the last training step, every pipeline rank (collective)
     end_val = evaluate(pipe, val_data)
     paths = write_timelines(pipe, measured, Path(args.out))

@@ -43,6 +43,7 @@ import math
 from collections import deque
 from itertools import accumulate
 from operator import itemgetter
+from typing import NamedTuple
 
 from .. import placement, progress
 from ..checks import check_positive
@@ -217,19 +218,42 @@ def greedy_streams(p: int, m: int, limit, times: dict, mode, ahead) -> list:
     (1F1B's steady state: rank 0's ``I`` unblocks nobody, its ``F`` feeds the pipe); fill "fill": a pending ``W``
     runs whenever nothing is ready; "fit": only if nothing is expected to become ready before the ``W`` would end.
     An ``F`` runs only ``ahead[r]`` microbatches ahead of the rank's ``I`` at most (and within the limit)."""
+    never = [math.inf] * m
+    state = tuple.__new__(_GreedyState, (  # _GreedyState(...) without its Python-level __new__ (it is hot)
+        [never[:] for _ in range(p)], [never[:] for _ in range(p)],  # f_end, i_end
+        [0.0] * p, [0] * p, [0] * p, [deque() for _ in range(p)],  # clock, nf, ni, pending
+        [False] * p,  # last_i: whether the last of F and I each rank ran was an I
+        [False] * p))  # peeks: whether the rank's current choice read its neighbours' clocks and counts
+    choose = _greedy_chooser(p, m, limit, times, mode, ahead, state)
+    streams = _list_schedule(p, choose, times, state)
+    if any(n < m for n in state.nf) or any(state.pending):  # cannot happen (every rank can always finish): a loud bug
+        raise RuntimeError(f"zb-auto greedy stalled with work left (p={p}, m={m}, limit={limit})")
+    return streams
+
+
+class _GreedyState(NamedTuple):
+    """The greedy's per-rank progress (lists, changed in place): ``F`` and ``I`` end times per microbatch, clock,
+    ``F`` and ``I`` counts, microbatches whose ``W`` is pending, and the two flags above."""
+    f_end: list
+    i_end: list
+    clock: list
+    nf: list
+    ni: list
+    pending: list
+    last_i: list
+    peeks: list
+
+
+def _greedy_chooser(p, m, limit, times, mode, ahead, state):
+    """``choose(r)``: ``(start, rank, op)`` of rank ``r``'s next instruction, or ``None`` if it has nothing it can
+    run yet (reads ``state``; sets ``state.peeks[r]``)."""
     order, fill = mode
     inf, fit, alternate = math.inf, fill != "fill", order == "alternate"
-    t_f, t_i, t_w, msg = times["F"], times["I"], times["W"], times["msg"]
-    f_end = [[inf] * m for _ in range(p)]
-    i_end = [[inf] * m for _ in range(p)]
-    clock, nf, ni = [0.0] * p, [0] * p, [0] * p
-    pending = [deque() for _ in range(p)]
-    streams = [[] for _ in range(p)]
-    last_i = [False] * p  # whether the last of F and I each rank ran was an I
-    ops, make = {"F": Op.F, "I": Op.I, "W": Op.W}, tuple.__new__  # Instr.trusted, inlined
+    t_w, msg = times["W"], times["msg"]
+    f_end, i_end, clock, nf, ni, pending, last_i, peeks = state
+    expected = _greedy_expected(p, m, times, state)
 
     def choose(r):
-        """``(start, rank, op)`` of rank ``r``'s next instruction, or ``None`` if it has nothing it can run yet."""
         t, n_f, n_i, waiting = clock[r], nf[r], ni[r], pending[r]
         ready_i = ready_f = inf
         if n_i < n_f:
@@ -258,9 +282,16 @@ def greedy_streams(p: int, m: int, limit, times: dict, mode, ahead) -> list:
             return (soonest, r, "I" if ready_i <= ready_f else "F")
         return (t, r, "W") if waiting else None
 
+    return choose
+
+
+def _greedy_expected(p, m, times, state):
+    """``expected(r, room, guess)``: an optimistic guess of when rank ``r``'s next ``I`` or ``F`` can start:
+    ``guess`` (a ready time already fixed) or the time a neighbour that runs the producer next would deliver it."""
+    inf, t_f, t_i, msg = math.inf, times["F"], times["I"], times["msg"]
+    f_end, clock, nf, ni = state.f_end, state.clock, state.nf, state.ni
+
     def expected(r, room, guess):
-        """An optimistic guess of when rank ``r``'s next ``I`` or ``F`` can start: ``guess`` (a ready time already
-        fixed) or the time a neighbour that runs the producer next would deliver it."""
         k = nf[r]
         if room and r > 0 and k < m and nf[r - 1] == k and f_end[r - 1][k] == inf:
             guess = min(guess, clock[r - 1] + t_f[r - 1] + msg[r - 1])
@@ -269,11 +300,19 @@ def greedy_streams(p: int, m: int, limit, times: dict, mode, ahead) -> list:
             guess = min(guess, max(clock[r + 1], f_end[r + 1][k]) + t_i[r + 1] + msg[r])
         return guess
 
-    # every rank's current choice is in the heap (with stale ones, dropped when they reach its top), so its
-    # smallest current entry is min(choices) in O(log p). A rank's choice is a function of its own state, the
-    # F end its next F waits for (rank r - 1's), the I end its next I waits for (rank r + 1's) and, only when it
-    # peeks (a pending W in "fit"), its neighbours' clocks and counts: it is made again only when one changes.
-    choices, heap, stale, peeks = [None] * p, [], range(p), [False] * p
+    return expected
+
+
+def _list_schedule(p, choose, times, state) -> list:
+    """Runs, until no rank can, the earliest of the ranks' choices (``choose``), updating ``state``; returns the
+    per-rank streams. Every rank's current choice is in the heap (with stale ones, dropped when they reach its
+    top), so its smallest current entry is min(choices) in O(log p). A rank's choice is a function of its own
+    state, the F end its next F waits for (rank r - 1's), the I end its next I waits for (rank r + 1's) and, only
+    when it peeks (a pending W in "fit"), its neighbours' clocks and counts: it is made again only when one changes."""
+    t_f, t_i, t_w = times["F"], times["I"], times["W"]
+    f_end, i_end, clock, nf, ni, pending, last_i, peeks = state
+    ops, make = {"F": Op.F, "I": Op.I, "W": Op.W}, tuple.__new__  # Instr.trusted, inlined
+    streams, choices, heap, stale = [[] for _ in range(p)], [None] * p, [], range(p)
     push, pop = heapq.heappush, heapq.heappop
     while True:
         for r in stale:
@@ -283,7 +322,7 @@ def greedy_streams(p: int, m: int, limit, times: dict, mode, ahead) -> list:
         while heap and choices[heap[0][1]] != heap[0]:  # one current choice per rank, told apart by the rank
             pop(heap)
         if not heap:
-            break
+            return streams
         start, r, op = pop(heap)
         stale = [r]
         if op == "F":
@@ -303,6 +342,3 @@ def greedy_streams(p: int, m: int, limit, times: dict, mode, ahead) -> list:
         if r + 1 < p and (peeks[r + 1] or op == "F" and nf[r + 1] == k):
             stale.append(r + 1)
         streams[r].append(make(Instr, (ops[op], r, k, None)))
-    if any(n < m for n in nf) or any(pending):  # cannot happen (every rank can always finish): a loud bug
-        raise RuntimeError(f"zb-auto greedy stalled with work left (p={p}, m={m}, limit={limit})")
-    return streams
