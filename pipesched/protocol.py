@@ -13,7 +13,8 @@ on each rank, posts exactly these messages, in this order (:func:`step_posts`):
    the same error on every rank), so no point-to-point message opens the step.
 1. *The replicas' agreement* (``dp_size > 1`` only; ``Handshake.signature`` -> ``_agree_replicas``): right
    after the opening, whether or not it refused the step, every rank joins one all-gather over its
-   data-parallel group (the replicas of its pipeline rank: the call each made and whether it refused;
+   data-parallel group (the replicas of its pipeline rank: the call each made, whether it refused and its batch
+   size, which weighs its loss in backward;
    :data:`REPLICAS`), so a step one replica refuses is refused on all. It is the step's first collective on
    that group; the only others are the program's ``ALL_REDUCE`` instructions, later. None with one replica.
 2. *Program messages*, one per SEND or RECV instruction, at the instruction's place in the rank's stream.

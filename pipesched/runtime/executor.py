@@ -186,8 +186,8 @@ class Executor:
         saved = self.counter.take()
         st.inputs[(s, mb)] = (inputs, is_tuple)
         if loss is not None:
-            st.losses[mb] = loss.detach()
-            roots = (st.io.scale(loss),)
+            st.losses[mb] = loss[0].detach()  # the replica's own loss; loss[1] the backward's (_loss)
+            roots = (st.io.scale(loss[1]),)
         else:
             roots = self._stash(s, mb, out)
         if not redo:
@@ -205,7 +205,10 @@ class Executor:
         if value.dtype not in floats:
             raise ValueError(f"loss_fn must return a floating-point tensor ({', '.join(map(str, floats))}), "
                              f"got {value.dtype}")
-        return value * io.weights[mb]
+        own = value * io.weights[mb]  # the returned loss's term (n / N); backward's: n * dp / N_all (the same
+        # tensor where every replica got the same batch size), so the data-parallel average is the whole batch's
+        gw = io.grad_weights[mb]
+        return own, (own if gw == io.weights[mb] else value * gw)
 
     def _stash(self, s, mb, out):
         outs, is_tuple = stage_output(out, s)
@@ -250,7 +253,7 @@ class Executor:
                 self.autocast():
             out = call_stage(self.stages[s], inputs if is_tuple else inputs[0], s)
             loss = self._loss(out, mb) if s == self.last else None
-        st.roots[(s, mb)] = (st.io.scale(loss),) if loss is not None else as_tuple(out)[0]
+        st.roots[(s, mb)] = (st.io.scale(loss[1]),) if loss is not None else as_tuple(out)[0]
         self._hold((s, mb), self.counter.take())
 
     def _hold(self, key, nbytes):

@@ -163,6 +163,7 @@ class Handshake:
         self.transport, self.program, self.pp_rank, self.device = transport, program, pp_rank, device
         self.dp_group = dp_group  # the replicas of this pipeline rank (None: dp_size 1)
         self.clip_words: list = []  # the last opening's clip words, by pipeline rank (see :meth:`signature`)
+        self.replica_batches: list = []  # the last agreement's batch size of each replica (:meth:`_agree_replicas`)
 
     def signature(self, x, train: bool, to_device, settings: int, clip=(0, 0, 0),
                   verdict: TargetVerdict | None = None, refusal: Exception | None = None):
@@ -194,15 +195,18 @@ class Handshake:
             decided, rejected = self._decide(x, train, to_device, settings, clip, verdict, refusal), None
         except Rejected as exc:
             decided, rejected = None, exc
-        if self.dp_group is not None:
-            self._agree_replicas(train, rejected)
+        if self.dp_group is not None:  # decided[0]: the StepKey, whose batch size every pipeline rank learned
+            self._agree_replicas(train, rejected, 0 if decided is None else decided[0].batch_size)
         if rejected is not None:
             raise rejected
         return decided
 
-    def _agree_replicas(self, train: bool, refusal: Rejected | None) -> None:
-        """One all-gather over the data-parallel group of ``[REPLICA_MARK, train, refused, *its text]``
-        (``refused``: 0, or the :data:`REFUSAL_KINDS` code of the exception it raises).
+    def _agree_replicas(self, train: bool, refusal: Rejected | None, batch: int = 0) -> None:
+        """One all-gather over the data-parallel group of ``[REPLICA_MARK, train, refused, *its text, batch]``
+        (``refused``: 0, or the :data:`REFUSAL_KINDS` code of the exception it raises; ``batch``, the last word:
+        this replica's batch size, 0 where refused). The replicas' batch sizes, by replica, are kept in
+        :attr:`replica_batches`: the step weights its loss in backward by them (``step_run.loss_weights``), so
+        that the data-parallel average is the whole batch's gradient where replicas got different batch sizes.
 
         Raises:
             Rejected: replicas made different calls (names each replica's); or another replica refused its step
@@ -210,7 +214,7 @@ class Handshake:
                 raises its own.
         """
         mine = encode_text([REPLICA_MARK, int(train), 0 if refusal is None else kind_code(refusal.kind)],
-                           str(refusal or ""))
+                           str(refusal or ""), SIG_LEN - 1) + [batch]
         rows = gather_rows(mine, self.dp_group, self.program.dp_size, torch.int64, self.device,
                            "the replicas' agreement on the step")
         calls = ("forward()", "step()")
@@ -222,6 +226,7 @@ class Handshake:
             row = rows[refused[0]]
             raise Rejected(f"replica {refused[0]} refused its step: {decode_text(row)}",
                            REFUSAL_KINDS.get(row[2], ValueError))
+        self.replica_batches = [row[-1] for row in rows]
 
     def _decide(self, x, train: bool, to_device, settings: int, clip, verdict: TargetVerdict | None,
                 refusal: Exception | None = None):

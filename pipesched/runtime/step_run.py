@@ -40,7 +40,8 @@ def run(pipe, x, target, train: bool, scale=None, scaler=None, refusal=None):
     learning = metas is None
     inputs = StepInputs(train, micro, is_tuple, target_microbatches(verdict, m),  # the opening proved its size x's
                         [n / total for n in sizes], {} if learning else metas, learning, scale,
-                        pipe._norm_parts if pipe._norm_parts.agreed else None)
+                        pipe._norm_parts if pipe._norm_parts.agreed else None,
+                        loss_weights(sizes, replica_batches(pipe._handshake, total)))
     base = cuda_memory_base(pipe.device)
     before = snapshot(pipe._shared_buffers) if pipe._shared_buffers else None
     loss, outputs, peak = pipe._executor.run(inputs)
@@ -55,6 +56,21 @@ def run(pipe, x, target, train: bool, scale=None, scaler=None, refusal=None):
     if train and pipe._plan is not None:  # zb-auto without costs=: this first step measured them
         adopt_measured_costs(pipe)
     return loss if train else outputs
+
+
+def replica_batches(handshake, total: int) -> list[int]:
+    """Every replica's batch size in this step (the replicas' agreement's); ``[total]`` without data parallelism."""
+    return handshake.replica_batches if handshake.dp_group is not None else [total]
+
+
+def loss_weights(sizes: list[int], replicas: list[int]) -> list[float]:
+    """The weight of each microbatch's loss in backward: ``n * dp / N_all`` for microbatch sizes ``sizes`` and the
+    replicas' batch sizes ``replicas`` (``dp`` of them, ``N_all`` in all), so that the data-parallel all-reduce's
+    average over replicas, ``(1/dp) sum_r``, is the gradient of ``sum over every replica's microbatches of
+    loss_fn * n / N_all``: the whole batch's. Computed from exact integers in one division, so where every replica
+    got the same batch size ``N`` it is the very float ``n / N`` (the weight of the returned loss)."""
+    dp, whole = len(replicas), sum(replicas)
+    return [(n * dp) / whole for n in sizes]
 
 
 def adopt_measured_costs(pipe) -> None:

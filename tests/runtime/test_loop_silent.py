@@ -20,8 +20,8 @@ loss of microbatch i weighted by the Python float n_i / N, one thread): bodies i
 - a checkpoint saved under zbv on 2 ranks (Adam in two param groups, lrs changed by a "scheduler", a frozen layer)
   loaded under 1f1b on 1 rank: Adam's moments, step and lrs, then one more step, bitwise the unsplit model's; an
   embedding tied to the head, zbv on 2 ranks -> 1f1b on 2 ranks (the tie now across ranks), within 1e-5.
-- known discrepancy (xfail, strict): replicas with different batch sizes get the average of their mean gradients,
-  not the whole batch's.
+- DP replicas with different batch sizes (5 and 3 rows) get the whole batch's gradient (they got the average of
+  their mean gradients before the replicas' agreement carried each one's batch size).
 """
 import os
 
