@@ -14,6 +14,7 @@ from .call_args import meet_with_argument, shown
 from .collective import peer_loss_as_comm_error
 from .agreement import agree, connected, describe, model_shapes, refuse
 from .construction import local_setup
+from .replica_init import COPY_WHAT, COPY_WHERE, copy_replica_zero
 from .executor import Executor
 from .step_state import Links, RankWork
 from .handshake import COLLECTIVE_MARK, Handshake, Rejected, StepKey
@@ -59,7 +60,10 @@ class Pipeline:
         balance: ``None`` (even by layer count), ``"params"``, ``"time"`` (needs ``profile``: the cut that minimises
             the slowest rank's measured seconds, :func:`pipesched.partition.balance_by_time`) or a list of layers
             per stage.
-        dp_size: data-parallel replicas of the pipeline.
+        dp_size: data-parallel replicas of the pipeline. As DDP, replica 0's values are copied to every replica
+            at construction: each rank's stage parameters and buffers, in place, one broadcast per dtype over its
+            data-parallel group (:mod:`~pipesched.runtime.replica_init`), so replicas built with other initial
+            weights (each process seeded by its rank) train replica 0's model.
         recompute: ``False``, ``True`` or one bool per stage: keep only the stage input for backward and
             re-run the forward right before it, with the RNG state and the buffer values its first run saw,
             leaving the buffers as they were (:mod:`pipesched.runtime.recompute`); forward hooks on a recomputed
@@ -134,8 +138,8 @@ class Pipeline:
             (a view or slice of another layer's weight, a buffer over a weight) and their uses span two pipeline
             ranks (names both, their stages and ranks; :mod:`~pipesched.runtime.shared_buffers`), before any
             communication, on every rank.
-        ValueError: the copies of a tied parameter differ between ranks at construction (names the parameter's names
-            in the unsplit model and two ranks whose copies differ), on every rank
+        ValueError: the copies of a tied parameter differ between ranks of one replica at construction (names the
+            parameter's names in the unsplit model and two ranks whose copies differ), on every rank
             (:func:`~pipesched.runtime.ties.check_copies`).
         TimeoutError: a rank did not construct its Pipeline within ``timeout`` seconds, or this rank reached the
             construction agreement after the others had timed out on it (names them); or, launched through
@@ -195,6 +199,9 @@ class Pipeline:
         self._running = 0  # calls (step, forward, collectives) in progress on this Pipeline
         self._idle_since, self._away_s = time.monotonic(), 0.0  # the last call's end; the pause before this call
         self._departure = watch(self, self._failures, self.grid)  # said to peers still waiting if it goes unclosed
+        if self._dp_group is not None:  # as DDP: every replica starts from replica 0's values (replica_init.py)
+            self._guarded(lambda: peer_loss_as_comm_error(
+                lambda: copy_replica_zero(self.stages, self._dp_group, grid), COPY_WHAT), where=COPY_WHERE)
 
     @classmethod
     def from_plan(cls, model, plan, loss_fn=None, **kwargs) -> "Pipeline":

@@ -119,7 +119,8 @@ def digest(tensor: torch.Tensor) -> str:
 
 def check_copies(layers, ties: Sequence[TiedParameter], grid) -> None:
     """Collective over the default group (every world rank): each rank's copy of each cross-rank tied parameter it
-    holds must equal the others' bit for bit (every replica's too). Every rank reaches the same verdict.
+    holds must equal the other copies of its replica bit for bit (replicas may differ: every replica then gets
+    replica 0's, :mod:`~pipesched.runtime.replica_init`). Every rank reaches the same verdict.
 
     Raises:
         ValueError: on every rank, for the first tie whose copies differ: names the parameter (its names in the
@@ -132,10 +133,14 @@ def check_copies(layers, ties: Sequence[TiedParameter], grid) -> None:
     every: list = [None] * grid.world_size
     dist.all_gather_object(every, mine)
     for k, tie in enumerate(ties):
-        holders = [(rank, sums[k]) for rank, sums in enumerate(every) if k in sums]
-        differ = [rank for rank, value in holders if value != holders[0][1]]
-        if differ:
-            first, other = holders[0][0], differ[0]
+        # within each replica: replica 0's values are then copied to every replica (replica_init.py)
+        pairs = []
+        for replica in range(grid.dp_size):
+            holders = [(rank, sums[k]) for rank, sums in enumerate(every)
+                       if k in sums and rank // grid.pp_size == replica]
+            pairs += [(holders[0][0], rank) for rank, value in holders if value != holders[0][1]]
+        if pairs:
+            first, other = pairs[0]
             raise ValueError(
                 f"tied parameter {' = '.join(tie.names)} (stages {list(tie.stages)}) has different values on world "
                 f"rank {first} (pipeline rank {first % grid.pp_size}) and world rank {other} (pipeline rank "
