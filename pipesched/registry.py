@@ -22,6 +22,7 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import os
 import re
 import sys
 import warnings
@@ -200,7 +201,9 @@ class Registry:
 
     def import_module(self, module: str) -> tuple[str, ...]:
         """Import ``module`` (a dotted module name, or the path of a ``.py`` file) so that it registers its
-        schedules here; returns the names it registered (those new after the import).
+        schedules here; returns the names it registered (those new after the import). A dotted name is also
+        looked up in the current directory (appended to ``sys.path``, as ``python -m`` finds it); a ``.py`` file
+        can import the modules next to it (its folder is on ``sys.path`` while it is imported).
 
         Raises:
             ImportError: it cannot be imported (names ``module``; the cause is chained).
@@ -210,6 +213,7 @@ class Registry:
             if module.endswith(".py") or "/" in module or "\\" in module:
                 _import_file(Path(module))
             else:
+                _current_dir_on_sys_path()  # as under ``python -m``: a module of the current directory is found
                 importlib.import_module(module)
         except ImportError as exc:
             raise ImportError(f"cannot import schedule module {module!r}: {exc}") from exc
@@ -261,11 +265,26 @@ def _import_file(path: Path) -> None:
         raise ImportError(f"{path} is not a Python source file (.py): give a .py file or an importable module name")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    folder = str(path.resolve().parent)
+    added = folder not in sys.path
+    if added:  # while it is imported, the modules next to it can be imported (as when it runs as a script)
+        sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[name]
         raise
+    finally:
+        if added and folder in sys.path:
+            sys.path.remove(folder)
+
+
+def _current_dir_on_sys_path() -> None:
+    """Put the current directory on ``sys.path`` (last: it never hides an installed module) if it is not there;
+    the ``pipesched`` console script, unlike ``python -m``, does not put it there."""
+    here = os.getcwd()
+    if not any(os.path.abspath(entry or os.curdir) == here for entry in sys.path):
+        sys.path.append(here)
 
 
 #: The registry every name lookup in this process consults (:func:`pipesched.get_schedule`); the package's one

@@ -15,7 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hypothesis import strategies as st
+try:
+    from hypothesis import strategies as st
+except ModuleNotFoundError as exc:  # the test extra is not installed
+    if exc.name != "hypothesis":
+        raise
+    raise ModuleNotFoundError("pipesched.testing needs hypothesis, which is not installed: "
+                              "pip install 'pipesched[test]' (or pip install hypothesis)", name="hypothesis") from None
 
 from . import program_io
 from .api import compile_program

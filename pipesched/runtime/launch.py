@@ -10,8 +10,10 @@ import queue
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
+import uuid
 
 from ..checks import as_int, is_real
 from .start_method import choose_start_method
@@ -35,9 +37,12 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
            start_method: str | None = None) -> list:
     """Run ``fn(rank, *args)`` on ``world_size`` local processes that share a gloo default process group.
 
-    Each child gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1`` and a free
-    ``MASTER_PORT``, sets ``torch.set_num_threads(threads)``, and calls ``fn`` after
-    ``init_process_group("gloo")``. The children's standard error is relayed to this process's
+    Each child gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1`` and ``MASTER_PORT``,
+    sets ``torch.set_num_threads(threads)``, and calls ``fn`` after ``init_process_group("gloo")``. World rank
+    0's child hosts the job's c10d ``TCPStore`` on a port the OS picks while binding it and passes the port to the
+    others through this process (so launches running at once on one machine never share a store); each other rank
+    checks, right after connecting, that the store holds this launch's token (a ``RuntimeError`` naming the
+    address if not). The children's standard error is relayed to this process's
     ``sys.stderr`` (so it shows in a notebook) and kept, to be quoted if a child dies without reporting.
 
     How the children start (``start_method``):
@@ -89,6 +94,7 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
         as ``__cause__``; the other children get ``grace`` seconds to end on their own and are then terminated.
         ValueError: a ``start_method`` that cannot run ``fn`` here (says why and what to do); a bad ``world_size``,
             ``timeout``, ``grace`` or ``threads`` (names it and what is valid), before any child starts.
+        TypeError: ``fn`` is not callable (names it), before any child starts.
         TimeoutError: the children did not all finish within ``timeout`` seconds (all are terminated).
         KeyboardInterrupt: Ctrl-C while the children ran (all are stopped first).
         RuntimeError: a child died without reporting (killed, ``os._exit``, or failed while starting, e.g.
@@ -96,6 +102,9 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
             SIGKILL) and quotes the end of its stderr. The others get ``grace`` seconds to end on their own first
             (a :class:`PipelineError` they raise naming the lost rank is not re-raised: this error is).
     """
+    if not callable(fn):
+        raise TypeError(f"launch: fn must be a callable run as fn(rank, *args) on each rank, got {fn!r} "
+                        f"({type(fn).__name__})")
     if as_int(world_size) is None or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     world_size = as_int(world_size)  # a numpy integer: a plain int for the children's environment
@@ -108,9 +117,11 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
     threads = as_int(threads)
     ctx = mp.get_context(choose_start_method(fn, start_method, threads))
     results = ctx.Queue()
-    port = free_port()
+    # world rank 0's child binds its store to a port the OS picks (port 0) and publishes it here: no port is ever
+    # "free a moment ago", so two launches at once cannot meet; the token lets every other rank check its store
+    store_at = (ctx.Value("i", 0), ctx.Event(), uuid.uuid4().hex, timeout)
     released = ctx.Event()  # set when every rank's fn has ended: world rank 0's child (the store host) may exit
-    procs = [ctx.Process(target=_child, args=(rank, world_size, port, threads, fn, args, results, grace, released),
+    procs = [ctx.Process(target=_child, args=(rank, world_size, store_at, threads, fn, args, results, grace, released),
                          daemon=True) for rank in range(world_size)]
     logs = _Stderr(world_size)
     gc.collect()  # this process's garbage goes here: a forked child collecting it (torch objects of a destroyed
@@ -302,9 +313,9 @@ def _load(payload):
         return None
 
 
-def _child(rank, world_size, port, threads, fn, args, results, grace, released) -> None:
+def _child(rank, world_size, store_at, threads, fn, args, results, grace, released) -> None:
     gc.freeze()  # what a forked child inherited is never collected here (see launch: it would hang)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch
     import torch.distributed as dist
@@ -312,7 +323,10 @@ def _child(rank, world_size, port, threads, fn, args, results, grace, released) 
     torch.set_num_threads(threads)
     store = None
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        tcp = _job_store(rank, world_size, *store_at)
+        os.environ["MASTER_PORT"] = str(tcp.port)
+        # the key space env:// rendezvous gives the default group (init_process_group wraps its store the same way)
+        dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", tcp), rank=rank, world_size=world_size)
         store = dist.distributed_c10d._get_default_store()  # held: on rank 0 it keeps the store up after teardown
         value = fn(rank, *args)
         results.put(("ok", rank, pickle.dumps(value), ""))
@@ -333,6 +347,47 @@ def _child(rank, world_size, port, threads, fn, args, results, grace, released) 
         # rank that failed first until the others have read its record (os._exit skips a Pipeline's atexit Linger)
         released.wait(grace)
         os._exit(0)  # skip interpreter teardown (gloo threads); closes this rank's connections at once
+
+
+_TOKEN_KEY = "pipesched/launch-token"
+
+
+def _job_store(rank: int, world_size: int, port_value, port_ready, token: str, timeout: float):
+    """This launch's c10d ``TCPStore``: world rank 0 hosts it on a port the OS picks while binding, writes the
+    launch's ``token`` into it and publishes the port (``port_value``, ``port_ready``); every other rank waits for
+    the port (at most ``timeout`` seconds), connects and checks the token (:func:`_connect_checked`)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    wait = datetime.timedelta(minutes=30)  # the store timeout env:// rendezvous gave it (torch's default)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=wait, wait_for_workers=False)
+        store.set(_TOKEN_KEY, token)  # before the port is published: every rank that connects finds it
+        port_value.value = store.port
+        port_ready.set()
+        return store
+    if not port_ready.wait(min(timeout, threading.TIMEOUT_MAX)):
+        raise TimeoutError(f"launch: world rank {rank}: world rank 0 did not publish its store's port within "
+                           f"timeout={timeout:g} s")
+    return _connect_checked(rank, world_size, port_value.value, token, wait)
+
+
+def _connect_checked(rank: int, world_size: int, port: int, token: str, wait):
+    """A client of the store at 127.0.0.1:``port`` that holds this launch's ``token``.
+
+    Raises:
+        RuntimeError: the store there is another job's (no token, or another launch's): names the address.
+    """
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=wait)
+    found = store.get(_TOKEN_KEY).decode(errors="replace") if store.check([_TOKEN_KEY]) else None
+    if found != token:
+        what = "it has no launch token" if found is None else f"its launch token is {found!r}, this launch's {token!r}"
+        raise RuntimeError(f"launch: world rank {rank} connected to another job's store at 127.0.0.1:{port} ({what}); "
+                           f"this launch's ranks would mix with that job's, so it stops here")
+    return store
 
 
 def _told(exc: BaseException, rank: int, store) -> BaseException:
