@@ -44,41 +44,44 @@ def build_zbv(num_ranks: int, num_microbatches: int, virtual_stages: int = 2):
         ScheduleArgumentError: a size is not a positive integer, or ``virtual_stages != 2``.
     """
     p, m = check_fixed_sizes("zbv", num_ranks, num_microbatches, virtual_stages, 2)
-    streams = [[i for i in _rank_order(r, p, max(m, 2 * p - 1)) if i.microbatch < m] for r in range(p)]
+    streams = [_rank_order(r, p, max(m, 2 * p - 1), m) for r in range(p)]
     return program("zbv", streams, placement.vshape(p), m, virtual_stages=2)
 
 
-class _Chunk:
-    """The next microbatch of each kind on one of a rank's two stages."""
+def _rank_order(r: int, p: int, n: int, m: int) -> list[Instr]:
+    """Rank ``r``'s compute order for ``n >= 2p - 1`` microbatches (see :func:`build_zbv`), less those ``>= m``.
 
-    def __init__(self, stage: int) -> None:
-        self.stage, self.next = stage, {Op.F: 0, Op.I: 0, Op.W: 0}
+    The order for ``n`` is kept phase by phase, but a microbatch ``>= m`` is never made: once every instruction
+    of a phase's repeated group is dropped, the rest of the phase only moves its counters, so a rank costs
+    time in its ``O(m)`` instructions kept, not in the ``O(p)`` of the order for ``n`` (``m = 2``, ``p = 1000``).
+    """
+    down, up = r, 2 * p - 1 - r
+    dF, dI, dW, uF, uI, uW = ((stage, op) for stage in (down, up) for op in (Op.F, Op.I, Op.W))
+    nxt = dict.fromkeys((dF, dI, dW, uF, uI, uW), 0)  # (stage, op) -> its next microbatch
+    out: list[Instr] = []
 
-    def take(self, op: Op) -> Instr:
-        mb = self.next[op]
-        self.next[op] = mb + 1
-        return Instr.trusted(op, self.stage, mb)
+    def repeat(times: int, *group) -> None:  # the takes of ``group``, ``times`` times over
+        for done in range(times):
+            if all(nxt[key] >= m for key in group):  # all dropped from here on: move the counters only
+                for key in group:
+                    nxt[key] += times - done
+                return
+            for key in group:
+                mb = nxt[key]
+                nxt[key] = mb + 1
+                if mb < m:
+                    out.append(Instr.trusted(key[1], key[0], mb))
 
-    def backward(self) -> list[Instr]:
-        return [self.take(Op.I), self.take(Op.W)]
-
-
-def _rank_order(r: int, p: int, n: int) -> list[Instr]:
-    """Rank ``r``'s compute order for ``n >= 2p - 1`` microbatches (see :func:`build_zbv`)."""
-    down, up = _Chunk(r), _Chunk(2 * p - 1 - r)
-    out = [down.take(Op.F) for _ in range(2 * (p - r) - 1)]
-    for _ in range(r):
-        out += [up.take(Op.F), down.take(Op.F)]
-    for _ in range(p - r):
-        out += [up.take(Op.F), *up.backward()]
-    while up.next[Op.F] < down.next[Op.F] or down.next[Op.F] < n:
-        if down.next[Op.F] < n:
-            out.append(down.take(Op.F))
-        out += [*down.backward(), up.take(Op.F), *up.backward()]
-    for _ in range(r):
-        out += [down.take(Op.I), up.take(Op.I)]
-    for _ in range(p - r):
-        out += [down.take(Op.I), down.take(Op.W)]
-    out += [up.take(Op.W) for _ in range(up.next[Op.W], n)]
-    out += [down.take(Op.W) for _ in range(down.next[Op.W], n)]
+    repeat(2 * (p - r) - 1, dF)  # warmup
+    repeat(r, uF, dF)
+    repeat(p - r, uF, uI, uW)
+    # steady, while an up forward trails the down ones or a down forward is left (up <= down <= n here): a down
+    # forward in each of the first n - down rounds, n - up rounds in all
+    with_forward = n - nxt[dF]
+    repeat(with_forward, dF, dI, dW, uF, uI, uW)
+    repeat(n - nxt[uF], dI, dW, uF, uI, uW)
+    repeat(r, dI, uI)  # cooldown
+    repeat(p - r, dI, dW)
+    repeat(n - nxt[uW], uW)
+    repeat(n - nxt[dW], dW)
     return out
