@@ -3,6 +3,7 @@
 ``bandwidth`` and ``send_overhead`` hold (:func:`profile_link`)."""
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import NamedTuple
@@ -69,7 +70,8 @@ def profile_link(group=None, nbytes=(1 << 10, 1 << 16, 1 << 20, 1 << 22), repeat
         mine = {"nbytes": sizes, "repeat": repeat}
     except ValueError as exc:  # the other ranks must hear of it, not wait in the ping-pong
         refusal, mine = exc, {"error": str(exc)}
-    _agree(mine, ranks, group)
+    with _object_device(device, group):  # NCCL: all_gather_object's tensors go to the current CUDA device
+        _agree(mine, ranks, group)
     if "error" in mine:
         raise refusal
     me, (a, b) = dist.get_rank(), ranks[:2]
@@ -102,6 +104,23 @@ def _checked(nbytes, repeat, device, group) -> tuple[list, int, torch.device]:
         return sorted(set(sizes)), as_int(repeat), torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"device={device!r} is not a device: {exc}") from None
+
+
+def _object_device(device, group):
+    """A context making ``device`` the current CUDA device around the arguments' all-gather on an NCCL group:
+    ``all_gather_object`` puts its tensors on the current device, so a caller passing ``device="cuda:1"`` without
+    ``torch.cuda.set_device(1)`` would meet the others on cuda:0 (two ranks on one GPU: NCCL fails or hangs), while
+    the ping-pong ran on cuda:1. A no-op for gloo, ``device=None`` (the current device already) or a bad ``device``
+    (refused after the all-gather; the current device then)."""
+    if device is None or dist.get_backend(group) != "nccl":
+        return contextlib.nullcontext()
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        return contextlib.nullcontext()
+    if device.type != "cuda" or device.index is None:
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _agree(mine: dict, ranks: list, group) -> None:

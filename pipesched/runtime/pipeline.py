@@ -201,7 +201,7 @@ class Pipeline:
         self._departure = watch(self, self._failures, self.grid)  # said to peers still waiting if it goes unclosed
         if self._dp_group is not None:  # as DDP: every replica starts from replica 0's values (replica_init.py)
             self._guarded(lambda: peer_loss_as_comm_error(
-                lambda: copy_replica_zero(self.stages, self._dp_group, grid), COPY_WHAT), where=COPY_WHERE)
+                lambda: copy_replica_zero(self.stages, self._dp_group, grid, self.device), COPY_WHAT), where=COPY_WHERE)
 
     @classmethod
     def from_plan(cls, model, plan, loss_fn=None, **kwargs) -> "Pipeline":

@@ -12,10 +12,13 @@ them). Replica 0's own tensors are not written.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 
 import torch
 import torch.distributed as dist
+
+from .transport import gather_rows
 
 BUCKET_BYTES = 256 << 20  # as DDP's broadcast of its module states (250 MiB): bounded extra memory
 COPY_WHAT = "the broadcast of replica 0's parameters and buffers at construction"  # a lost peer waits for it
@@ -58,13 +61,46 @@ def buckets(tensors, limit: int | None = None) -> list[list[torch.Tensor]]:
     return out
 
 
+def layout(tensors) -> list[int]:
+    """``[count, bytes, digest]`` of ``tensors``: their number, their bytes and a digest of their dtypes and shapes in
+    order, as int64 words (what fixes the broadcasts' buckets and sizes)."""
+    spec = repr([(str(t.dtype), tuple(t.shape)) for t in tensors]).encode()
+    digest = int.from_bytes(hashlib.blake2b(spec, digest_size=7).digest(), "little")
+    return [len(tensors), sum(t.numel() * t.element_size() for t in tensors), digest]
+
+
+def check_layouts(rows: list, grid) -> None:
+    """Every replica's :func:`layout` row, by replica: all must equal replica 0's.
+
+    Raises:
+        ValueError: names the first replica whose stage tensors differ and both rows' counts and bytes. The
+            agreement at construction compares the persistent tensors' names and shapes only: a dtype (one rank's
+            buffer in float64) or a non-persistent buffer's shape could differ, and a broadcast of another size
+            is undefined (gloo aborted the process with signal 6, or filled a larger buffer in part without a
+            word; NCCL may hang or corrupt memory).
+    """
+    for replica, row in enumerate(rows):
+        if row != rows[0]:
+            raise ValueError(
+                f"pipeline rank {grid.pp_rank}'s stage parameters and buffers differ between replicas: replica 0 has "
+                f"{rows[0][0]} tensors of {rows[0][1]} bytes, replica {replica} {row[0]} tensors of {row[1]} bytes"
+                f"{' (other dtypes or shapes)' if row[:2] == rows[0][:2] else ''}; build the same model, with the "
+                f"same dtypes and buffers, on every rank before constructing the Pipeline")
+
+
 @torch.no_grad()
-def copy_replica_zero(stages: dict, dp_group, grid) -> None:
+def copy_replica_zero(stages: dict, dp_group, grid, device=None) -> None:
     """Collective over this rank's data-parallel group: overwrite this rank's stage parameters and buffers with
-    replica 0's (the rank of the same pipeline rank in replica 0 sends). One broadcast per bucket; the same
-    buckets on every replica (the model's names and shapes are agreed at construction)."""
+    replica 0's (the rank of the same pipeline rank in replica 0 sends). First one all-gather of every replica's
+    :func:`layout` (on ``device``, the stages': NCCL needs CUDA tensors; None: the first tensor's, else the CPU),
+    refused on every replica alike where they differ (:func:`check_layouts`); then one broadcast per bucket, the
+    same buckets on every replica."""
     source = grid.pp_rank  # world rank of pipeline rank pp_rank in replica 0
-    for bucket in buckets(replica_tensors(stages)):
+    tensors = replica_tensors(stages)
+    if device is None:
+        device = tensors[0].device if tensors else torch.device("cpu")
+    check_layouts(gather_rows(layout(tensors), dp_group, grid.dp_size, torch.int64, device, COPY_WHAT), grid)
+    for bucket in buckets(tensors):
         flat = torch.cat([t.detach().reshape(-1) for t in bucket])
         dist.broadcast(flat.view(torch.uint8), src=source, group=dp_group)
         if grid.dp_rank == 0:
