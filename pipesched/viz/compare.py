@@ -30,8 +30,13 @@ def fit_cost(measured: Timeline) -> CostModel:
     matched messages). All-reduce times are not fitted.
 
     Raises:
-        ValueError: the timeline has no forward (``F``) events.
+        ValueError: the timeline has no forward (``F``) events, or holds only some ranks (``Pipeline.timeline()``:
+            the other ranks' stages would be fitted as free, 0 s).
     """
+    if measured.ranks is not None and len(measured.ranks) < measured.num_ranks:
+        raise ValueError(f"cannot fit costs: the measured timeline holds ranks {list(measured.ranks)} of "
+                         f"{measured.num_ranks}, so the other ranks' stages have no times: save "
+                         f"Pipeline.gather_timeline(), not .timeline()")
     stages = 1 + max((e.instr.stage for e in measured.events), default=-1)
     samples: dict = {}
     for event in measured.events:
@@ -175,7 +180,8 @@ def _overlay(ax, simulated: Timeline, measured: Timeline, factor: float, unit: s
     ax.set_yticklabels([f"rank {r}\npred / meas" for r in range(measured.num_ranks)], fontsize=7.5)
     transform = ax.get_yaxis_transform()
     for rank, (a, b) in enumerate(zip(simulated.bubble_per_rank(), measured.bubble_per_rank())):
-        ax.text(1.01, rank, f"{100 * a:5.1f}%\n{100 * b:5.1f}%", transform=transform, fontsize=7.5,
+        shown = "\n".join(f"{'--':>6}" if x != x else f"{100 * x:5.1f}%" for x in (a, b))  # NaN: a rank not held
+        ax.text(1.01, rank, shown, transform=transform, fontsize=7.5,
                 va="center", ha="left", family="monospace", clip_on=False, gid=f"bubble-rank-{rank}")
     ax.text(1.01, -0.62, "bubble\npred/meas", transform=transform, fontsize=7, va="bottom", color="#444444")
     time_axis(ax, measured, unit)

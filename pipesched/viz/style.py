@@ -60,7 +60,8 @@ def time_unit(span: float) -> tuple[str, float]:
     return "µs", 1e6
 
 
-_TIME_COST = re.compile(r"\b(F|B|I|W|R)=(\[[^\]]*\]|[0-9.eE+-]+)")
+# not "held after R=...B" (CostModel.describe's recompute_bytes: bytes, not seconds)
+_TIME_COST = re.compile(r"(?<!after )\b(F|B|I|W|R)=(\[[^\]]*\]|[0-9.eE+-]+)")
 _LATENCY = re.compile(r"\b(latency|send)=([0-9.eE+-]+)s\b")  # the message seconds: latency, send overhead
 _BANDWIDTH = re.compile(r"\bbw=([0-9.eE+-]+)B/s\b")
 
