@@ -16,8 +16,6 @@ which :func:`load_checkpoint` refuses and :func:`latest_checkpoint` skips.
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -25,16 +23,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from ..checks import as_int, check_flag, described
 from . import rng_state
-from .failure import describe
-from .optim_state import check_owned, flat_state, load_flat_state
-from .state import first_mismatch, parameter_names, pipe_read_plan, read_plan, saved_state, shared_aliases
-from .checkpoint_read import (FORMAT, REPLACED, SAVING, as_path, copy_in, empty_for, extra_of, firsts, hidden,
-                              optimizer_keys, read_checkpoint, read_locally, shape_of, staging_for)
+from .optim_state import load_flat_state
+from .state import first_mismatch, parameter_names, pipe_read_plan, read_plan, shared_aliases
+from .checkpoint_read import (SAVING, as_path, copy_in, empty_for, extra_of, firsts, hidden, optimizer_keys,
+                              read_checkpoint, read_locally, shape_of, staging_for)
 from .vote import Verdict, check_optimizers, check_same, vote
+from .checkpoint_write import check_save, commit, failures_named, named_failure, state_to_save
 
 
 
@@ -101,9 +98,9 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
     target = None
     try:
         _check_pipe(pipe)
-        target = _check_save(path, pipe, optimizer, step, extra, rank)
+        target = check_save(path, pipe, optimizer, step, extra, rank)
         step = None if step is None else as_int(step)  # a numpy integer: a plain int in the vote and the metadata
-        state = _named_failure(lambda: _state_to_save(pipe, optimizer, step, extra, rank), "save_checkpoint", rank,
+        state = named_failure(lambda: state_to_save(pipe, optimizer, step, extra, rank), "save_checkpoint", rank,
                                "collecting its state to save")  # before the vote: its error is every rank's
         verdict = Verdict(ok={"path": target, "step": step, "pipeline": _which(pipe),
                               **_optimizer_given(pipe, optimizer)})
@@ -120,13 +117,13 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
         raise
     target = oks[0]["path"]
     temp = hidden(target, SAVING)
-    with _failures_named(target, "writing"):
+    with failures_named(target, "writing"):
         dcp.save(state, checkpoint_id=temp)
     vote("save_checkpoint", "written", Verdict(ok=True), pipe.timeout)  # every rank has finished writing
     error = None
     if rank == 0:
         try:
-            _commit(temp, target)
+            commit(temp, target)
         except Exception as exc:  # noqa: BLE001 - every rank must learn it
             error = exc
     vote("save_checkpoint", "commit", Verdict(ok=True, error=error), pipe.timeout)
@@ -182,7 +179,7 @@ def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
         optim_keys = [] if optimizer is None or problem else optimizer_keys(optimizer, pipe, entries, target)
         same_layout = [meta.get(k) for k in ("world_size", "pp_size", "dp_size")] == [
             pipe.grid.world_size, pipe.grid.pp_size, pipe.grid.dp_size]
-        staging = None if problem else _named_failure(  # before the vote (its error is every rank's): buffers
+        staging = None if problem else named_failure(  # before the vote (its error is every rank's): buffers
             lambda: staging_for(entries, plan, optim_keys, dist.get_rank() if same_layout else None, pipe.device),
             "load_checkpoint", dist.get_rank(), "allocating its read buffers")
         verdict = Verdict(ok={"problem": problem})
@@ -192,7 +189,7 @@ def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
     problems = [ok["problem"] for ok in oks if ok["problem"]]
     if problems:
         raise ValueError(min(problems)[1])  # the same on every rank: missing names by model position, then the rest
-    with _failures_named(target, "reading"):
+    with failures_named(target, "reading"):
         dcp.load(staging, checkpoint_id=target)  # collective; raises on every rank if any rank fails to read
     rng = staging.get("rng", {}).get(str(dist.get_rank()), {})
 
@@ -203,7 +200,7 @@ def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
         rng_state.restore(rng, pipe.device)
 
     try:
-        _named_failure(restore, "load_checkpoint", dist.get_rank(), "copying what it read into its model, optimizer "
+        named_failure(restore, "load_checkpoint", dist.get_rank(), "copying what it read into its model, optimizer "
                        "and random generators")
         verdict = Verdict(ok=True)
     except Exception as exc:  # noqa: BLE001 - every rank must learn it (it would meet the others' next step)
@@ -319,111 +316,3 @@ def _agree_load_arguments(path, pipe, optimizer) -> None:
     check_same(oks, "path", "load_checkpoint")
     check_same(oks, "pipeline", "load_checkpoint")
     check_optimizers(oks, "load_checkpoint")
-
-
-# ---- save ----------------------------------------------------------------------------------------------------
-
-
-def _check_save(path, pipe, optimizer, step, extra, rank: int) -> str:
-    target = as_path(path)
-    if step is not None and (as_int(step) is None or step < 0):
-        raise ValueError(f"step must be None or an int >= 0, got {step!r}")
-    _splitextra_of(extra)
-    if optimizer is not None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be None or a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        check_owned(optimizer, parameter_names(pipe))
-    if os.path.lexists(target):
-        try:
-            read_checkpoint(target)
-        except (OSError, ValueError):
-            raise FileExistsError(f"path {target!r} exists and is not a pipesched checkpoint; refusing to replace "
-                                  f"it (save elsewhere or remove it)") from None
-    if rank == 0:  # a stale temporary directory of a save that died is removed; the new one made
-        temp = hidden(target, SAVING)
-        shutil.rmtree(temp, ignore_errors=True)
-        os.makedirs(temp)
-    return target
-
-
-def _state_to_save(pipe, optimizer, step, extra, rank: int) -> dict:
-    state: dict = {"model": _replica_state(pipe), "rng": {str(rank): rng_state.capture(pipe.device)}}
-    if optimizer is not None:
-        state["optim"] = flat_state(optimizer, parameter_names(pipe))
-    if rank == 0:
-        text, tensors = _splitextra_of(extra)
-        grid = pipe.grid
-        state["pipesched"] = {"format": FORMAT, "step": step, "world_size": grid.world_size, "pp_size": grid.pp_size,
-                              "dp_size": grid.dp_size, "extra": text, "extra_tensors": list(tensors)}
-        if tensors:
-            state["extra"] = tensors
-    return state
-
-
-def _replica_state(pipe) -> dict:
-    """:func:`saved_state`, less the buffers on a replica other than the first: with ``dp_size > 1`` buffers such as
-    BatchNorm's running statistics are each replica's own (its data's), and DCP writes a name several ranks save
-    once, from any of them: a mean from one replica and a variance from another would belong to none. So the
-    checkpoint holds replica 0's buffers, together."""
-    state = saved_state(pipe)
-    if pipe.grid.dp_rank == 0:
-        return state
-    buffers = {b.data_ptr() for module in pipe.stages.values() for b in module.buffers() if b.numel()}
-    return {name: t for name, t in state.items() if not (t.numel() and t.data_ptr() in buffers)}
-
-
-def _commit(temp: str, target: str) -> None:
-    """Rename the finished temporary directory to ``target`` (replacing a checkpoint there) and sync the parent."""
-    old = None
-    if os.path.lexists(target):
-        old = hidden(target, REPLACED)
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(target, old)
-    os.rename(temp, target)
-    fd = os.open(os.path.dirname(target), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _splitextra_of(extra) -> tuple[str, dict]:
-    tensors = {}
-    plain = extra
-    if isinstance(extra, dict):
-        plain = {}
-        for key, value in extra.items():
-            if not isinstance(key, str):
-                raise TypeError(f"extra must have str keys, got {key!r}")
-            if isinstance(value, torch.Tensor):
-                tensors[key] = value.detach()
-            else:
-                plain[key] = value
-    try:
-        return json.dumps(plain), tensors
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"extra must be JSON-serialisable (dict, list, str, int, float, bool, None), or a dict whose "
-                        f"top-level values may also be tensors; got {extra!r} ({exc})") from None
-
-
-def _named_failure(run, caller: str, rank: int, doing: str):
-    """``run()``; an exception it raises becomes a ``RuntimeError`` naming ``caller``, this world rank, what it was
-    ``doing`` and the original (``"ExceptionType: message"``), so the vote that follows raises a message naming the
-    rank that failed on every rank (the others would otherwise wait in DCP's collectives)."""
-    try:
-        return run()
-    except Exception as exc:  # noqa: BLE001 - every rank must learn it, naming this one
-        raise RuntimeError(f"{caller}: world rank {rank} failed while {doing}: {describe(exc)}") from exc
-
-
-@contextlib.contextmanager
-def _failures_named(target: str, doing: str):
-    """DCP reports a failure on any rank as a ``CheckpointException`` (a ``BaseException``) on every rank: make it a
-    ``RuntimeError`` naming the checkpoint, the ranks and their errors."""
-    try:
-        yield
-    except CheckpointException as exc:
-        ranks = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(exc.failures.items()))
-        raise RuntimeError(f"checkpoint {target!r}: ranks failed while {doing} it ({ranks})") from exc

@@ -1,0 +1,124 @@
+"""Writing a pipesched checkpoint (:mod:`~pipesched.runtime.checkpoint`'s format): a save's argument checks, the
+state each rank writes, the atomic rename that commits it, and failures named by rank and checkpoint (the reading
+side is :mod:`~pipesched.runtime.checkpoint_read`)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..checks import as_int
+from . import rng_state
+from .failure import describe
+from .optim_state import check_owned, flat_state
+from .state import parameter_names, saved_state
+from .checkpoint_read import FORMAT, REPLACED, SAVING, as_path, hidden, read_checkpoint
+
+
+def check_save(path, pipe, optimizer, step, extra, rank: int) -> str:
+    target = as_path(path)
+    if step is not None and (as_int(step) is None or step < 0):
+        raise ValueError(f"step must be None or an int >= 0, got {step!r}")
+    split_extra(extra)
+    if optimizer is not None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be None or a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        check_owned(optimizer, parameter_names(pipe))
+    if os.path.lexists(target):
+        try:
+            read_checkpoint(target)
+        except (OSError, ValueError):
+            raise FileExistsError(f"path {target!r} exists and is not a pipesched checkpoint; refusing to replace "
+                                  f"it (save elsewhere or remove it)") from None
+    if rank == 0:  # a stale temporary directory of a save that died is removed; the new one made
+        temp = hidden(target, SAVING)
+        shutil.rmtree(temp, ignore_errors=True)
+        os.makedirs(temp)
+    return target
+
+
+def state_to_save(pipe, optimizer, step, extra, rank: int) -> dict:
+    state: dict = {"model": replica_state(pipe), "rng": {str(rank): rng_state.capture(pipe.device)}}
+    if optimizer is not None:
+        state["optim"] = flat_state(optimizer, parameter_names(pipe))
+    if rank == 0:
+        text, tensors = split_extra(extra)
+        grid = pipe.grid
+        state["pipesched"] = {"format": FORMAT, "step": step, "world_size": grid.world_size, "pp_size": grid.pp_size,
+                              "dp_size": grid.dp_size, "extra": text, "extra_tensors": list(tensors)}
+        if tensors:
+            state["extra"] = tensors
+    return state
+
+
+def replica_state(pipe) -> dict:
+    """:func:`saved_state`, less the buffers on a replica other than the first: with ``dp_size > 1`` buffers such as
+    BatchNorm's running statistics are each replica's own (its data's), and DCP writes a name several ranks save
+    once, from any of them: a mean from one replica and a variance from another would belong to none. So the
+    checkpoint holds replica 0's buffers, together."""
+    state = saved_state(pipe)
+    if pipe.grid.dp_rank == 0:
+        return state
+    buffers = {b.data_ptr() for module in pipe.stages.values() for b in module.buffers() if b.numel()}
+    return {name: t for name, t in state.items() if not (t.numel() and t.data_ptr() in buffers)}
+
+
+def commit(temp: str, target: str) -> None:
+    """Rename the finished temporary directory to ``target`` (replacing a checkpoint there) and sync the parent."""
+    old = None
+    if os.path.lexists(target):
+        old = hidden(target, REPLACED)
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(target, old)
+    os.rename(temp, target)
+    fd = os.open(os.path.dirname(target), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def split_extra(extra) -> tuple[str, dict]:
+    tensors = {}
+    plain = extra
+    if isinstance(extra, dict):
+        plain = {}
+        for key, value in extra.items():
+            if not isinstance(key, str):
+                raise TypeError(f"extra must have str keys, got {key!r}")
+            if isinstance(value, torch.Tensor):
+                tensors[key] = value.detach()
+            else:
+                plain[key] = value
+    try:
+        return json.dumps(plain), tensors
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"extra must be JSON-serialisable (dict, list, str, int, float, bool, None), or a dict whose "
+                        f"top-level values may also be tensors; got {extra!r} ({exc})") from None
+
+
+def named_failure(run, caller: str, rank: int, doing: str):
+    """``run()``; an exception it raises becomes a ``RuntimeError`` naming ``caller``, this world rank, what it was
+    ``doing`` and the original (``"ExceptionType: message"``), so the vote that follows raises a message naming the
+    rank that failed on every rank (the others would otherwise wait in DCP's collectives)."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - every rank must learn it, naming this one
+        raise RuntimeError(f"{caller}: world rank {rank} failed while {doing}: {describe(exc)}") from exc
+
+
+@contextlib.contextmanager
+def failures_named(target: str, doing: str):
+    """DCP reports a failure on any rank as a ``CheckpointException`` (a ``BaseException``) on every rank: make it a
+    ``RuntimeError`` naming the checkpoint, the ranks and their errors."""
+    try:
+        yield
+    except CheckpointException as exc:
+        ranks = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(exc.failures.items()))
+        raise RuntimeError(f"checkpoint {target!r}: ranks failed while {doing} it ({ranks})") from exc
