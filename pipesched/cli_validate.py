@@ -32,16 +32,7 @@ def add_validate_parser(sub) -> None:
 
 def _cmd_validate(args) -> int:
     try:
-        try:
-            program = interop_cli.load_for_validate(args)
-        except UnicodeDecodeError as exc:  # a binary file given as the text or JSON form
-            from .interop import not_text
-
-            raise ProgramFormatError(f"{args.file}: {not_text(exc)}; validate reads pipesched's text or JSON form "
-                                     f"(or a torch CSV with --torch-csv)") from None
-        from .validate import validate
-
-        validate(program)
+        program = _load_and_validate(args)
     except DeadlockError as exc:
         return _report_invalid(args, exc, "deadlock")
     except ScheduleError as exc:
@@ -53,13 +44,42 @@ def _cmd_validate(args) -> int:
             print(json.dumps({"error": f"cannot read {args.file}: {exc.strerror}", "exit_status": 2}))
         return 2
     if args.backend is not None:  # what Pipeline proves on that backend before any communication, by its functions
-        from .user_programs import backend_programs
+        refused = _refused_on_backend(args, program)
+        if refused is not None:
+            return refused
+    return _report_valid(args, program)
 
-        try:
-            backend_programs(program, args.backend)
-        except (ScheduleError, ValueError) as exc:
-            hung = isinstance(exc, DeadlockError) or isinstance(exc.__cause__, DeadlockError)
-            return _report_invalid(args, exc, "deadlock" if hung else type(exc).__name__, args.backend)
+
+def _load_and_validate(args):
+    """The program of ``args.file``, validated. Raises what loading (``OSError``, ``ScheduleError``: a binary file
+    too) and :func:`~pipesched.validate.validate` raise."""
+    try:
+        program = interop_cli.load_for_validate(args)
+    except UnicodeDecodeError as exc:  # a binary file given as the text or JSON form
+        from .interop import not_text
+
+        raise ProgramFormatError(f"{args.file}: {not_text(exc)}; validate reads pipesched's text or JSON form "
+                                 f"(or a torch CSV with --torch-csv)") from None
+    from .validate import validate
+
+    validate(program)
+    return program
+
+
+def _refused_on_backend(args, program) -> int | None:
+    """Exit 1 (reported) if a Pipeline on ``args.backend`` refuses the valid ``program``, else ``None``."""
+    from .user_programs import backend_programs
+
+    try:
+        backend_programs(program, args.backend)
+    except (ScheduleError, ValueError) as exc:
+        hung = isinstance(exc, DeadlockError) or isinstance(exc.__cause__, DeadlockError)
+        return _report_invalid(args, exc, "deadlock" if hung else type(exc).__name__, args.backend)
+    return None
+
+
+def _report_valid(args, program) -> int:
+    """Print the valid program's summary (text or ``--json``) and return 0."""
     timeline = simulate(program, check=False)
     if args.json:
         print(json.dumps({"valid": True, "compute_only": not has_comm(program),

@@ -196,19 +196,27 @@ def fire_all(plan: Plan) -> Run:
     another puts it back on the queue. Items are numbered by the plan's rule table. A SEND that matches a
     RECV posted for another message stops the execution (``Run.mismatch``).
     """
-    first, rule, mb, peer, message = plan.first, plan.rule, plan.mb, plan.peer, plan.give
-    facts = list(zip(plan.kind, plan.wait, plan.give))  # per rule
-    num_ranks = len(first) - 1
+    first = plan.first
     heads, ends = first[:-1], first[1:]
-    arrived = bytearray(plan.rules.num_items)
-    waiters: dict[int, list[int]] = {}  # item -> ranks waiting for it
-    posted: dict = defaultdict(deque)  # src * num_ranks + dst -> posted, unmatched RECVs on dst
-    blocked_send: dict = {}  # channel -> src, while src waits for dst to post
-    ready = deque(range(num_ranks))
     order: list[int] = []
-    fired = order.append
     partner = [-1] * first[-1]
-    mismatch = None
+    posted: dict = defaultdict(deque)  # src * num_ranks + dst -> posted, unmatched RECVs on dst
+    mismatch = _take_turns(plan, heads, ends, order.append, partner, posted,
+                           ready=deque(range(len(heads))), waiters={}, blocked_send={})
+    unmatched = sorted(queue[0] for queue in posted.values() if queue)  # the first RECV left on each channel
+    return Run(plan, order, partner, heads, mismatch, unmatched)
+
+
+def _take_turns(plan: Plan, heads: list[int], ends: list[int], fired, partner: list[int], posted: dict, *,
+                ready: deque, waiters: dict[int, list[int]], blocked_send: dict) -> tuple[int, int] | None:
+    """The loop of :func:`fire_all`: ranks from ``ready`` run from ``heads[rank]`` until they end or block.
+
+    Moves ``heads``, calls ``fired`` with each instruction that fires, fills ``partner`` and ``posted``;
+    ``waiters``: item -> ranks waiting for it; ``blocked_send``: channel -> src, while src waits for dst
+    to post. Returns the (SEND, RECV) of a mismatch, which stops the execution, else ``None``.
+    """
+    rule, mb, peer, message, num_ranks = plan.rule, plan.mb, plan.peer, plan.give, len(heads)
+    facts, arrived = list(zip(plan.kind, plan.wait, plan.give)), bytearray(plan.rules.num_items)  # per rule; per item
     while ready:
         rank = ready.popleft()
         g, end = heads[rank], ends[rank]
@@ -228,16 +236,14 @@ def fire_all(plan: Plan) -> Run:
                 g += 1
                 continue
             else:
-                queue = posted[rank * num_ranks + peer[g]]
-                if not queue:
+                if not (queue := posted[rank * num_ranks + peer[g]]):
                     blocked_send[rank * num_ranks + peer[g]] = rank
                     break
                 recv = partner[g] = queue.popleft()
                 item = give + mb[g]
                 if message[rule[recv]] + mb[recv] != item:  # the RECV was posted for another message
-                    mismatch = (g, recv)
-                    ready.clear()
-                    break
+                    heads[rank] = g
+                    return g, recv
             fired(g)
             if item >= 0:  # deliver it
                 arrived[item] = 1
@@ -245,8 +251,7 @@ def fire_all(plan: Plan) -> Run:
                     ready.extend(waiters.pop(item))
             g += 1
         heads[rank] = g
-    unmatched = sorted(queue[0] for queue in posted.values() if queue)  # the first RECV left on each channel
-    return Run(plan, order, partner, heads, mismatch, unmatched)
+    return None
 
 
 def remember(program: Program, done: Run) -> None:

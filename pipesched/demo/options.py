@@ -20,6 +20,17 @@ DESCRIPTION = "Train a small GPT (byte level) across pipeline ranks with pipesch
 def options(argv=None, prog: str | None = None) -> argparse.Namespace:
     """Parse and check the command line; a bad option exits 2 with a message naming it and what is valid."""
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    _add_schedule_options(parser)
+    _add_model_options(parser)
+    _add_run_options(parser)
+    _add_plan_options(parser)
+    args = parser.parse_args(argv)
+    _check(parser, args)
+    return args
+
+
+def _add_schedule_options(parser: argparse.ArgumentParser) -> None:
+    """:func:`options`'s options: the schedule and its sizes."""
     parser.add_argument("--schedule", default=None,
                         help="any schedule name (`pipesched list`: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv, "
                              "dualpipev, zb-auto, registered ones; default 1f1b)")
@@ -32,6 +43,10 @@ def options(argv=None, prog: str | None = None) -> argparse.Namespace:
     parser.add_argument("--recompute", action="store_true", default=None, help="recompute activations in backward")
     parser.add_argument("--balance", default=None,
                         help="'params' (default: equal parameters per stage), 'layers', or layer counts like 2,2,2,1")
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    """:func:`options`'s options: the steps, the data and the model."""
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
     parser.add_argument("--context", type=int, default=128, help="bytes per sequence (default 128)")
@@ -46,6 +61,10 @@ def options(argv=None, prog: str | None = None) -> argparse.Namespace:
     parser.add_argument("--data", default=None, help="text file or folder (default: the stdlib's source)")
     parser.add_argument("--corpus-bytes", type=byte_count, default=2_000_000,
                         help="bytes of text to use, e.g. 500000 or 5e5 (default 2e6)")
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    """:func:`options`'s options: the run: output, timeout, tying, clipping, autocast, checkpoints."""
     parser.add_argument("--out", default="out/demo", help="folder for the timeline pictures and trace")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a stuck rank gives up")
     parser.add_argument("--untied", action="store_true", help="give the LM head its own weight (default: tied to "
@@ -61,6 +80,10 @@ def options(argv=None, prog: str | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default 50)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in "
                         "--checkpoint-dir, which must exist (start from scratch if it holds none)")
+
+
+def _add_plan_options(parser: argparse.ArgumentParser) -> None:
+    """:func:`options`'s options: --plan and its budget."""
     parser.add_argument("--plan", action="store_true", help="profile the model here, plan schedule, ranks x dp, "
                         "microbatches, virtual stages, balance and recompute for --ranks x --dp ranks and --memory "
                         "(pipesched.plan), print the table, train with the winner, and compare its prediction with "
@@ -68,9 +91,6 @@ def options(argv=None, prog: str | None = None) -> argparse.Namespace:
     parser.add_argument("--memory", default=None, help="with --plan: bytes per rank, e.g. 2GiB (default: the "
                         "memory available now / ranks)")
     parser.add_argument("--plan-top", type=int, default=5, help="with --plan: candidates to print (default 5)")
-    args = parser.parse_args(argv)
-    _check(parser, args)
-    return args
 
 
 #: what ``--plan`` chooses: giving one of these with it is an error, not silently overridden

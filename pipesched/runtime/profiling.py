@@ -74,19 +74,8 @@ def profile_layers(model, sample_input, target=None, loss_fn=None, repeat: int =
         UserWarning: on a CPU with more than one intra-op thread (times by wall clock; see above).
     """
     layers = layers_of(model)
-    counts = []  # repeat, warmup as plain ints (numpy integers accepted)
-    for name, value, low in (("repeat", repeat, 1), ("warmup", warmup, 0)):
-        counts.append(as_int(value))
-        if counts[-1] is None or counts[-1] < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if counts[-1] > MAX_RUNS:  # a huge count would never finish
-            raise ValueError(f"{name} must be an int {low}..{MAX_RUNS:,} (runs per measurement), got {short(value)}")
-    repeat, warmup = counts
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {described(loss_fn)}")
-    if loss_fn is not None and target is None and needs_target(loss_fn):
-        raise ValueError("profile_layers: loss_fn takes (output, target) but target is None: pass target= (a "
-                         "microbatch's target, as for the sample)")
+    repeat, warmup = _run_counts(repeat, warmup)
+    _check_loss_fn(loss_fn, target)
     inputs, is_tuple = as_tuple(sample_input, "sample_input")
     n = int(inputs[0].shape[0])
     smaller = _smaller_sizes(sizes, n)
@@ -94,12 +83,7 @@ def profile_layers(model, sample_input, target=None, loss_fn=None, repeat: int =
     device = params[0].device if params else inputs[0].device
     cuda = sorted({t.device for t in params + list(inputs) if t.device.type == "cuda"}, key=str)
     if device.type != "cuda" and torch.get_num_threads() > 1:
-        warnings.warn(f"profile_layers: torch runs {torch.get_num_threads()} intra-op threads in this process, so "
-                      f"the layers are timed by wall clock, which another process's load inflates at random (a "
-                      f"balance='time' cut or a plan from it can come out lopsided); a pipeline's ranks run one "
-                      f"thread (pipesched.runtime.launch, torchrun's OMP_NUM_THREADS=1): call "
-                      f"torch.set_num_threads(1) first to time the layers as they run there, by CPU time",
-                      stacklevel=2)
+        _warn_wall_clock()
     grads = [p.grad for p in params]  # restored at the end; the measured backwards accumulate into fresh ones
     try:
         for p in params:
@@ -107,21 +91,66 @@ def profile_layers(model, sample_input, target=None, loss_fn=None, repeat: int =
         with torch.random.fork_rng(devices=cuda), scratch_buffers(torch.nn.ModuleList(layers)), torch.enable_grad():
             rows, boundary_saves = _run_layers(layers, inputs, is_tuple, loss_fn, target, repeat, warmup, device)
             timings = {n: [row[:3] for row in rows]}
-            for size in smaller:
-                cut = tuple(t[:size] for t in inputs)
-                cut_target = target[:size] if isinstance(target, torch.Tensor) and target.dim() \
-                    and target.shape[0] == n else target
-                try:
-                    timings[size] = [row[:3] for row in _run_layers(layers, cut, is_tuple, loss_fn, cut_target,
-                                                                    repeat, warmup, device)[0]]
-                except (RuntimeError, ValueError) as exc:
-                    if sizes is not None:
-                        raise
-                    warnings.warn(f"profile_layers: the model does not run on {size} of the sample's {n} rows "
-                                  f"({exc}); fixed parts left at 0 (pass sizes= to choose others)", stacklevel=2)
+            _time_smaller(timings, smaller, sizes, layers, inputs, is_tuple, loss_fn, target, repeat, warmup, device)
     finally:
         for p, g in zip(params, grads):
             p.grad = g
+    return _layer_profile(layers, rows, timings, boundary_saves, inputs, device)
+
+
+def _run_counts(repeat, warmup) -> tuple[int, int]:
+    """``repeat`` and ``warmup`` as plain ints (numpy integers accepted), checked (see :func:`profile_layers`)."""
+    counts = []
+    for name, value, low in (("repeat", repeat, 1), ("warmup", warmup, 0)):
+        counts.append(as_int(value))
+        if counts[-1] is None or counts[-1] < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if counts[-1] > MAX_RUNS:  # a huge count would never finish
+            raise ValueError(f"{name} must be an int {low}..{MAX_RUNS:,} (runs per measurement), got {short(value)}")
+    return counts[0], counts[1]
+
+
+def _check_loss_fn(loss_fn, target) -> None:
+    """Refuse a ``loss_fn`` that is not callable, or that takes a target when ``target`` is None."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {described(loss_fn)}")
+    if loss_fn is not None and target is None and needs_target(loss_fn):
+        raise ValueError("profile_layers: loss_fn takes (output, target) but target is None: pass target= (a "
+                         "microbatch's target, as for the sample)")
+
+
+def _warn_wall_clock() -> None:
+    """Warn (at :func:`profile_layers`'s caller) that the layers are timed by wall clock."""
+    warnings.warn(f"profile_layers: torch runs {torch.get_num_threads()} intra-op threads in this process, so "
+                  f"the layers are timed by wall clock, which another process's load inflates at random (a "
+                  f"balance='time' cut or a plan from it can come out lopsided); a pipeline's ranks run one "
+                  f"thread (pipesched.runtime.launch, torchrun's OMP_NUM_THREADS=1): call "
+                  f"torch.set_num_threads(1) first to time the layers as they run there, by CPU time",
+                  stacklevel=3)
+
+
+def _time_smaller(timings: dict, smaller, sizes, layers, inputs, is_tuple, loss_fn, target, repeat, warmup,
+                  device) -> None:
+    """Time the first rows of the sample for each size of ``smaller`` into ``timings`` (size -> per layer: the
+    three times); with ``sizes=None`` a size the model cannot run on is warned about and left out."""
+    n = int(inputs[0].shape[0])
+    for size in smaller:
+        cut = tuple(t[:size] for t in inputs)
+        cut_target = target[:size] if isinstance(target, torch.Tensor) and target.dim() \
+            and target.shape[0] == n else target
+        try:
+            timings[size] = [row[:3] for row in _run_layers(layers, cut, is_tuple, loss_fn, cut_target,
+                                                            repeat, warmup, device)[0]]
+        except (RuntimeError, ValueError) as exc:
+            if sizes is not None:
+                raise
+            warnings.warn(f"profile_layers: the model does not run on {size} of the sample's {n} rows "
+                          f"({exc}); fixed parts left at 0 (pass sizes= to choose others)", stacklevel=3)
+
+
+def _layer_profile(layers, rows, timings: dict, boundary_saves, inputs, device) -> LayerProfile:
+    """The :class:`~pipesched.profile.LayerProfile` of the measured ``rows`` (and ``timings`` for the fixed parts)."""
+    n = int(inputs[0].shape[0])
     columns = list(zip(*rows))
     fixed = _fixed_parts(timings, n)
     return LayerProfile(forward=columns[0], input_grad=columns[1], weight_grad=columns[2],

@@ -39,9 +39,7 @@ def build_gallery(out="viz", measured=(), cpu_run: bool = False) -> list[Path]:
         ValueError: a measured file is not a saved Timeline of a registered schedule.
         ImportError: ``cpu_run`` without torch.
     """
-    from .charts import plot_bubble_vs_microbatches
-    from .gantt import plot_timeline
-    from .trace import save_chrome_trace
+    from . import charts, gantt, trace  # noqa: F401 - they need matplotlib: without it, fail before making out
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -53,6 +51,21 @@ def build_gallery(out="viz", measured=(), cpu_run: bool = False) -> list[Path]:
         figure.savefig(path, dpi=DPI)
         written.append(path)
         entries.append((name, caption))
+
+    _save_timelines(out, save, written)
+    for ranks in (4, 8):
+        save(charts.plot_bubble_vs_microbatches(ranks), f"bubble-vs-microbatches-p{ranks}.png",
+             f"bubble fraction vs microbatches at p={ranks}: simulated points, closed-form curves")
+    _save_measured(out, measured, cpu_run, written, entries)
+    written.append(_write_readme(out, entries))
+    return written
+
+
+def _save_timelines(out: Path, save, written: list[Path]) -> None:
+    """:func:`build_gallery`'s simulated timelines (every schedule at :data:`REFERENCE`, :data:`LARGE`, every box
+    kind) through ``save``, and the Chrome trace of 1f1b (into ``written``)."""
+    from .gantt import plot_timeline
+    from .trace import save_chrome_trace
 
     p, m = REFERENCE
     for name, info in SCHEDULES.items():
@@ -70,9 +83,11 @@ def build_gallery(out="viz", measured=(), cpu_run: bool = False) -> list[Path]:
     save(plot_timeline(simulate(compile_program("1f1b", p, m, dp_size=2, recompute=True), busy)),
          f"timeline-1f1b-p{p}-m{m}-dp2-recompute-latency.png",
          "1f1b with recompute, dp=2 and 0.15 s message latency: recompute, communication wait, all-reduce")
-    for ranks in (4, 8):
-        save(plot_bubble_vs_microbatches(ranks), f"bubble-vs-microbatches-p{ranks}.png",
-             f"bubble fraction vs microbatches at p={ranks}: simulated points, closed-form curves")
+
+
+def _save_measured(out: Path, measured, cpu_run: bool, written: list[Path], entries: list[tuple[str, str]]) -> None:
+    """:func:`build_gallery`'s simulated-vs-measured figures, one per file of ``measured`` (and, with ``cpu_run``,
+    of a run measured now), into ``written`` and ``entries``."""
     measured = list(measured)
     if cpu_run:
         measured_file = record_cpu_run(out / "measured")
@@ -84,8 +99,6 @@ def build_gallery(out="viz", measured=(), cpu_run: bool = False) -> list[Path]:
         host = Timeline.load(path).meta.get("host")
         entries.append((figure_path.name, f"simulated (fitted costs) vs measured: {Path(path).name}"
                         + (f" ({host})" if host else "")))
-    written.append(_write_readme(out, entries))
-    return written
 
 
 def record_cpu_run(folder) -> Path:
