@@ -60,7 +60,7 @@ class Executor:
         self.reduced = reduced_params(self.params if ties is None else ties.untied(self.params), program.ranks[pp_rank])
         table = {Op.F: self._f, Op.B: self._b, Op.I: self._i, Op.W: self._w, Op.R: self._r,
                  Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b,
-                 Op.RECV_B: self._recv_b, Op.ALL_REDUCE: self._all_reduce, Op.TIE_REDUCE: lambda _: self.ties.start()}
+                 Op.RECV_B: self._recv_b, Op.ALL_REDUCE: self._all_reduce, Op.TIE_REDUCE: self._tie_reduce}
         #: per (train, learning): this rank's stream of that program, each instruction with its handler
         self.streams, self.loss_post = {}, {}
         for key in ((True, False), (True, True), (False, False), (False, True)):
@@ -130,12 +130,15 @@ class Executor:
         for pending in list(st.act_sends.values()) + [st.other_sends]:
             for work, _ in pending:
                 wait(work, "a send")
-        for started in st.reductions:
+        for at, started in st.reductions:
             finish_sum(started, self.program.dp_size)  # the average over replicas; None where no replica had one
+            self.events[at][2] = self.clock.mark()  # the ALL_REDUCE event spans start call to result awaited
         if st.io.train and st.io.parts is not None:
             st.io.parts.send_early(self.ties)  # the norm parts, if this rank's owned gradients are final already
         if self.ties is not None:
             self.ties.finish()  # the tied-gradient sums TIE_REDUCE started
+            if st.tie_event is not None:
+                self.events[st.tie_event][2] = self.clock.mark()  # TIE_REDUCE too: until its sums are in
         if st.io.train and st.io.parts is not None:
             st.io.parts.exchange()  # the gradients are final: this rank's norm part to every rank, theirs here
         if not st.io.train:
@@ -392,5 +395,10 @@ class Executor:
         # replicas sum the same elements even when one replica's data left a parameter unused
         params = [p for p in self.reduced[instr.stage] if p.requires_grad or p.grad is not None]
         if params and self.dp_group is not None:
-            self.step.reductions.append(
-                start_sum(self.dp_group, params, f"the data-parallel all-reduce of stage {instr.stage}"))
+            self.step.reductions.append((len(self.events),  # this instruction's event: its end set in _finish
+                                         start_sum(self.dp_group, params,
+                                                   f"the data-parallel all-reduce of stage {instr.stage}")))
+
+    def _tie_reduce(self, _instr):
+        self.ties.start()
+        self.step.tie_event = len(self.events)  # this instruction's event: its end set in _finish

@@ -18,7 +18,9 @@ class StepRecord:
     """What one rank measured in its last ``step()`` or ``forward()``.
 
     Attributes:
-        events: ``[instr, start mark, end mark]`` per instruction run, in run order (marks of ``clock``).
+        events: ``[instr, start mark, end mark]`` per instruction run, in run order (marks of ``clock``); a
+            receive's end is when its data was awaited, an ``ALL_REDUCE`` / ``TIE_REDUCE``'s when the step's end
+            awaited its result (it overlaps the instructions after it).
         origin: the mark of the step's start.
         clock: the :mod:`~pipesched.runtime.clock` that made the marks.
         wall0: ``time.time()`` at the step's start (aligns the ranks' timelines).

@@ -420,8 +420,15 @@ class Pipeline:
         """This rank's measured :class:`~pipesched.timeline.Timeline` of the last training :meth:`step`
         (``None`` before one); ``kind="forward"``: of the last :meth:`forward` instead. A ``forward()`` after
         a ``step()`` leaves the step's timeline in place. ``meta["message_bytes"]``: ``{"SEND_F0.1>1": bytes, ...}``,
-        what each of this rank's sends put on the wire (``gather_timeline()``'s: every rank's)."""
+        what each of this rank's sends put on the wire (``gather_timeline()``'s: every rank's).
+
+        Raises:
+            PipelineError: this Pipeline failed (as every later call does): the failed step's events are partial,
+                and an earlier step's would be passed off as the last one's."""
         record = self._record(kind)
+        if self._broken is not None:
+            raise PipelineError(self._broken.record, self.grid.world_rank,
+                                f"timeline(kind={kind!r}): this Pipeline failed in an earlier step")
         return None if record is None else local_timeline(record, self.program, self.pp_rank)
 
     def gather_timeline(self, kind: str = "step"):

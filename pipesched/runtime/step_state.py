@@ -38,7 +38,8 @@ class StepState:
         self.io = inputs
         self.inputs, self.fwd_out, self.roots, self.input_grads = {}, {}, {}, {}
         self.pending, self.recv_event, self.rng, self.held, self.wgrad = {}, {}, {}, {}, {}
-        self.act_sends, self.other_sends, self.reductions = {}, [], []
+        self.act_sends, self.other_sends, self.reductions = {}, [], []  # reductions: (event index, PendingSum)
+        self.tie_event = None  # the index in the executor's events of this step's TIE_REDUCE
         self.losses, self.outputs, self.loss_recv = {}, {}, None
         self.buffers = BufferLedger()  # the buffers of recomputed stages at each F, for their R
         self.live = self.peak = 0

@@ -150,6 +150,7 @@ def plot_comparison(simulated: Timeline, measured: Timeline, mode: str = "side-b
     p = measured.num_ranks
     panels = [p, p] if mode == "side-by-side" else [2 * p * 0.8]
     fig, gantt_axes, bar_ax = _layout(max(simulated, measured, key=axes_width_in), panels)
+    _breakdown_bars(bar_ax, simulated, measured)  # first: the legend keeps clear of the bars' title (add_legend)
     head = title or title_text(measured).split("\n")[0].replace(f"  ·  {measured.source}", "")
     versus = (f"measured bubble {100 * measured.bubble_fraction:.2f}%  vs  predicted "
               f"{100 * simulated.bubble_fraction:.2f}%")
@@ -169,7 +170,6 @@ def plot_comparison(simulated: Timeline, measured: Timeline, mode: str = "side-b
         add_legend(gantt_axes[1], measured)
     else:
         _overlay(gantt_axes[0], simulated, measured, factor, unit)
-    _breakdown_bars(bar_ax, simulated, measured)
     return fig
 
 

@@ -98,20 +98,39 @@ def draw_rows(ax, timeline: Timeline, offset: float = 0.0, height: float = 0.8, 
     ``factor`` converts seconds to the x unit (default: the unit :func:`~pipesched.viz.style.time_unit`
     picks for the makespan).
     """
-    from matplotlib.patches import Rectangle
-
     events = compute_events(timeline)
     shapes = _Shapes(ax, len(events) < PATCH_LIMIT if per_box is None else per_box, tag)
     t0 = min(e.start for e in timeline.events)
     t1 = t0 + timeline.makespan
     if factor is None:
         factor = style.time_unit(timeline.makespan)[1]
+    _draw_idle(ax, timeline, t0, t1, factor, offset, height, tag)
+    _draw_waits_and_sends(shapes, timeline, t0, factor, offset, height)
+    drawn = _draw_compute(ax, shapes, timeline, events, t0, factor, offset, height, labels)
+    _draw_all_reduces(shapes, timeline, t0, factor, offset, height)
+    shapes.flush()
+    lo, hi = ax.get_xlim() if ax.get_autoscalex_on() is False else (0.0, 0.0)
+    ax.set_xlim(min(lo, -0.01 * (t1 - t0) * factor), max(hi, (t1 - t0) * factor * 1.01))
+    return drawn
+
+
+def _draw_idle(ax, timeline: Timeline, t0: float, t1: float, factor: float, offset: float, height: float,
+               tag: str) -> None:
+    """:func:`draw_rows`'s idle band under each row the timeline holds (a rank it does not hold is left blank)."""
+    from matplotlib.patches import Rectangle
+
     half = height / 2
     held = range(timeline.num_ranks) if timeline.ranks is None else timeline.ranks
-    for rank in held:  # a rank the timeline does not hold is left blank, not drawn idle
+    for rank in held:
         y = rank + offset
         ax.add_patch(Rectangle((0.0, y - half), (t1 - t0) * factor, height,
                                facecolor=style.IDLE, edgecolor="none", zorder=0, gid=f"{tag}idle:{rank}"))
+
+
+def _draw_waits_and_sends(shapes: "_Shapes", timeline: Timeline, t0: float, factor: float, offset: float,
+                          height: float) -> None:
+    """:func:`draw_rows`'s communication waits (hatched) and send calls (half-height bars)."""
+    half = height / 2
     all_waits, all_sends = waits_and_sends(timeline)
     for rank, waits in enumerate(all_waits):
         for start, end, kind in waits:
@@ -124,6 +143,12 @@ def draw_rows(ax, timeline: Timeline, offset: float = 0.0, height: float = 0.8, 
             shapes.add("send", (start - t0) * factor, rank + offset - SEND_HEIGHT * half,
                        (end - start) * factor, SEND_HEIGHT * height, facecolor=style.SENDING,
                        edgecolor="none", linewidth=0, zorder=1.5, gid=f"send:{rank}")
+
+
+def _draw_compute(ax, shapes: "_Shapes", timeline: Timeline, events, t0: float, factor: float, offset: float,
+                  height: float, labels: bool) -> int:
+    """:func:`draw_rows`'s compute boxes, with the microbatch number inside where it fits; return how many."""
+    half = height / 2
     chunks = stage_chunks(timeline)
     counts = _chunk_counts(chunks)
     points_per_unit = _points_per_data_unit(ax, timeline.makespan * factor)
@@ -141,6 +166,13 @@ def draw_rows(ax, timeline: Timeline, offset: float = 0.0, height: float = 0.8, 
         if labels and w * points_per_unit >= len(text) * 0.62 * LABEL_PT + 2.5:
             ax.text(x + w / 2, rank + offset, text, ha="center", va="center", fontsize=LABEL_PT,
                     color=style.text_colour(instr.op, chunk), zorder=3, clip_on=True)
+    return drawn
+
+
+def _draw_all_reduces(shapes: "_Shapes", timeline: Timeline, t0: float, factor: float, offset: float,
+                      height: float) -> None:
+    """:func:`draw_rows`'s all-reduces (and tie reduces): thin bars at the bottom of their row."""
+    half = height / 2
     for event in timeline.events:
         if event.instr.op in (Op.ALL_REDUCE, Op.TIE_REDUCE):
             y = event.rank + offset + half
@@ -148,10 +180,6 @@ def draw_rows(ax, timeline: Timeline, offset: float = 0.0, height: float = 0.8, 
                        max(event.duration, 0) * factor, 0.14 * height,
                        facecolor=getattr(style, event.instr.op.name),
                        edgecolor="none", zorder=4, gid=f"allreduce:{event.rank}:{event.instr}")
-    shapes.flush()
-    lo, hi = ax.get_xlim() if ax.get_autoscalex_on() is False else (0.0, 0.0)
-    ax.set_xlim(min(lo, -0.01 * (t1 - t0) * factor), max(hi, (t1 - t0) * factor * 1.01))
-    return drawn
 
 
 class _Shapes:
@@ -239,7 +267,8 @@ def title_text(timeline: Timeline, title: str | None = None) -> str:
     first = title or SEP.join(
         [f"{meta.get('schedule', 'custom')}", f"p={meta.get('ranks', timeline.num_ranks)} ranks",
          f"m={meta.get('microbatches', '?')} microbatches", f"v={meta.get('virtual_stages', '?')}"]
-        + ([f"dp={meta['dp_size']}"] if meta.get("dp_size", 1) != 1 else []) + [timeline.source]
+        + ([f"dp={meta['dp_size']}"] if meta.get("dp_size", 1) != 1 else [])
+        + (["forward pass only"] if meta.get("step") == "forward" else []) + [timeline.source]
         + ([held_ranks(timeline)] if held_ranks(timeline) else []))
     unit, factor = style.time_unit(timeline.makespan)
     cost = meta.get("cost") or ("costs as measured" if timeline.source == "measured" else "default costs")
@@ -321,10 +350,44 @@ def add_legend(ax, timeline: Timeline, extra: tuple = ()) -> None:
     if any(e.instr.op is Op.TIE_REDUCE for e in timeline.events):
         handles.append(Patch(facecolor=style.TIE_REDUCE, label="tied-gradient sum"))
     handles.extend(extra)
-    width_in = ax.get_position().width * ax.figure.get_figwidth()
-    ncol = max(1, min(len(handles), int(width_in / 1.45)))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.4 / _rows_in(ax)),
-              ncol=ncol, fontsize=7.5, frameon=False, handlelength=1.6, columnspacing=1.2)
+    _place_legend(ax, handles)
+
+
+LEGEND_PAD_PX = 4  # the legend's least distance from the figure's edges and from an Axes under it
+
+
+def _place_legend(ax, handles: list) -> None:
+    """:func:`add_legend`'s legend under ``ax``'s time axis, fitted to the figure with the labels' own measured widths:
+    the most columns (at most one row) whose width fits the figure, centred under ``ax`` and moved in to lie within
+    the figure; where its rows reach below the figure's bottom (or into an Axes under ``ax``), the figure grows there
+    by as much, ``ax`` and every Axes above it keeping their place from the top (inches)."""
+    fig, pad = ax.figure, LEGEND_PAD_PX
+    renderer = fig.canvas.get_renderer() if hasattr(fig.canvas, "get_renderer") else fig._get_renderer()
+    y = -0.4 / _rows_in(ax)
+    for ncol in range(len(handles), 0, -1):
+        legend = ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, y), ncol=ncol, fontsize=7.5,
+                           frameon=False, handlelength=1.6, columnspacing=1.2)
+        box = legend.get_window_extent(renderer)
+        if box.width <= fig.bbox.width - 2 * pad:
+            break
+    axes_box, fig_w = ax.get_window_extent(renderer), fig.bbox.width
+    centre = min(max(axes_box.x0 + axes_box.width / 2, pad + box.width / 2), fig_w - pad - box.width / 2)
+    if box.width > fig_w - 2 * pad:  # one column still too wide (a very narrow figure): centred on it
+        centre = fig_w / 2
+    legend.set_bbox_to_anchor(((centre - axes_box.x0) / axes_box.width, y), transform=ax.transAxes)
+    here = ax.get_position()
+    below = [other for other in fig.axes if other is not ax and other.get_position().y1 <= here.y0]
+    floor = max([pad] + [other.get_tightbbox(renderer).y1 + pad for other in below])
+    need = floor - legend.get_window_extent(renderer).y0
+    if need <= 0:
+        return
+    old = fig.get_figheight()
+    grow = need / fig.dpi
+    boxes = [(other, other.get_position()) for other in fig.axes]
+    fig.set_figheight(old + grow)
+    for other, b in boxes:
+        lift = grow if b.y0 >= here.y0 else 0.0
+        other.set_position([b.x0, (b.y0 * old + lift) / (old + grow), b.width, b.height * old / (old + grow)])
 
 
 def annotate_ranks(ax, timeline: Timeline, offset: float = 0.0) -> None:
