@@ -10,6 +10,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import rng_state
@@ -74,10 +75,18 @@ def staging_for(entries: dict, plan: dict, optim_keys, rng_rank: int | None, dev
 
 
 def read_locally(state: dict, target: str) -> None:
-    """``dcp.load`` in this process only (no collective), without DCP's warning that it assumes so."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=target, no_dist=True)
+    """``dcp.load`` in this process only (no collective), without DCP's warning that it assumes so.
+
+    Raises:
+        RuntimeError: a read failed (naming the checkpoint and the error). DCP raises a ``CheckpointException``, a
+            ``BaseException`` that ``load_checkpoint``'s vote would not catch: the other ranks would wait in it."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=target, no_dist=True)
+    except CheckpointException as exc:
+        why = "; ".join(f"{type(e).__name__}: {e}" for e, _ in exc.failures.values())
+        raise RuntimeError(f"checkpoint {target!r}: reading its pipesched entries failed: {why}") from exc
 
 
 def firsts(plan: dict) -> dict:
