@@ -9,23 +9,23 @@ import torch.distributed as dist
 
 from .comm import init_default_group, make_groups, world_and_rank
 from .amp import autocast_context, checked_autocast, loss_scaling
-from .clipping import clip_grad_norm_ as clip_all_stages
-from .call_args import meet_with_argument, shown
 from .collective import peer_loss_as_comm_error
 from .agreement import agree, connected, describe, model_shapes, refuse
 from .construction import local_setup
 from .replica_init import COPY_WHAT, COPY_WHERE, copy_replica_zero
 from .executor import Executor
 from .step_state import Links, RankWork
-from .handshake import COLLECTIVE_MARK, Handshake, Rejected, StepKey
+from .handshake import Handshake, Rejected, StepKey
 from .norm_parts import NormParts
 from .heap import keep_freed_memory
 from .failure import CommError, FailureChannel, PipelineError
 from .departure import announce_close, watch
-from .measured import StepRecord, gather_timeline, local_timeline
+from .measured import StepRecord
 from .measured_costs import costs_field, memory_limit_field
 from .microbatch import merge
+from .pipeline_collectives import PipelineCollectives
 from .pipeline_failure import fail, teardown
+from .pipeline_measured import PipelineMeasured
 from .stage import layers_of
 from .state import load_rank_state_dict, rank_state_dict
 from .step_run import run
@@ -33,7 +33,7 @@ from .ties import counted_parameters, start_ties
 from .transport import Transport
 
 
-class Pipeline:
+class Pipeline(PipelineCollectives, PipelineMeasured):
     """Train an ``nn.Sequential`` with a pipeline schedule; construct it on every rank of the job.
 
     Rank layout: world size = pipeline ranks ``p`` x ``dp_size``; world rank ``g`` is pipeline rank
@@ -248,46 +248,6 @@ class Pipeline:
         return counted_parameters(self.stages, self.first_layers, self.ties, self.program.stage_to_rank,
                                   self.pp_rank)
 
-    def run_collective(self, work, meet: bool = True):
-        """Run ``work(pp_group, dp_group)`` -- a collective of the caller's over this pipeline's process groups
-        (``dp_group`` is None without data parallelism) -- as a step runs: refused on a closed or failed pipeline
-        (as :meth:`step`), and a failure on any rank (an exception, a lost peer, a timeout) ends every rank with a
-        ``PipelineError``. Call it on every rank. For extensions such as :meth:`clip_grad_norm_` and
-        :class:`~pipesched.runtime.GradScaler`. Returns what ``work`` returns. The ``PipelineError`` names the rank
-        that failed first: a lost peer (its connection closed) is named, not this rank
-        (:mod:`~pipesched.runtime.collective`); ``work``'s own exception on this rank names this rank.
-
-        ``meet`` (default True): first meet the other pipeline ranks in one small all-gather of a marked row
-        (:func:`~pipesched.runtime.handshake.meet`, ~0.5 ms on 2 CPU ranks), so a rank that is in another call
-        meanwhile (its next ``step()``, ``clip_grad_norm_``, ``gather_timeline``) ends every rank at once with a
-        ``PipelineError`` naming both calls, instead of a mismatched collective that waits for the timeout (over the
-        pipeline group only: with ``dp_size > 1``, replicas in different calls still wait for the timeout).
-        ``False``: for a ``work`` that opens with such a row of its own (clip's, the GradScaler's vote).
-
-        A ``work`` that is not callable, or a ``meet`` that is not a bool (then this rank meets the others), is this
-        rank's ``TypeError``, carried in the meeting row (:mod:`~pipesched.runtime.call_args`): every rank raises a
-        ``TypeError`` before ``work`` runs (its own where every rank refused, else ``run_collective: pipeline rank R
-        refused its call: ...``), and the pipeline stays usable. With ``meet=False`` there is no row to carry it: a
-        non-callable ``work`` fails every rank as ``work``'s own exception would."""
-        self._check_local(None, None)
-        refusal = None
-        if not callable(work):
-            refusal = TypeError(f"work must be a callable work(pp_group, dp_group), got {shown(work)}")
-        elif not isinstance(meet, bool):
-            refusal = TypeError(f"meet must be True or False, got {shown(meet)}")
-
-        def run():
-            if meet is not False:  # the refusal rides in the row; work's repr differs by rank: not compared
-                meet_with_argument(self._pp_group, self.program.num_ranks, self.device, COLLECTIVE_MARK,
-                                   "the collective of run_collective", "run_collective", "work", work, refusal,
-                                   compare=False)  # as a lost peer in work is named
-            elif refusal is not None:
-                raise refusal
-            return work(self._pp_group, self._dp_group)
-
-        return self._guarded(lambda: peer_loss_as_comm_error(run, "the collective of run_collective"),
-                             where="in a collective call outside any step (run_collective)")
-
     def state_dict(self) -> dict:
         """Every parameter and buffer of this rank under the unsplit model's names (``"3.attn.weight"``), detached,
         sharing storage, a tied copy under the tie's first name; independent of ranks, balance and schedule
@@ -298,50 +258,6 @@ class Pipeline:
         """Copy this rank's entries of an unsplit-model-named ``state_dict`` in, all checked first; see
         :func:`~pipesched.runtime.state.load_rank_state_dict` (returns missing/unexpected keys; raises on a bad one)."""
         return load_rank_state_dict(self, state_dict, strict)
-
-    @property
-    def anticipate_clip(self) -> bool:
-        """Whether steps after a :meth:`clip_grad_norm_` send each rank's norm part at their end, so the next call
-        needs no collective (:mod:`~pipesched.runtime.norm_parts`). Default False: every call takes one
-        all-gather, always correct. Opt in (``True`` on every rank; False on any rank: no step anticipates) only
-        for a loop that, between ``step()`` and ``clip_grad_norm_()``, changes gradients on every rank alike or
-        not at all and calls it on every rank with the same arguments: a rank whose gradients alone changed
-        takes the all-gather while the others clip by the anticipated norm and step, so they clip by a stale norm
-        once before the next step ends every rank with a ``PipelineError``."""
-        return self._norm_parts.enabled
-
-    @anticipate_clip.setter
-    def anticipate_clip(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise ValueError(f"anticipate_clip must be True or False, got {value!r}")
-        self._norm_parts.enabled = value
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                        foreach: bool | None = None) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the whole pipeline (collective over its ranks): scales every
-        ``.grad`` of this rank by ``min(max_norm / (total + 1e-6), 1)``, ``total`` the norm of all gradients of
-        every stage (``.grad is None`` skipped; data-parallel replicas counted once). Returns ``total``: a 0-dim
-        tensor on this rank's device, the same value on every rank, of the dtype torch would return for the
-        unsplit model (float32 for float32 gradients). See :mod:`pipesched.runtime.clipping`. Right after a step that
-        anticipated this call (same ``max_norm`` and ``norm_type`` as the last call: :attr:`anticipate_clip`), it
-        combines the norm parts that step sent and communicates nothing (:mod:`pipesched.runtime.norm_parts`).
-
-        Raises:
-            ValueError: a bad ``max_norm`` (a number or 0-dim tensor > 0), ``norm_type`` (> 0 or inf),
-                ``error_if_nonfinite`` or ``foreach``; the message names the argument. This rank still joins the
-                others' all-gathers with a refusal (:func:`~pipesched.runtime.clipping.refuse`), so every other rank
-                of the job (every replica) raises a ``ValueError`` quoting it and naming this rank instead of waiting
-                or clipping; gradients unchanged, the pipeline stays usable.
-            ValueError: ranks passed different ``max_norm``, ``norm_type``, ``error_if_nonfinite`` or ``foreach``
-                (names the argument and each value with its ranks; data-parallel replicas compared too, in one more
-                small all-gather over the data-parallel group): on every rank of the job, gradients unchanged, the
-                pipeline stays usable.
-            PipelineError: after an anticipating step, the ranks' calls differed (arguments, or gradients changed
-                since the step on some ranks only): on every rank, at the next collective of the pipeline group.
-            RuntimeError: ``error_if_nonfinite`` and ``total`` is nan or inf: on every rank, gradients unscaled.
-            RuntimeError, PipelineError: a closed or failed pipeline, as :meth:`step`; a rank failed meanwhile.
-        """
-        return clip_all_stages(self, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def step(self, x=None, target=None, scaler=None) -> torch.Tensor:
         """One training step: forward and backward of every microbatch; gradients accumulate into ``.grad``.
@@ -416,51 +332,6 @@ class Pipeline:
 
     __call__ = forward
 
-    def timeline(self, kind: str = "step"):
-        """This rank's measured :class:`~pipesched.timeline.Timeline` of the last training :meth:`step`
-        (``None`` before one); ``kind="forward"``: of the last :meth:`forward` instead. A ``forward()`` after
-        a ``step()`` leaves the step's timeline in place. ``meta["message_bytes"]``: ``{"SEND_F0.1>1": bytes, ...}``,
-        what each of this rank's sends put on the wire (``gather_timeline()``'s: every rank's).
-
-        Raises:
-            PipelineError: this Pipeline failed (as every later call does): the failed step's events are partial,
-                and an earlier step's would be passed off as the last one's."""
-        record = self._record(kind)
-        if self._broken is not None:
-            raise PipelineError(self._broken.record, self.grid.world_rank,
-                                f"timeline(kind={kind!r}): this Pipeline failed in an earlier step")
-        return None if record is None else local_timeline(record, self.program, self.pp_rank)
-
-    def gather_timeline(self, kind: str = "step"):
-        """The whole pipeline's measured timeline of the last training :meth:`step` (``kind="forward"``: of
-        the last :meth:`forward`); collective over the pipeline's ranks, through :meth:`run_collective` (a closed
-        or failed pipeline, or a rank lost or failed meanwhile: the error :meth:`step` gives, on every rank).
-
-        Every rank's ``kind`` and its own verdict on it travel in the first, marked row of the call
-        (:mod:`~pipesched.runtime.call_args`), before any event, so a bad call is refused on every rank at once and
-        the pipeline stays usable:
-
-        Raises:
-            TypeError, ValueError: ``kind`` is not a str (``TypeError``), or not ``"step"`` / ``"forward"``
-                (``ValueError``); ``RuntimeError``: no finished ``kind`` yet. Where every rank passed the same
-                ``kind``, each raises its own error.
-            ValueError: the ranks passed different ``kind`` (``gather_timeline: the pipeline ranks passed different
-                kind: 'step' on pipeline rank(s) [0], 'fwd' on pipeline rank(s) [1]; ...``), on every rank.
-            TypeError, ValueError, RuntimeError: only some ranks refused the same ``kind`` (e.g. no finished step on
-                one rank): the first refusing rank's type on every rank, ``gather_timeline: pipeline rank R refused
-                its call: <its error>``.
-            RuntimeError, PipelineError: a closed or failed pipeline, as :meth:`step`; a rank failed meanwhile."""
-        self._check_local(None, None)
-        record = refusal = None
-        try:
-            record = self._record(kind)
-            if record is None:
-                raise RuntimeError(f"gather_timeline(kind={kind!r}) needs a finished {kind}()")
-        except (TypeError, ValueError, RuntimeError) as exc:  # ruled on in the meeting row: no rank waits
-            record, refusal = None, exc
-        return self.run_collective(lambda pp_group, _: gather_timeline(record, self.program, self.pp_rank, pp_group,
-                                                                       self.device, kind, refusal), meet=False)
-
     def close(self) -> None:
         """Destroy this pipeline's process groups (collective: call it on every rank); the Pipeline is
         unusable afterwards. The default process group is left alone. A peer still waiting on this rank in a step or
@@ -476,34 +347,6 @@ class Pipeline:
         announce_close(self._departure)  # before the teardown closes the connections the peers may be blocked on
         teardown(self)
         self._closed = True
-
-    @property
-    def learned_steps(self) -> int:
-        """How many ``step()`` and ``forward()`` calls so far learned their message metas (shape headers, slower):
-        the first of each input signature and settings, and one whose metas left the cache (32 kept)."""
-        return self._learned
-
-    @property
-    def peak_activation_bytes(self) -> int | None:
-        """Bytes of activations this rank held for backward at the peak of the last training :meth:`step`
-        (``None`` before one; a later ``forward()`` does not change it)."""
-        record = self._records["step"]
-        return None if record is None else record.peak
-
-    @property
-    def peak_memory_allocated(self) -> int | None:
-        """On CUDA: bytes of device memory allocated at the peak of the last training :meth:`step` above what
-        was allocated when it began (``torch.cuda.max_memory_allocated``; activations, gradients and
-        temporaries alike). ``None`` on CPU or before a step. Each step resets the device's peak statistics."""
-        record = self._records["step"]
-        return None if record is None else record.allocated
-
-    def _record(self, kind: str):
-        if not isinstance(kind, str):
-            raise TypeError(f"kind must be 'step' or 'forward' (a str), got {shown(kind)}")
-        if kind not in self._records:
-            raise ValueError(f"kind must be 'step' or 'forward', got {kind!r}")
-        return self._records[kind]
 
     # ---- step machinery --------------------------------------------------------------------------------
 
