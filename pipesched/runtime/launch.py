@@ -10,12 +10,11 @@ import queue
 import socket
 import sys
 import tempfile
-import threading
 import time
-import traceback
 import uuid
 
 from ..checks import as_int, is_real
+from .launch_child import run_child
 from .start_method import choose_start_method
 
 _TAIL_CHARS = 3000  # of a child's stderr quoted when it dies without reporting
@@ -121,7 +120,7 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
     # "free a moment ago", so two launches at once cannot meet; the token lets every other rank check its store
     store_at = (ctx.Value("i", 0), ctx.Event(), uuid.uuid4().hex, timeout)
     released = ctx.Event()  # set when every rank's fn has ended: world rank 0's child (the store host) may exit
-    procs = [ctx.Process(target=_child, args=(rank, world_size, store_at, threads, fn, args, results, grace, released),
+    procs = [ctx.Process(target=run_child, args=(rank, world_size, store_at, threads, fn, args, results, grace, released),
                          daemon=True) for rank in range(world_size)]
     logs = _Stderr(world_size)
     gc.collect()  # this process's garbage goes here: a forked child collecting it (torch objects of a destroyed
@@ -311,109 +310,3 @@ def _load(payload):
         return pickle.loads(payload) if payload is not None else None
     except Exception:  # noqa: BLE001
         return None
-
-
-def _child(rank, world_size, store_at, threads, fn, args, results, grace, released) -> None:
-    gc.freeze()  # what a forked child inherited is never collected here (see launch: it would hang)
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
-    store = None
-    try:
-        tcp = _job_store(rank, world_size, *store_at)
-        os.environ["MASTER_PORT"] = str(tcp.port)
-        # the key space env:// rendezvous gives the default group (init_process_group wraps its store the same way)
-        dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", tcp), rank=rank, world_size=world_size)
-        store = dist.distributed_c10d._get_default_store()  # held: on rank 0 it keeps the store up after teardown
-        value = fn(rank, *args)
-        results.put(("ok", rank, pickle.dumps(value), ""))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        text = traceback.format_exc()
-        exc = _told(exc, rank, store)  # before this rank's connections close (finally)
-        try:
-            payload = pickle.dumps(exc)
-        except Exception:  # noqa: BLE001
-            payload = None
-        results.put(("err", rank, payload, text))
-    finally:
-        results.close()
-        results.join_thread()
-        gc.collect()  # the Pipelines fn left unclosed announce it to peers still waiting (runtime/departure.py)
-        _close_groups(dist)  # peers blocked on this rank fail at once, as if it had exited
-        # every rank stays until every rank's fn has ended (or died), at most grace: the store host for the others, a
-        # rank that failed first until the others have read its record (os._exit skips a Pipeline's atexit Linger)
-        released.wait(grace)
-        os._exit(0)  # skip interpreter teardown (gloo threads); closes this rank's connections at once
-
-
-_TOKEN_KEY = "pipesched/launch-token"
-
-
-def _job_store(rank: int, world_size: int, port_value, port_ready, token: str, timeout: float):
-    """This launch's c10d ``TCPStore``: world rank 0 hosts it on a port the OS picks while binding, writes the
-    launch's ``token`` into it and publishes the port (``port_value``, ``port_ready``); every other rank waits for
-    the port (at most ``timeout`` seconds), connects and checks the token (:func:`_connect_checked`)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    wait = datetime.timedelta(minutes=30)  # the store timeout env:// rendezvous gave it (torch's default)
-    if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=wait, wait_for_workers=False)
-        store.set(_TOKEN_KEY, token)  # before the port is published: every rank that connects finds it
-        port_value.value = store.port
-        port_ready.set()
-        return store
-    if not port_ready.wait(min(timeout, threading.TIMEOUT_MAX)):
-        raise TimeoutError(f"launch: world rank {rank}: world rank 0 did not publish its store's port within "
-                           f"timeout={timeout:g} s")
-    return _connect_checked(rank, world_size, port_value.value, token, wait)
-
-
-def _connect_checked(rank: int, world_size: int, port: int, token: str, wait):
-    """A client of the store at 127.0.0.1:``port`` that holds this launch's ``token``.
-
-    Raises:
-        RuntimeError: the store there is another job's (no token, or another launch's): names the address.
-    """
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=wait)
-    found = store.get(_TOKEN_KEY).decode(errors="replace") if store.check([_TOKEN_KEY]) else None
-    if found != token:
-        what = "it has no launch token" if found is None else f"its launch token is {found!r}, this launch's {token!r}"
-        raise RuntimeError(f"launch: world rank {rank} connected to another job's store at 127.0.0.1:{port} ({what}); "
-                           f"this launch's ranks would mix with that job's, so it stops here")
-    return store
-
-
-def _told(exc: BaseException, rank: int, store) -> BaseException:
-    """What this rank reports for ``exc``, its ``fn``'s exception outside any Pipeline call: its own failure is
-    published for the others (:func:`~pipesched.runtime.failure.publish_job_failure`: a peer's Pipeline, or a peer
-    waiting in a store round, names it); a collective error or timeout that followed another rank's published
-    failure is reported as a ``PipelineError`` naming that rank. A ``PipelineError`` is reported as it is."""
-    from .failure import PipelineError, describe, job_failure, publish_job_failure
-    from .torch_errors import peer_closed_connection
-
-    if store is None or isinstance(exc, PipelineError):
-        return exc
-    import torch.distributed as dist
-
-    earlier = job_failure(store)
-    waited = peer_closed_connection(exc) or isinstance(exc, (TimeoutError, getattr(dist, "DistError", TimeoutError)))
-    if earlier is not None and earlier.rank != rank and waited:
-        return PipelineError(earlier, rank, f"its launch fn then raised {describe(exc)}")
-    publish_job_failure(store, rank, exc)
-    return exc
-
-
-def _close_groups(dist) -> None:
-    """Destroy every process group of this child (best effort): its gloo connections close, its store stays."""
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - a group already broken by a failure
-        pass

@@ -24,7 +24,7 @@ from memory_store import MemoryStore
 from pipesched.runtime import Pipeline, PipelineError, launch
 from pipesched.runtime import failure
 from pipesched.runtime.failure import FailureChannel, FailureRecord, publish_job_failure
-from pipesched.runtime.launch import _told
+from pipesched.runtime.launch_child import told as _told
 
 pytestmark = pytest.mark.multiprocess
 

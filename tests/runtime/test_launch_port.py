@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from pipesched.runtime import launch
-from pipesched.runtime.launch import _TOKEN_KEY, _connect_checked
+from pipesched.runtime.launch_child import TOKEN_KEY as _TOKEN_KEY, connect_checked as _connect_checked
 
 pytestmark = pytest.mark.multiprocess
 
@@ -67,16 +67,16 @@ def test_a_store_with_this_launchs_token_is_accepted():
 _MISPOINTED = textwrap.dedent("""\
     import datetime, sys
     import torch.distributed as dist
-    import pipesched.runtime.launch
-    L = sys.modules["pipesched.runtime.launch"]  # the module (the package's name launch is the function)
+    import pipesched.runtime.launch_child as C
+    from pipesched.runtime import launch
     other = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-    other.set(L._TOKEN_KEY, "someone-else")
-    real = L._connect_checked
-    L._connect_checked = lambda rank, size, port, token, wait: real(rank, size, other.port, token, wait)
+    other.set(C.TOKEN_KEY, "someone-else")
+    real = C.connect_checked
+    C.connect_checked = lambda rank, size, port, token, wait: real(rank, size, other.port, token, wait)
     def fn(rank):
         return rank
     try:
-        L.launch(fn, 2, timeout=120, grace=1)
+        launch(fn, 2, timeout=120, grace=1)
     except RuntimeError as exc:
         print(other.port)
         print(exc)
