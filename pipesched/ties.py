@@ -21,6 +21,7 @@ every tied stage it holds; no other rank has one; a forward-only program has non
 """
 from __future__ import annotations
 
+from .checks import as_int
 from .deps import ENDS_BACKWARD
 from .errors import DependencyError, InvalidProgramError, failure_at
 from .ir import Instr, Op, Program
@@ -48,6 +49,9 @@ def one_rank_ties(ties, stage_to_rank) -> tuple[tuple[int, ...], ...]:
 def check_tie_groups(ties, stage_to_rank, one_rank: str = "refuse") -> tuple[tuple[int, ...], ...]:
     """``ties`` as sorted tuples of stages, checked against the placement ``stage_to_rank``.
 
+    A stage is any integer that is not a bool (an ``int``, a numpy integer: :func:`pipesched.checks.as_int`, as
+    sizes are), returned as a plain ``int``.
+
     ``one_rank``: what to do with a tie whose stages are all on one rank: ``"refuse"`` (a program's ties,
     :attr:`pipesched.ir.Program.ties`, are the ones that need a collective) or ``"drop"`` (leave it out:
     :func:`cross_rank_ties`).
@@ -64,8 +68,8 @@ def check_tie_groups(ties, stage_to_rank, one_rank: str = "refuse") -> tuple[tup
     for tie in ties:
         if isinstance(tie, (str, bytes)) or not hasattr(tie, "__iter__"):
             raise ValueError(f"ties: each tie must be a sequence of stages, e.g. (0, 3), got {tie!r}")
-        stages = tuple(tie)
-        if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < num_stages for s in stages):
+        stages = tuple(as_int(s) for s in tie)
+        if any(s is None or not 0 <= s < num_stages for s in stages):
             raise ValueError(f"ties: {tie!r} names a stage that is not an integer in 0..{num_stages - 1}")
         if len(set(stages)) != len(stages) or len(stages) < 2:
             raise ValueError(f"ties: {tie!r} must name 2 or more distinct stages")
@@ -133,6 +137,9 @@ def check_ties(program: Program, has_tie_reduce: bool = True) -> None:
         check_tie_groups(program.ties, program.stage_to_rank)
     except ValueError as exc:
         raise InvalidProgramError(f"the program's {exc}") from None
+    plain = [s for tie in program.ties for s in tie if type(s) is not int]  # noqa: E721 - a program holds ints
+    if plain:  # add_tie_reduce records plain ints; a numpy integer would not reach JSON or the fingerprint
+        raise InvalidProgramError(f"the program's ties {program.ties!r} hold {plain[0]!r}, not a plain int")
     for rank, stream in enumerate(program.ranks):
         _check_rank(program, rank, stream)
 

@@ -15,6 +15,7 @@ import hashlib
 
 from ..ir import Op
 from ..program_io import fingerprint
+from .comm import groups_error_key
 from .exchange import publish, read_all
 
 _PREFIX = "pipesched/construct"
@@ -88,9 +89,12 @@ def connected(store, world_rank: int, world_size: int, timeout: float) -> None:
 
     Raises:
         TimeoutError: some ranks did not finish creating their groups within ``timeout`` seconds (names them).
+        PipelineError: a rank's creation of these groups failed (:func:`~pipesched.runtime.comm.make_groups`
+            published it): at once, naming that rank (on NCCL the creation connects lazily, so this rank was not
+            blocked in it and would otherwise wait out ``timeout``).
     """
     key = publish(store, _CONNECTED, world_rank, True)
-    read_all(store, key, world_rank, world_size, timeout, _LATE_CONNECTED)
+    read_all(store, key, world_rank, world_size, timeout, _LATE_CONNECTED, watch=groups_error_key(store, world_rank))
 
 
 def refuse(store, world_rank: int, error: BaseException) -> None:

@@ -184,7 +184,17 @@ def make_groups(grid: Grid, timeout: float, device: torch.device):
     try:
         return _new_groups(grid, timeout, device)
     except Exception as exc:  # noqa: BLE001 - every rank must learn who failed
-        raise _groups_failed(store, f"pipesched/groups/{attempt}/error", grid, timeout, exc) from exc
+        raise _groups_failed(store, _GROUPS_ERROR.format(attempt=attempt), grid, timeout, exc) from exc
+
+
+_GROUPS_ERROR = "pipesched/groups/{attempt}/error"
+
+
+def groups_error_key(store, world_rank: int) -> str:
+    """The key under which this rank's latest :func:`make_groups` (its n-th, meeting every rank's n-th) has its
+    failure published by any rank (:func:`_groups_failed`): what :func:`~pipesched.runtime.agreement.connected`
+    watches (on NCCL, ``dist.new_group`` connects lazily: the others are not blocked in the creation)."""
+    return _GROUPS_ERROR.format(attempt=store.add(f"pipesched/groups/count/{world_rank}", 0))
 
 
 def _groups_failed(store, key: str, grid: Grid, timeout: float, exc: BaseException):
@@ -311,17 +321,17 @@ def _as_itself(specs) -> bool:
 
 
 #: an integer dtype of each element size: a same-size view of any tensor (any strides, 0-dim too) that torch copies
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t``'s values, in row-major order: a flat contiguous ``uint8`` tensor. A conjugate or negative
     view is resolved first (its storage does not hold its values); a non-contiguous tensor is copied as a
     same-size integer view, since torch has no copy for some dtypes (float8 on some builds, int1..uint7)."""
     t = t.detach().resolve_conj().resolve_neg()
     size = t.element_size()
-    if size in _SAME_SIZE_INT and t.dtype != _SAME_SIZE_INT[size]:
-        t = t.view(_SAME_SIZE_INT[size])
+    if size in SAME_SIZE_INT and t.dtype != SAME_SIZE_INT[size]:
+        t = t.view(SAME_SIZE_INT[size])
     return t.contiguous().reshape(-1).view(torch.uint8)  # reshape first: a 0-dim tensor cannot change element size
 
 
@@ -334,7 +344,7 @@ def pack(tensors) -> torch.Tensor:
     offsets, total = _offsets([(t.shape, t.dtype) for t in tensors])
     buf = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
     for t, off in zip(tensors, offsets):
-        flat = _bytes(t)  # (nbytes,)
+        flat = as_bytes(t)  # (nbytes,)
         buf[off:off + flat.numel()].copy_(flat)
     return buf
 

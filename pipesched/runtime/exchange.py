@@ -30,7 +30,7 @@ import datetime
 import json
 import time
 
-from .failure import PipelineError, job_failure
+from .failure import FailureRecord, PipelineError, job_failure
 
 _COMPLETE = "complete"
 _POLL_S = 0.05  # the longest pause between two looks at a round's entries (and at the job's failure key)
@@ -44,24 +44,28 @@ def publish(store, sequence: str, world_rank: int, entry) -> str:
     return key
 
 
-def read_all(store, key: str, world_rank: int, world_size: int, timeout: float, late: str) -> list:
+def read_all(store, key: str, world_rank: int, world_size: int, timeout: float, late: str,
+             watch: str | None = None) -> list:
     """Every world rank's entry in round ``key`` (from :func:`publish`), by rank, once the round is settled
     ``complete`` (see the module's docstring).
 
     Args:
         late: what a missing rank did not do, with ``{timeout}`` (e.g. ``"reach X within {timeout} s; ..."``).
+        watch: a store key where a :class:`~pipesched.runtime.failure.FailureRecord` may be published (a
+            :class:`~pipesched.runtime.failure.FailureChannel` key): it ends the wait at once, as the job's failure.
     Raises:
         TimeoutError: some ranks filed nothing within ``timeout`` seconds: ``"world ranks [..] did not
             {late}"``, naming them; or this rank reached a round the others had already given up on:
             ``"world ranks [..] gave up on this round (world ranks [..] did not {late}); world rank R reached it
             after that and does not go on alone"``.
         PipelineError: another rank's launch ``fn`` raised outside any Pipeline call meanwhile
-            (:func:`~pipesched.runtime.failure.publish_job_failure`): at once, naming it, not after ``timeout``.
+            (:func:`~pipesched.runtime.failure.publish_job_failure`), or a record appeared under ``watch``: at
+            once, naming it, not after ``timeout``.
     """
     keys = [f"{key}/{rank}" for rank in range(world_size)]
     failed = None
     try:
-        failed = _wait(store, keys, timeout)
+        failed = _wait(store, keys, timeout, watch)
     except Exception as exc:  # noqa: BLE001 - the store reports a timeout as one of several types
         _timed_out(store, key, keys, world_rank, timeout, late, exc)
     if failed is not None:
@@ -77,13 +81,14 @@ def read_all(store, key: str, world_rank: int, world_size: int, timeout: float, 
     return [json.loads(store.get(k)) for k in keys]
 
 
-def _wait(store, keys: list, timeout: float):
+def _wait(store, keys: list, timeout: float, watch: str | None = None):
     """Wait until every key of ``keys`` is set, at most ``timeout`` seconds (raises as the store's ``wait`` does), or
-    until a launch ``fn`` published its failure (returns that record; ``None`` once the keys are set)."""
+    until a launch ``fn`` published its failure or a record appeared under ``watch`` (returns that record; ``None``
+    once the keys are set)."""
     deadline = time.monotonic() + timeout
     pause = 0.001
     while not store.check(keys):
-        failed = job_failure(store)
+        failed = job_failure(store) or _watched(store, watch)
         if failed is not None:
             return failed
         if time.monotonic() >= deadline:  # one last look; the store's own timeout error if still missing
@@ -95,6 +100,16 @@ def _wait(store, keys: list, timeout: float):
             return None
         time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
         pause = min(2 * pause, _POLL_S)
+    return None
+
+
+def _watched(store, watch: str | None) -> FailureRecord | None:
+    """The record under ``watch``, ``None`` if none (or no key, or the store does not answer: as job_failure)."""
+    try:
+        if watch is not None and store.check([watch]):
+            return FailureRecord.from_json(store.get(watch).decode())
+    except Exception:  # noqa: BLE001 - a store that is gone holds nothing
+        pass
     return None
 
 

@@ -18,6 +18,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
+from .comm import SAME_SIZE_INT, as_bytes
 from .transport import gather_rows
 
 BUCKET_BYTES = 256 << 20  # as DDP's broadcast of its module states (250 MiB): bounded extra memory
@@ -101,12 +102,22 @@ def copy_replica_zero(stages: dict, dp_group, grid, device=None) -> None:
         device = tensors[0].device if tensors else torch.device("cpu")
     check_layouts(gather_rows(layout(tensors), dp_group, grid.dp_size, torch.int64, device, COPY_WHAT), grid)
     for bucket in buckets(tensors):
-        flat = torch.cat([t.detach().reshape(-1) for t in bucket])
-        dist.broadcast(flat.view(torch.uint8), src=source, group=dp_group)
+        # raw bytes both ways (same-size integer views): torch has no cat/copy for some dtypes (int1..uint7 on CPU)
+        flat = torch.cat([as_bytes(t) for t in bucket])
+        dist.broadcast(flat, src=source, group=dp_group)
         if grid.dp_rank == 0:
             continue
         offset = 0
         for tensor in bucket:
-            n = tensor.numel()
-            tensor.copy_(flat[offset:offset + n].view_as(tensor))
+            n = tensor.numel() * tensor.element_size()
+            _raw(tensor).copy_(flat[offset:offset + n].view(_raw(tensor).dtype).view(tensor.shape))
             offset += n
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a same-size integer view (written in place like it), as :func:`comm.as_bytes` reads it; a
+    conjugate or negative view as itself (its storage does not hold its values)."""
+    integer = SAME_SIZE_INT.get(tensor.element_size())
+    if integer is None or tensor.is_conj() or tensor.is_neg():
+        return tensor
+    return tensor.view(integer)
