@@ -31,7 +31,7 @@ from .state import first_mismatch, parameter_names, pipe_read_plan, read_plan, s
 from .checkpoint_read import (SAVING, as_path, copy_in, empty_for, extra_of, firsts, hidden, optimizer_keys,
                               read_checkpoint, read_locally, shape_of, staging_for)
 from .vote import Verdict, check_optimizers, check_same, vote
-from .checkpoint_write import check_save, commit, failures_named, named_failure, state_to_save
+from .checkpoint_write import check_save, commit, failures_named, lost_peer_named, named_failure, state_to_save
 
 
 
@@ -91,8 +91,11 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
         RuntimeError: a rank failed while collecting its state (``save_checkpoint: world rank R failed while
             collecting its state to save: <its error>``; e.g. an optimizer whose ``state_dict()`` refuses) or while
             writing (DCP's ``CheckpointException``, naming each failed rank and its error), raised on every rank;
-            ``path`` is untouched. A rank that dies makes the others' DCP collectives
-            fail (the connection closes) or, at the latest, the votes time out after ``pipe.timeout``.
+            ``path`` is untouched. A rank that dies outside DCP's collectives makes the votes time out after
+            ``pipe.timeout``.
+        PipelineError: a rank's process ended inside DCP's collectives (killed while writing): named as lost, as in
+            a step (``... was lost: its process ended ...``); ``pipe`` is unusable afterwards. Also from
+            :func:`load_checkpoint`.
     """
     rank = dist.get_rank()
     target = None
@@ -117,7 +120,7 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
         raise
     target = oks[0]["path"]
     temp = hidden(target, SAVING)
-    with failures_named(target, "writing"):
+    with failures_named(target, "writing"), lost_peer_named(pipe, target, "writing"):  # a lost rank: named
         dcp.save(state, checkpoint_id=temp)
     vote("save_checkpoint", "written", Verdict(ok=True), pipe.timeout)  # every rank has finished writing
     error = None
@@ -189,7 +192,7 @@ def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
     problems = [ok["problem"] for ok in oks if ok["problem"]]
     if problems:
         raise ValueError(min(problems)[1])  # the same on every rank: missing names by model position, then the rest
-    with failures_named(target, "reading"):
+    with failures_named(target, "reading"), lost_peer_named(pipe, target, "reading"):
         dcp.load(staging, checkpoint_id=target)  # collective; raises on every rank if any rank fails to read
     rng = staging.get("rng", {}).get(str(dist.get_rank()), {})
 

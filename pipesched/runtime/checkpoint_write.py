@@ -13,8 +13,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..checks import as_int
 from . import rng_state
+from .collective import peer_loss_as_comm_error
 from .failure import describe
 from .optim_state import check_owned, flat_state
+from .torch_errors import peer_closed_connection
 from .state import parameter_names, saved_state
 from .checkpoint_read import FORMAT, REPLACED, SAVING, as_path, hidden, read_checkpoint
 
@@ -111,6 +113,27 @@ def named_failure(run, caller: str, rank: int, doing: str):
         return run()
     except Exception as exc:  # noqa: BLE001 - every rank must learn it, naming this one
         raise RuntimeError(f"{caller}: world rank {rank} failed while {doing}: {describe(exc)}") from exc
+
+
+@contextlib.contextmanager
+def lost_peer_named(pipe, target: str, doing: str):
+    """A peer whose process ended inside DCP's collectives (killed while writing or reading: gloo raises a plain
+    ``RuntimeError``, "Connection reset by peer", naming no rank) ends this rank as a step or
+    :meth:`~pipesched.runtime.Pipeline.run_collective` does (:mod:`~pipesched.runtime.collective`): a
+    ``PipelineError`` naming the lost rank, or the failure record of the rank that failed first; ``pipe`` is
+    unusable afterwards. Any other exception passes as it is."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if not peer_closed_connection(exc):
+            raise
+        caught = exc  # the except clause's name is unbound when it ends; the closure keeps its own
+
+        def again():
+            raise caught
+        pipe._guarded(lambda: peer_loss_as_comm_error(again, f"DCP's collectives while {doing} {target!r}"),
+                      where=f"while {doing} checkpoint {target!r} (DCP's collectives)")
+        raise AssertionError("_guarded returned from a failing call")  # unreachable: it raises a PipelineError
 
 
 @contextlib.contextmanager

@@ -28,9 +28,23 @@ import time
 import torch
 
 from .failure import CommError, FailureChannel, FailureRecord
+from .stalled import ROLL_CALL_S, answer_roll_call, answered_roll_call
 from .torch_errors import peer_closed_connection
 
 _PROBE_TAG = 2**30 - 7  # a tag no pipeline message uses (tag_of stays far below it)
+# how long a rank whose peer closed its connection, but answered the roll call (alive: its own wait timed out and
+# gloo closed its connections), waits for that peer's record: the peer reads the store for 1 s
+# (pipeline_failure.fail) and waits up to ROLL_CALL_S for the roll call before it publishes
+_TIMED_OUT_PEER_S = 1.0 + ROLL_CALL_S + 1.0
+
+
+def adoptable(record: FailureRecord | None, world_rank: int) -> FailureRecord | None:
+    """``record``, unless it says ``world_rank`` -- the rank reading it, alive -- was lost: ``None`` then, and the
+    rank gives its own account. A peer may publish that record when this rank's wait timed out and gloo closed its
+    connections before this rank published its own."""
+    if record is not None and record.lost and record.rank == world_rank:
+        return None
+    return record
 
 
 def store_host() -> int | None:
@@ -73,7 +87,10 @@ def lost_record(exc: CommError, grid, failures: FailureChannel, groups, device, 
             more than ``timeout`` (the Pipeline's) with the store host gone: the job most likely already ended.
     Returns:
         A ``lost`` :class:`~pipesched.runtime.failure.FailureRecord` (its ``rank``/``pp_rank``: the lost rank), or
-        ``None`` when no lost rank can be named (a collective whose members all still answer).
+        ``None`` when no lost rank can be named (a collective whose members all still answer). A peer whose
+        connection closed but that answered the roll call (:mod:`~pipesched.runtime.stalled`) is alive, its own
+        wait timed out: not named; the record it publishes is returned (waited for up to ``_TIMED_OUT_PEER_S``),
+        ``None`` if none turns up.
     """
     host = store_host()
     me = f"world rank {grid.world_rank} (pipeline rank {grid.pp_rank})"
@@ -99,7 +116,11 @@ def lost_record(exc: CommError, grid, failures: FailureChannel, groups, device, 
             return published
         if not closed:
             return None
+        closed.sort(key=lambda r: answered_roll_call(failures, r))  # a member that did not answer first
         lost, how = closed[0], "closed its connection"
+    if answered_roll_call(failures, lost):  # alive: its wait timed out; neither it nor this rank is the stalled one
+        answer_roll_call(failures, grid.world_rank)
+        return failures.lookup(wait_s=_TIMED_OUT_PEER_S)
     record = FailureRecord(
         rank=lost, pp_rank=lost % grid.pp_size, lost=True, id=f"lost:{lost}:{time.time_ns()}",
         cause=f"world rank {lost} (pipeline rank {lost % grid.pp_size}) was lost: its process ended in the middle of "

@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from .departure import forget
 from .failure import CommError, FailureRecord, PipelineError
-from .lost_rank import lost_record
-from .stalled import silent_members, stall_note
+from .lost_rank import adoptable, lost_record
+from .stalled import answer_roll_call, silent_members, stall_note
 
 _ORIGIN_GRACE_S = 30.0  # at most this the origin's (and the store host's) process lingers at exit for its peers
 
@@ -25,10 +25,12 @@ def fail(pipe, exc: BaseException, where: str | None = None) -> PipelineError:
     note, record = "", None
     if isinstance(exc, CommError):
         note = f"while waiting for {exc.what}"
-        record = pipe._failures.lookup(wait_s=1.0)
+        if not exc.connection_lost:  # timed out: alive, said before the wait below (lost_record tells it from lost)
+            answer_roll_call(pipe._failures, me)
+        record = adoptable(pipe._failures.lookup(wait_s=1.0), me)  # a record calling this live rank lost: not it
         if record is None and exc.connection_lost:  # a process was lost: name it (published for the others)
-            record = lost_record(exc, grid, pipe._failures, (pipe._pp_group, pipe._dp_group), pipe.device,
-                                 away_s=getattr(pipe, "_away_s", 0.0), timeout=pipe.timeout)
+            record = adoptable(lost_record(exc, grid, pipe._failures, (pipe._pp_group, pipe._dp_group), pipe.device,
+                                           away_s=getattr(pipe, "_away_s", 0.0), timeout=pipe.timeout), me)
     origin = record is None
     if origin:
         record = FailureRecord.local(me, instr, exc, grid.pp_rank, where=where)

@@ -23,13 +23,32 @@ def roll_call_keys(failures: FailureChannel, world_rank: int) -> list[str]:
     return [f"{key}/timed-out/{world_rank}" for key in failures.keys]
 
 
-def silent_members(failures: FailureChannel, world_rank: int, members, wait_s: float = ROLL_CALL_S) -> list[int]:
-    """Answer the roll call as ``world_rank``, then the ``members`` (world ranks of this rank's groups) that did not
-    answer theirs within ``wait_s`` seconds, ascending; ``[]`` if the store does not answer (nothing can be said)."""
+def answer_roll_call(failures: FailureChannel, world_rank: int) -> bool:
+    """Answer the roll call as ``world_rank`` (alive, not the stalled rank); False if the store does not answer.
+    A timed-out rank answers before it reads the store for a record: gloo may close its connections as its wait
+    times out, and a peer that sees that closed connection tells it from a lost rank by this key
+    (:func:`answered_roll_call`, in :func:`~pipesched.runtime.lost_rank.lost_record`)."""
     try:
         for key in roll_call_keys(failures, world_rank):
             failures.store.set(key, "1")
     except Exception:  # noqa: BLE001 - a store that is gone: no roll call
+        return False
+    return True
+
+
+def answered_roll_call(failures: FailureChannel, world_rank: int) -> bool:
+    """Whether ``world_rank`` answered the roll call under one of the channel's group keys (False if the store
+    does not answer)."""
+    try:
+        return any(failures.store.check([key]) for key in roll_call_keys(failures, world_rank))
+    except Exception:  # noqa: BLE001 - a store that is gone: nothing can be said
+        return False
+
+
+def silent_members(failures: FailureChannel, world_rank: int, members, wait_s: float = ROLL_CALL_S) -> list[int]:
+    """Answer the roll call as ``world_rank``, then the ``members`` (world ranks of this rank's groups) that did not
+    answer theirs within ``wait_s`` seconds, ascending; ``[]`` if the store does not answer (nothing can be said)."""
+    if not answer_roll_call(failures, world_rank):
         return []
     others = sorted(set(members) - {world_rank})
     deadline = time.monotonic() + wait_s
