@@ -305,3 +305,11 @@ def _subtract(a: float, b: float, holes) -> list[tuple[float, float]]:
 
 def _length(lo: float, hi: float, c: float, d: float) -> float:
     return max(0.0, min(hi, d) - max(lo, c))
+
+
+def chunk_counts(chunks: dict) -> dict[int, int]:
+    """Virtual stages per rank, from :func:`stage_chunks`' ``{(rank, stage): chunk}``: ``{rank: chunks}``."""
+    counts: dict[int, int] = {}
+    for (rank, _), k in chunks.items():
+        counts[rank] = max(counts.get(rank, 0), k + 1)
+    return counts
