@@ -1,7 +1,8 @@
 """profile_link measures the send overhead (LogP's o: seconds the sender spends inside its send call, receives
 posted before the sends, after a warm-up round) on 2 ranks, and it reaches a profile, its costs() and the planner.
-No timed thresholds: only relations between measured numbers (an overhead > 0, below a small message's one-way
-time) and where the measured floats land."""
+No timed thresholds: only signs of measured numbers (an overhead > 0) and where the measured floats land. (A test
+that the overhead stays below a separately measured one-way time failed once in CI under load: two measurements
+apart need not keep their order, so it was a timed assertion and was removed.)"""
 import dataclasses
 import math
 
@@ -33,13 +34,6 @@ def test_the_link_is_three_floats_the_same_on_both_ranks(results, key):
     assert all(type(x) is float for x in link)
     assert tuple(results[1][key]) == tuple(link)  # one all-reduce: the same floats on every rank
     assert link.send_overhead > 0 and link.latency >= 0 and link.bandwidth > 0
-
-
-def test_the_send_overhead_is_below_a_small_messages_one_way_time(results):
-    # the send call is part of the message's way from one rank to the other: a 256-byte message's one-way time
-    # (half a round trip measured apart) holds a send call, a transfer and the receiver's wake-up
-    small = results[0]["small"]
-    assert 0 < small.send_overhead < results[0]["one_way"]
 
 
 def test_the_measured_overhead_lands_in_the_profile_its_costs_and_the_planner(results):
