@@ -23,7 +23,7 @@ import contextlib
 import torch
 from torch import nn
 
-from .shared_buffers import byte_span, storage_groups
+from .shared_buffers import byte_span, overlapping
 
 
 def rng_state(device: torch.device) -> tuple:
@@ -70,11 +70,9 @@ def _memory_groups(tensors) -> list[list[torch.Tensor]]:
     keys = [_storage_key(t) for t in distinct]
     storages = collections.Counter(key for key in keys if key is not None)
     alone = [key is None or storages[key] == 1 for key in keys]
-    holder = nn.Module()
-    for k, t in enumerate(t for t, single in zip(distinct, alone) if not single):
-        holder._buffers[str(k)] = t
+    shared = [t for t, single in zip(distinct, alone) if not single]
     return [[t] for t, single in zip(distinct, alone) if single] + [
-        [owner._buffers[key] for _, _, owner, key, _ in group] for group in storage_groups([holder], [1])]
+        [shared[i] for i in group] for group in overlapping([byte_span(t) for t in shared])]
 
 
 def _storage_key(t: torch.Tensor):

@@ -113,7 +113,17 @@ def storage_groups(layers: Sequence[nn.Module], balance: Sequence[int]) -> list[
                         uses.setdefault(id(tensor), []).append((next(number), name, stage, owner, key, kind))
                         if id(tensor) not in spans:
                             spans[id(tensor)] = byte_span(tensor)
-    parent = {k: k for k in uses}
+    keys = list(uses)  # dicts keep insertion order: tensors by first use
+    groups = overlapping([spans[k] for k in keys])  # groups by first use, uses in model order
+    return [[use[1:] for use in sorted((u for i in group for u in uses[keys[i]]), key=lambda use: use[0])]
+            for group in groups]
+
+
+def overlapping(spans: Sequence) -> list[list[int]]:
+    """Indices of ``spans`` (each :func:`byte_span`'s ``(storage, first byte, end byte)``, or ``None``: alone)
+    grouped by memory: spans of one storage whose byte ranges overlap share a group, transitively. Groups in the
+    order of their first index, indices ascending."""
+    parent = list(range(len(spans)))
 
     def root(k):
         while parent[k] != k:
@@ -121,7 +131,7 @@ def storage_groups(layers: Sequence[nn.Module], balance: Sequence[int]) -> list[
         return k
 
     by_storage: dict = {}
-    for k, span in spans.items():
+    for k, span in enumerate(spans):
         if span is not None:
             by_storage.setdefault(span[0], []).append((span[1], span[2], k))
     for spans_of in by_storage.values():
@@ -133,9 +143,9 @@ def storage_groups(layers: Sequence[nn.Module], balance: Sequence[int]) -> list[
             if stop > end:
                 end, last = stop, k
     groups: dict[int, list] = {}
-    for k, found in uses.items():  # dicts keep insertion order: groups by first use, uses in model order
-        groups.setdefault(root(k), []).extend(found)
-    return [[use[1:] for use in sorted(group, key=lambda use: use[0])] for group in groups.values()]
+    for k in range(len(spans)):
+        groups.setdefault(root(k), []).append(k)
+    return list(groups.values())
 
 
 def byte_span(tensor) -> tuple | None:
