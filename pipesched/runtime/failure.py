@@ -6,8 +6,9 @@ closes its connections: peers blocked on it get a connection error at once, read
 same :class:`PipelineError`, and tear down their own groups in turn. Waits also end after the
 configured timeout, so no rank waits forever even if a process hangs without failing.
 
-The store lives in one process (world rank 0 under ``env://``). The rank that publishes the first record,
-and world rank 0, keep their processes, and so the store, up until every rank of the job has read the record
+The store lives in one process (world rank 0 under ``env://``; torchrun's agent, or the
+:func:`~pipesched.runtime.launch` process, which outlive every rank). The rank that publishes the first record,
+and world rank 0 where it hosts the store, keep their processes up until every rank of the job has read the record
 or a bounded grace period ends (:meth:`FailureChannel.keep_alive_for` registers one :class:`Linger` per record at
 interpreter exit; ``launch``'s children, which skip interpreter exit, each wait instead for the parent's word that every
 rank reported or died, at most ``grace``). If a rank still finds no record while a connection closed (a process was

@@ -14,7 +14,7 @@ import time
 import uuid
 
 from ..checks import as_int, is_real
-from .launch_child import run_child
+from .launch_child import STORE_ENV, host_store, run_child
 from .start_method import choose_start_method
 
 _TAIL_CHARS = 3000  # of a child's stderr quoted when it dies without reporting
@@ -37,12 +37,16 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
     """Run ``fn(rank, *args)`` on ``world_size`` local processes that share a gloo default process group.
 
     Each child gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1`` and ``MASTER_PORT``,
-    sets ``torch.set_num_threads(threads)``, and calls ``fn`` after ``init_process_group("gloo")``. World rank
-    0's child hosts the job's c10d ``TCPStore`` on a port the OS picks while binding it and passes the port to the
-    others through this process (so launches running at once on one machine never share a store); each other rank
-    checks, right after connecting, that the store holds this launch's token (a ``RuntimeError`` naming the
-    address if not). The children's standard error is relayed to this process's
-    ``sys.stderr`` (so it shows in a notebook) and kept, to be quoted if a child dies without reporting.
+    sets ``torch.set_num_threads(threads)``, and calls ``fn`` after ``init_process_group("gloo")``. This process
+    hosts the job's c10d ``TCPStore``, as torchrun's agent does, from right after the children start until they have
+    all stopped, on a port the OS picks while binding it and passes to the children (so launches running at once on
+    one machine never share a store); the store outlives every rank, so a rank that is lost or stalled (world rank 0
+    included) never takes it, nor the failure records in it, from the others. Every child connects as a client
+    and checks that the store holds this launch's token (a ``RuntimeError`` naming the address if not); the
+    children are started before the store exists, so a forked child inherits neither its server thread nor its
+    socket. ``PIPESCHED_LAUNCH_STORE=rank0`` in this process's environment makes world rank 0's child host it
+    instead (``env://``'s layout, for testing its failure paths). The children's standard error is relayed to this
+    process's ``sys.stderr`` (so it shows in a notebook) and kept, to be quoted if a child dies without reporting.
 
     How the children start (``start_method``):
 
@@ -63,10 +67,10 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
 
     When a child's ``fn`` returns or raises, the child reports, then destroys its process groups (its gloo
     connections close, so a peer blocked on it fails at once, as if it had exited). Every child then stays up until
-    every rank's ``fn`` has ended (reported, or its process died), at most ``grace`` seconds: world rank 0's child
-    hosts the c10d store, so a rank that returned early never takes the store from ranks still using it (a
-    checkpoint vote, a failure record), and a rank that failed first keeps its record readable. A ``fn`` that raises
-    outside any Pipeline call publishes its error first (:func:`~pipesched.runtime.failure.publish_job_failure`):
+    every rank's ``fn`` has ended (reported, or its process died), at most ``grace`` seconds: harmless under this
+    process's store, which outlives them all; needed where world rank 0's child hosts it (``rank0``), so that a rank 0
+    that returned early never takes the store from ranks still using it (a checkpoint vote, a failure record). A
+    ``fn`` that raises outside any Pipeline call publishes its error first (:func:`~pipesched.runtime.failure.publish_job_failure`):
     a peer's Pipeline, or a peer waiting in a construction or checkpoint round, then raises a ``PipelineError``
     naming that rank and its error, at once (a peer blocked in ``fn``'s own collective gets torch's closed-connection
     error there, and its child reports a ``PipelineError`` naming that rank instead). ``launch`` returns as soon as
@@ -80,8 +84,7 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
 
     Args:
         timeout: seconds for the whole run; grace: seconds the others get to end after one child fails; the
-            most a child waits for the others' ``fn`` after its own ended (world rank 0's hosts the store; a rank
-            that failed first keeps its failure record readable). Children start with
+            most a child waits for the others' ``fn`` after its own ended (see above). Children start with
             ``TORCH_CPP_LOG_LEVEL=ERROR`` unless it is set (a forked child that inherits an imported torch keeps
             this process's level).
 
@@ -114,12 +117,14 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
     if as_int(threads) is None or threads < 1:
         raise ValueError(f"threads must be an integer >= 1 (torch threads per rank), got {threads!r}")
     threads = as_int(threads)
-    ctx = mp.get_context(choose_start_method(fn, start_method, threads))
+    ctx = mp.get_context(choose_start_method(fn, start_method, threads))  # decided before this launch's store
     results = ctx.Queue()
-    # world rank 0's child binds its store to a port the OS picks (port 0) and publishes it here: no port is ever
-    # "free a moment ago", so two launches at once cannot meet; the token lets every other rank check its store
-    store_at = (ctx.Value("i", 0), ctx.Event(), uuid.uuid4().hex, timeout)
-    released = ctx.Event()  # set when every rank's fn has ended: world rank 0's child (the store host) may exit
+    # the store binds a port the OS picks (port 0), published through store_at: no port is ever "free a moment ago",
+    # so two launches at once cannot meet; the token lets every rank check its store. This process hosts it (as
+    # torchrun's agent does: it outlives every rank, a stalled or lost rank 0 included), unless STORE_ENV=rank0
+    host = "rank0" if os.environ.get(STORE_ENV) == "rank0" else "parent"
+    store_at = (ctx.Value("i", 0), ctx.Event(), uuid.uuid4().hex, timeout, host)
+    released = ctx.Event()  # set when every rank's fn has ended: each child may exit
     procs = [ctx.Process(target=run_child, args=(rank, world_size, store_at, threads, fn, args, results, grace, released),
                          daemon=True) for rank in range(world_size)]
     logs = _Stderr(world_size)
@@ -134,7 +139,10 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
     finally:
         if quiet:
             del os.environ["TORCH_CPP_LOG_LEVEL"]
+    store = None
     try:
+        if host == "parent":  # after the children started: a forked child inherits no server thread nor socket
+            store = host_store(world_size, *store_at[:3])
         return _collect(procs, results, timeout, grace, logs)
     except KeyboardInterrupt:
         _say(f"interrupted: stopping {world_size} ranks")
@@ -143,6 +151,7 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
         released.set()
         _stop(procs)
         logs.close()
+        del store  # its server closes once every child has stopped
 
 
 def _stop(procs, wait_s: float = _STOP_S) -> None:

@@ -1,6 +1,11 @@
-"""What each child of :func:`~pipesched.runtime.launch.launch` runs: its rank's side of the job's store (world rank 0
-hosts it on a port the OS picks; the others connect and check the launch's token), ``init_process_group``, the
-user's ``fn``, and reporting its outcome to the parent (a failure published for the peers first)."""
+"""What each child of :func:`~pipesched.runtime.launch.launch` runs: its rank's side of the job's store (the launch
+process hosts it on a port the OS picks, as torchrun's agent does; every child connects and checks the launch's token),
+``init_process_group``, the user's ``fn``, and reporting its outcome to the parent (a failure published for the peers
+first). With ``PIPESCHED_LAUNCH_STORE=rank0`` in launch's environment, world rank 0's child hosts it instead
+(``env://``'s layout, to test its failure paths).
+
+Each child's environment says who hosts the store (:data:`STORE_ENV`: ``parent`` or ``rank0``;
+:func:`~pipesched.runtime.lost_rank.store_host` reads it)."""
 from __future__ import annotations
 
 import gc
@@ -12,8 +17,8 @@ import traceback
 
 def run_child(rank, world_size, store_at, threads, fn, args, results, grace, released) -> None:
     gc.freeze()  # what a forked child inherited is never collected here (see launch: it would hang)
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), **{STORE_ENV: store_at[-1]})
     import torch
     import torch.distributed as dist
 
@@ -24,7 +29,7 @@ def run_child(rank, world_size, store_at, threads, fn, args, results, grace, rel
         os.environ["MASTER_PORT"] = str(tcp.port)
         # the key space env:// rendezvous gives the default group (init_process_group wraps its store the same way)
         dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", tcp), rank=rank, world_size=world_size)
-        store = dist.distributed_c10d._get_default_store()  # held: on rank 0 it keeps the store up after teardown
+        store = dist.distributed_c10d._get_default_store()  # held: a hosting rank 0 keeps the store up after teardown
         value = fn(rank, *args)
         results.put(("ok", rank, pickle.dumps(value), ""))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
@@ -40,34 +45,50 @@ def run_child(rank, world_size, store_at, threads, fn, args, results, grace, rel
         results.join_thread()
         gc.collect()  # the Pipelines fn left unclosed announce it to peers still waiting (runtime/departure.py)
         close_groups(dist)  # peers blocked on this rank fail at once, as if it had exited
-        # every rank stays until every rank's fn has ended (or died), at most grace: the store host for the others, a
-        # rank that failed first until the others have read its record (os._exit skips a Pipeline's atexit Linger)
+        # every rank stays until every rank's fn has ended (or died), at most grace. Under the parent's store (the
+        # default) this changes nothing, as the store and the records in it outlive every child; it matters where
+        # world rank 0's child hosts the store (rank0, env://'s layout), whose records go with its process (os._exit
+        # skips a Pipeline's atexit Linger), and both layouts end alike
         released.wait(grace)
         os._exit(0)  # skip interpreter teardown (gloo threads); closes this rank's connections at once
 
 
 TOKEN_KEY = "pipesched/launch-token"
+#: the environment variable that says who hosts a launch's store: ``parent`` (the launch process, the default) or
+#: ``rank0`` (world rank 0's child, as under ``env://``); set in launch's environment to choose, in each child's by it
+STORE_ENV = "PIPESCHED_LAUNCH_STORE"
 
 
-def job_store(rank: int, world_size: int, port_value, port_ready, token: str, timeout: float):
-    """This launch's c10d ``TCPStore``: world rank 0 hosts it on a port the OS picks while binding, writes the
-    launch's ``token`` into it and publishes the port (``port_value``, ``port_ready``); every other rank waits for
-    the port (at most ``timeout`` seconds), connects and checks the token (:func:`connect_checked`)."""
+def _store_wait():
     import datetime
 
+    return datetime.timedelta(minutes=30)  # the store timeout env:// rendezvous gave it (torch's default)
+
+
+def host_store(world_size: int, port_value, port_ready, token: str):
+    """Host this launch's c10d ``TCPStore`` on a port the OS picks while binding (no port is ever "free a moment
+    ago"), write the launch's ``token`` into it, then publish the port (``port_value``, ``port_ready``)."""
     import torch.distributed as dist
 
-    wait = datetime.timedelta(minutes=30)  # the store timeout env:// rendezvous gave it (torch's default)
-    if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=wait, wait_for_workers=False)
-        store.set(TOKEN_KEY, token)  # before the port is published: every rank that connects finds it
-        port_value.value = store.port
-        port_ready.set()
-        return store
+    store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=_store_wait(), wait_for_workers=False)
+    store.set(TOKEN_KEY, token)  # before the port is published: every rank that connects finds it
+    port_value.value = store.port
+    port_ready.set()
+    return store
+
+
+def job_store(rank: int, world_size: int, port_value, port_ready, token: str, timeout: float, host: str = "parent"):
+    """This launch's c10d ``TCPStore`` as a client: waits for the port the host publishes (``port_value``,
+    ``port_ready``; at most ``timeout`` seconds), connects and checks the token (:func:`connect_checked`). The host
+    is the launch process (``host="parent"``), or world rank 0's child (``"rank0"``), which hosts it here
+    (:func:`host_store`)."""
+    if host == "rank0" and rank == 0:
+        return host_store(world_size, port_value, port_ready, token)
     if not port_ready.wait(min(timeout, threading.TIMEOUT_MAX)):
-        raise TimeoutError(f"launch: world rank {rank}: world rank 0 did not publish its store's port within "
+        who = "world rank 0" if host == "rank0" else "the launch process"
+        raise TimeoutError(f"launch: world rank {rank}: {who} did not publish its store's port within "
                            f"timeout={timeout:g} s")
-    return connect_checked(rank, world_size, port_value.value, token, wait)
+    return connect_checked(rank, world_size, port_value.value, token, _store_wait())
 
 
 def connect_checked(rank: int, world_size: int, port: int, token: str, wait):

@@ -6,13 +6,15 @@ store, names the lost rank here, and publishes that ``lost`` record before it te
 blocked on *it* (a third rank, or the other replica in the data-parallel all-reduce) reads the record and names the
 same lost rank instead of its direct peer. Who is lost, in order:
 
-1. the store is unreachable: the process hosting it is gone, and under ``env://`` and
-   :func:`~pipesched.runtime.launch` that is world rank 0 (it lingers while any rank has a record to read,
-   :class:`~pipesched.runtime.failure.Linger`, so it is gone only if it was lost). Unless this rank itself began the
+1. the store is unreachable: the process hosting it is gone, and under ``env://`` that is world rank 0 (it
+   lingers while any rank has a record to read, :class:`~pipesched.runtime.failure.Linger`, so it is gone only if it
+   was lost). Unless this rank itself began the
    call more than ``timeout`` after its previous call ended: a rank waiting on it meanwhile timed out, so the job most
    likely ended already and the store host exited after naming that failure (gone with the store): the record then
    says so (``ended="exited"``), not that the host was killed. Under torchrun's agent store
-   (``TORCHELASTIC_USE_AGENT_STORE=True``) the store outlives every worker and this rule never applies;
+   (``TORCHELASTIC_USE_AGENT_STORE=True``) and under :func:`~pipesched.runtime.launch`, whose own process hosts it
+   (its children have ``PIPESCHED_LAUNCH_STORE=parent``), the store outlives every worker and this rule never
+   applies (launch's children with ``PIPESCHED_LAUNCH_STORE=rank0`` have ``env://``'s layout);
 2. a point-to-point wait: the peer it waited on;
 3. a collective (the step-opening all-gather, the data-parallel all-reduce): the first member of this rank's
    pipeline or data-parallel group whose connection is closed, found by posting a receive from each (gloo raises
@@ -48,9 +50,13 @@ def adoptable(record: FailureRecord | None, world_rank: int) -> FailureRecord | 
 
 
 def store_host() -> int | None:
-    """World rank whose process hosts the c10d store: 0 under ``env://`` and :func:`~pipesched.runtime.launch`;
-    ``None`` under torchrun's agent store, which lives in the agent, not in a rank."""
-    return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" else 0
+    """World rank whose process hosts the c10d store: 0 under ``env://`` (and a launch child with
+    ``PIPESCHED_LAUNCH_STORE=rank0``); ``None`` under torchrun's agent store, which lives in the agent, not in a rank,
+    and under :func:`~pipesched.runtime.launch`, whose own process hosts it (its children have
+    ``PIPESCHED_LAUNCH_STORE=parent``)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None
+    return None if os.environ.get("PIPESCHED_LAUNCH_STORE") == "parent" else 0
 
 
 def closed_members(group, world_ranks, device) -> list[int]:

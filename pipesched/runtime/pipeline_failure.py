@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .departure import forget
 from .failure import CommError, FailureRecord, PipelineError
-from .lost_rank import adoptable, lost_record
+from .lost_rank import adoptable, lost_record, store_host
 from .stalled import answer_roll_call, silent_members, stall_note
 
 _ORIGIN_GRACE_S = 30.0  # at most this the origin's (and the store host's) process lingers at exit for its peers
@@ -41,7 +41,7 @@ def fail(pipe, exc: BaseException, where: str | None = None) -> PipelineError:
     if not record.lost:
         pipe._failures.publish(record)  # the origin's record, or passed on to this rank's other group (DP)
     pipe._failures.seen(record)
-    if origin or me == 0:  # world rank 0 hosts the store under env:// (and launch)
+    if origin or me == store_host():  # world rank 0 under env:// (None: torchrun's agent or launch's parent)
         pipe._failures.keep_alive_for(record, grid.world_size, _ORIGIN_GRACE_S)
     if exc.__traceback__ is not None:
         traceback.clear_frames(exc.__traceback__)  # drop frame references to pending messages

@@ -99,9 +99,10 @@ def test_failure_in_one_replica_reaches_the_other_replica(four_ranks):
         assert err["elapsed"] < 15.0, (rank, err)  # ended by the failure record, well inside the 30 s timeout
 
 
-def test_a_rank_waking_after_the_store_hosts_process_returned_reads_its_record(capfd):
+def test_a_rank_waking_after_the_store_hosts_process_returned_reads_its_record(capfd, monkeypatch):
     """Reproduction of a trial: world rank 0 (the store's host) times out and returns while rank 1 still
     computes; rank 1 must report rank 0's failure record, not blame itself, and print no C++ stacks."""
+    monkeypatch.setenv("PIPESCHED_LAUNCH_STORE", "rank0")  # env://'s layout (launch's own process hosts it otherwise)
     import rt_workers
 
     first, late = launch(rt_workers.store_host_exits, 2, 2.0, timeout=120)

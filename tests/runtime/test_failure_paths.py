@@ -200,7 +200,8 @@ def _away_then_store_gone(rank, out):
         raise
 
 
-def test_a_rank_away_past_the_timeout_is_told_the_job_ended_not_that_the_store_host_was_lost(tmp_path):
+def test_a_rank_away_past_the_timeout_is_told_the_job_ended_not_that_the_store_host_was_lost(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIPESCHED_LAUNCH_STORE", "rank0")  # env://'s layout: world rank 0's process hosts the store
     with pytest.raises(RuntimeError, match="^launch: rank 0 exited with code 0 without reporting"):
         _run(_away_then_store_gone, tmp_path)
     noted = _noted(tmp_path)

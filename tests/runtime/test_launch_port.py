@@ -1,4 +1,4 @@
-"""``launch``'s store: world rank 0's child binds it to a port the OS picks (no "free a moment ago" race), two
+"""``launch``'s store: the launch process binds it to a port the OS picks (no "free a moment ago" race), two
 launches at once never share a store, and a rank that reaches another job's store says so (the launch token)."""
 import datetime
 import re
@@ -72,7 +72,8 @@ _MISPOINTED = textwrap.dedent("""\
     other = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
     other.set(C.TOKEN_KEY, "someone-else")
     real = C.connect_checked
-    C.connect_checked = lambda rank, size, port, token, wait: real(rank, size, other.port, token, wait)
+    C.connect_checked = lambda rank, size, port, token, wait: real(rank, size, other.port if rank == 1 else port,
+                                                                   token, wait)  # rank 0 then waits: grace ends it
     def fn(rank):
         return rank
     try:

@@ -47,8 +47,10 @@ def _waited_for(rep) -> str:
     return rep["message"].rsplit("while waiting for ", 1)[1]
 
 
-def test_store_host_killed_in_a_forward(tmp_path):
-    # world rank 0 hosts the store; rank 1 waits on it, rank 2 waits on rank 1 (a different peer)
+def test_store_host_killed_in_a_forward(tmp_path, monkeypatch):
+    # world rank 0 hosts the store (env://'s layout; launch's own process hosts it otherwise); rank 1 waits on it,
+    # rank 2 waits on rank 1 (a different peer)
+    monkeypatch.setenv("PIPESCHED_LAUNCH_STORE", "rank0")
     reports = _run(tmp_path, 3, 0, "F", schedule="gpipe")
     _assert_names(reports, 0, 0)
     assert _waited_for(reports[1]).startswith("RECV_F1.") and _waited_for(reports[2]).startswith("RECV_F2.")
