@@ -10,6 +10,7 @@ from .errors import PairingError, ScheduleArgumentError, ScheduleError
 from .gcpause import paused_gc
 from .ir import Program
 from .protocol import check_step
+from .ties import tie_tuples
 from . import lower, progress
 from .registry import get_schedule  # built-in or registered
 from .validate import validate
@@ -120,7 +121,8 @@ def compile_program(
             :func:`~pipesched.lower.add_send_recv` put it); :func:`passes_for` says which backend may.
         ties: groups of stages that use one parameter, e.g. ``[(0, 7)]`` (a GPT's embedding and head): their
             gradients are summed by a ``TIE_REDUCE`` per rank (:mod:`pipesched.ties`); a tie whose stages are all
-            on one rank needs none and is left out of ``program.ties``.
+            on one rank needs none and is left out of ``program.ties``. Any sequence of sequences of integers
+            (numpy arrays and integers too, e.g. ``np.array([[0, 7]])``); ``None`` or empty: no ties.
         costs, memory_limit: the :class:`~pipesched.cost.CostModel` and the in-flight limit per rank (an int or one
             per rank) that ``zb-auto`` is built for; refused for other schedules (see :func:`build`).
     Raises:
@@ -130,6 +132,10 @@ def compile_program(
     """
     dp_size = check_positive("dp_size", dp_size)  # plain ints from here on (a numpy integer is accepted)
     early_receives = check_positive("early_receives", early_receives, 0)
+    try:  # a tuple of tuples: a numpy array has no truth value, and a generator is read once (zb-auto scores many)
+        ties = () if ties is None else tie_tuples(ties)
+    except ValueError as exc:
+        raise ScheduleArgumentError(str(exc), argument="ties") from None
     if not isinstance(forward_only, bool):  # a truthy "no" or nan would compile the forward-only program
         raise ScheduleArgumentError(f"forward_only must be True or False, got {described(forward_only)}",
                                     argument="forward_only")

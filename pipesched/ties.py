@@ -46,6 +46,25 @@ def one_rank_ties(ties, stage_to_rank) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(sorted(t)) for t in ties if len({stage_to_rank[s] for s in t}) == 1)
 
 
+def tie_tuples(ties) -> tuple[tuple, ...]:
+    """``ties`` as a tuple of tuples of its items, not yet checked as stages: any sequence of sequences (lists,
+    tuples, a 2-D numpy array, a generator, read once). ``ties`` is never tested for truth: a numpy array has none
+    (``if ties:`` raises numpy's "ambiguous" error, and a 1 x 1 array ``[[0]]`` would read as "no ties").
+
+    Raises:
+        ValueError: ``ties`` or one of its ties is not a sequence (a string, a number); the message names ``ties``,
+            the value and what is valid.
+    """
+    if isinstance(ties, (str, bytes)) or not hasattr(ties, "__iter__"):
+        raise ValueError(f"ties must be a sequence of stage groups, e.g. [(0, 3)], got {ties!r}")
+    groups = []
+    for tie in ties:
+        if isinstance(tie, (str, bytes)) or not hasattr(tie, "__iter__"):
+            raise ValueError(f"ties: each tie must be a sequence of stages, e.g. (0, 3), got {tie!r}")
+        groups.append(tuple(tie))
+    return tuple(groups)
+
+
 def check_tie_groups(ties, stage_to_rank, one_rank: str = "refuse") -> tuple[tuple[int, ...], ...]:
     """``ties`` as sorted tuples of stages, checked against the placement ``stage_to_rank``.
 
@@ -61,13 +80,9 @@ def check_tie_groups(ties, stage_to_rank, one_rank: str = "refuse") -> tuple[tup
             a repeated or out-of-range stage, all its stages on one rank (``one_rank="refuse"``), or given twice
             (the message names ``ties``, the value and what is valid).
     """
-    if isinstance(ties, (str, bytes)) or not hasattr(ties, "__iter__"):
-        raise ValueError(f"ties must be a sequence of stage groups, e.g. [(0, 3)], got {ties!r}")
     groups = []
     num_stages = len(stage_to_rank)
-    for tie in ties:
-        if isinstance(tie, (str, bytes)) or not hasattr(tie, "__iter__"):
-            raise ValueError(f"ties: each tie must be a sequence of stages, e.g. (0, 3), got {tie!r}")
+    for tie in tie_tuples(ties):
         stages = tuple(as_int(s) for s in tie)
         if any(s is None or not 0 <= s < num_stages for s in stages):
             raise ValueError(f"ties: {tie!r} names a stage that is not an integer in 0..{num_stages - 1}")

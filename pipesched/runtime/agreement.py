@@ -12,13 +12,17 @@ after the others gave up on it (late by more than ``timeout``) raises ``TimeoutE
 from __future__ import annotations
 
 import hashlib
+import time
 
 from ..ir import Op
 from ..program_io import fingerprint
 from .comm import groups_error_key
 from .exchange import publish, read_all
+from .failure import FailureRecord, PipelineError
+from .failure import describe as describe_error
 
 _PREFIX = "pipesched/construct"
+_POLL_S = 0.05  # groups_failed's pause between two looks at its round's entries
 _CONNECTED = "pipesched/connected"  # the round after every rank created its Pipeline's process groups
 _LATE_CONNECTED = "finish creating their Pipeline's process groups within {timeout} s"
 _LATE = ("construct their Pipeline within {timeout} s; every rank must construct the same Pipelines in the same "
@@ -91,10 +95,41 @@ def connected(store, world_rank: int, world_size: int, timeout: float) -> None:
         TimeoutError: some ranks did not finish creating their groups within ``timeout`` seconds (names them).
         PipelineError: a rank's creation of these groups failed (:func:`~pipesched.runtime.comm.make_groups`
             published it): at once, naming that rank (on NCCL the creation connects lazily, so this rank was not
-            blocked in it and would otherwise wait out ``timeout``).
+            blocked in it and would otherwise wait out ``timeout``); or its entry says so (:func:`groups_failed`).
     """
+    watch = groups_error_key(store, world_rank)
     key = publish(store, _CONNECTED, world_rank, True)
-    read_all(store, key, world_rank, world_size, timeout, _LATE_CONNECTED, watch=groups_error_key(store, world_rank))
+    entries = read_all(store, key, world_rank, world_size, timeout, _LATE_CONNECTED, watch=watch)
+    failed = [rank for rank, entry in enumerate(entries) if entry is not True]
+    if failed:  # its entry filed by groups_failed, after the record it published under ``watch``
+        try:
+            record = FailureRecord.from_json(store.get(watch).decode())
+        except Exception:  # noqa: BLE001 - no record (cannot happen: published first): the entry says it
+            raise RuntimeError(f"world rank {failed[0]} failed to create its Pipeline's process groups: "
+                               f"{entries[failed[0]].get('error')}") from None
+        raise PipelineError(record, world_rank, f"while waiting for every rank's entry in {key}")
+
+
+def groups_failed(store, world_rank: int, world_size: int, timeout: float, error: BaseException) -> None:
+    """File this rank's :func:`connected` entry (saying it failed) after its
+    :func:`~pipesched.runtime.comm.make_groups` raised ``error``, instead of calling :func:`connected`, then wait
+    (at most ``timeout`` seconds) until every rank has filed its own, failed or not.
+
+    Filing: every rank that creates a Pipeline's groups files one entry, so the ranks' counters of the
+    ``connected`` rounds stay in step (before, the failing rank filed none while a rank whose creation had returned
+    filed one in :func:`connected`: at the job's next construction the failing rank met that stale entry and
+    returned, while the other waited for it until ``timeout``). Waiting: a rank blocked in gloo's creation (waiting
+    for this one to connect) fails only after ``timeout``; a failing rank that raised at once reached the next
+    construction's agreement ``timeout`` before it and gave up on it there. So the ranks leave a failed
+    construction together and the job's next Pipeline meets on every rank. A best-effort call: it never raises."""
+    try:
+        key = publish(store, _CONNECTED, world_rank, {"error": describe_error(error)})
+        keys = [f"{key}/{rank}" for rank in range(world_size)]
+        deadline = time.monotonic() + timeout
+        while not store.check(keys) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+    except Exception:  # noqa: BLE001 - the local error is what the caller raises
+        pass
 
 
 def refuse(store, world_rank: int, error: BaseException) -> None:

@@ -11,7 +11,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..checks import as_int, described
+from ..checks import MAX_RUNS, as_int, described, short
+
+
+#: :func:`profile_link`'s largest message, bytes (1 GiB; why: its docstring)
+MAX_NBYTES = 1 << 30
 
 
 class Link(NamedTuple):
@@ -45,8 +49,13 @@ def profile_link(group=None, nbytes=(1 << 10, 1 << 16, 1 << 20, 1 << 22), repeat
 
     Args:
         group: a process group of >= 2 ranks (``None``: the default group).
-        nbytes: message sizes in bytes, >= 2 distinct positive ints.
-        repeat: round trips per size, >= 1.
+        nbytes: message sizes in bytes, >= 2 distinct ints in 1..:data:`MAX_NBYTES` (1 GiB; any sequence, a numpy
+            array too): each of the two ranks holds three buffers of a size (the message and two posted
+            receives), and a pipeline's messages are far smaller; a larger size is a typo (``10**15`` bytes would
+            fail to allocate, or run for hours).
+        repeat: round trips per size, 1..:data:`~pipesched.checks.MAX_RUNS` (10,000, as ``profile_layers``'s):
+            the median round trip settles within tens, and every rank gathers ``2 x repeat`` send times; a larger
+            value is a typo (``repeat=10**9`` would allocate 16 GB, then ping-pong for days).
         device: where the messages live (default: the current CUDA device on NCCL, else the CPU).
     Returns:
         A :class:`Link` ``(latency, bandwidth, send_overhead)``, the same floats on every rank of the group.
@@ -92,11 +101,13 @@ def profile_link(group=None, nbytes=(1 << 10, 1 << 16, 1 << 20, 1 << 22), repeat
 
 def _checked(nbytes, repeat, device, group) -> tuple[list, int, torch.device]:
     """This rank's checked ``(sizes, repeat, device)`` (:func:`profile_link`'s arguments); ValueError naming each."""
-    sizes = [as_int(n) for n in nbytes] if isinstance(nbytes, (list, tuple)) else []  # numpy integers: plain ints
-    if len(set(sizes)) < 2 or not all(n is not None and n > 0 for n in sizes):
-        raise ValueError(f"nbytes must hold >= 2 distinct positive ints (bytes), got {nbytes!r}")
-    if as_int(repeat) is None or repeat < 1:
-        raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
+    sequence = not isinstance(nbytes, (str, bytes, dict)) and hasattr(nbytes, "__iter__")  # a numpy array too
+    sizes = [as_int(n) for n in nbytes] if sequence else []  # numpy integers: plain ints
+    if len(set(sizes)) < 2 or not all(n is not None and 0 < n <= MAX_NBYTES for n in sizes):
+        raise ValueError(f"nbytes must hold >= 2 distinct ints 1..{MAX_NBYTES:,} (bytes of a message; at most "
+                         f"1 GiB), got {short(nbytes)}")
+    if as_int(repeat) is None or not 1 <= repeat <= MAX_RUNS:  # a huge count would never finish
+        raise ValueError(f"repeat must be an int 1..{MAX_RUNS:,} (round trips per size), got {short(repeat)}")
     if device is None:
         return sorted(set(sizes)), as_int(repeat), (torch.device("cuda", torch.cuda.current_device())
                                                     if dist.get_backend(group) == "nccl" else torch.device("cpu"))

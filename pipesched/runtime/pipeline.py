@@ -10,7 +10,7 @@ import torch.distributed as dist
 from .comm import init_default_group, make_groups, world_and_rank
 from .amp import autocast_context, checked_autocast, loss_scaling
 from .collective import peer_loss_as_comm_error
-from .agreement import agree, connected, describe, model_shapes, refuse
+from .agreement import agree, connected, describe, groups_failed, model_shapes, refuse
 from .construction import local_setup
 from .replica_init import COPY_WHAT, COPY_WHERE, copy_replica_zero
 from .executor import Executor
@@ -177,7 +177,12 @@ class Pipeline(PipelineCollectives, PipelineMeasured):
                    autocast=str(self.autocast), model=model_shapes(self.state_spec)), self.timeout)
         grid = self.grid
         self._tie_groups, ties = start_ties(layers, self.ties, self.program, grid, self.timeout, self.device)
-        self._pp_group, self._dp_group = make_groups(grid, self.timeout, self.device)
+        try:
+            self._pp_group, self._dp_group = make_groups(grid, self.timeout, self.device)
+        except Exception as exc:  # file its connected entry all the same: the ranks' rounds stay in step
+            groups_failed(dist.distributed_c10d._get_default_store(), grid.world_rank, grid.world_size,
+                          self.timeout, exc)  # and leave the failed construction with the other ranks
+            raise
         connected(dist.distributed_c10d._get_default_store(), grid.world_rank, grid.world_size, self.timeout)
         names = [self._pp_group.group_name] + ([self._dp_group.group_name] if self._dp_group else [])
         names += [group.group_name for group in self._tie_groups.values()]

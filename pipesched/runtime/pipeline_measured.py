@@ -21,9 +21,7 @@ class PipelineMeasured:
             PipelineError: this Pipeline failed (as every later call does): the failed step's events are partial,
                 and an earlier step's would be passed off as the last one's."""
         record = self._record(kind)
-        if self._broken is not None:
-            raise PipelineError(self._broken.record, self.grid.world_rank,
-                                f"timeline(kind={kind!r}): this Pipeline failed in an earlier step")
+        self._check_not_broken(f"timeline(kind={kind!r})")
         return None if record is None else local_timeline(record, self.program, self.pp_rank)
 
     def gather_timeline(self, kind: str = "step"):
@@ -65,7 +63,12 @@ class PipelineMeasured:
     @property
     def peak_activation_bytes(self) -> int | None:
         """Bytes of activations this rank held for backward at the peak of the last training :meth:`step`
-        (``None`` before one; a later ``forward()`` does not change it)."""
+        (``None`` before one; a later ``forward()`` does not change it).
+
+        Raises:
+            PipelineError: this Pipeline failed (as :meth:`timeline` does): the last step failed, and the last
+                good step's peak would be passed off as its."""
+        self._check_not_broken("peak_activation_bytes")
         record = self._records["step"]
         return None if record is None else record.peak
 
@@ -73,9 +76,21 @@ class PipelineMeasured:
     def peak_memory_allocated(self) -> int | None:
         """On CUDA: bytes of device memory allocated at the peak of the last training :meth:`step` above what
         was allocated when it began (``torch.cuda.max_memory_allocated``; activations, gradients and
-        temporaries alike). ``None`` on CPU or before a step. Each step resets the device's peak statistics."""
+        temporaries alike). ``None`` on CPU or before a step. Each step resets the device's peak statistics.
+
+        Raises:
+            PipelineError: this Pipeline failed (as :meth:`timeline` does): the last step failed, and the last
+                good step's peak would be passed off as its."""
+        self._check_not_broken("peak_memory_allocated")
         record = self._records["step"]
         return None if record is None else record.allocated
+
+    def _check_not_broken(self, what: str) -> None:
+        """Raise, for the measurement ``what``, the :class:`PipelineError` of a Pipeline that failed (the last step
+        failed: an earlier step's measurement would be passed off as its)."""
+        if self._broken is not None:
+            raise PipelineError(self._broken.record, self.grid.world_rank,
+                                f"{what}: this Pipeline failed in an earlier step")
 
     def _record(self, kind: str):
         if not isinstance(kind, str):
