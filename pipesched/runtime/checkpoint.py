@@ -31,7 +31,8 @@ from .state import first_mismatch, parameter_names, pipe_read_plan, read_plan, s
 from .checkpoint_read import (SAVING, as_path, copy_in, empty_for, extra_of, firsts, hidden, optimizer_keys,
                               read_checkpoint, read_locally, shape_of, staging_for)
 from .vote import Verdict, check_optimizers, check_same, vote
-from .checkpoint_write import check_save, commit, failures_named, lost_peer_named, named_failure, state_to_save
+from .checkpoint_write import (check_save, commit, extra_summary, failures_named, lost_peer_named, named_failure,
+                               state_to_save)
 
 
 
@@ -41,8 +42,8 @@ class CheckpointInfo:
 
     Attributes:
         step: the ``step`` given to :func:`save_checkpoint` (an int, or ``None``).
-        extra: the ``extra`` given to it on world rank 0, as JSON gives it back (tuples come back as lists), with
-            its tensors (top-level values of a dict) as CPU tensors.
+        extra: the ``extra`` given to it (the same on every rank), as JSON gives it back (tuples come back as
+            lists), with its tensors (top-level values of a dict) as CPU tensors.
         rng_restored: whether this rank's random generators were set to those saved by the same world rank (only
             when the checkpoint was saved with the same pipeline ranks and ``dp_size``).
     """
@@ -71,13 +72,16 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
             ``None`` on a rank whose stages hold no parameters while the others pass theirs.
         step: ``None`` or an int >= 0, returned by :func:`load_checkpoint` (and ordering :func:`latest_checkpoint`).
         extra: ``None``, a JSON-serialisable value (dict, list, str, int, float, bool, None), or a dict whose
-            top-level values may also be tensors (saved with DCP); taken from world rank 0.
+            top-level values may also be tensors (saved with DCP); the same on every rank (compared in the vote:
+            JSON with sorted keys, tensors by dtype, shape and a digest of their bytes), since the checkpoint keeps
+            one and :func:`load_checkpoint` gives it to every rank.
     Returns:
         ``path`` as an absolute path.
     Raises:
         TypeError, ValueError: a bad argument (names it, its value and what is valid; ``pipe`` not a Pipeline
             included), ranks that give different
-            ``path`` or ``step`` (names both ranks and values), or different Pipelines (rank-dependent code saving
+            ``path``, ``step`` or ``extra`` (names both ranks and values; a long ``extra`` cut, with a digest), or
+            different Pipelines (rank-dependent code saving
             ``pipe_a`` on one rank and ``pipe_b`` on another: names both ranks and each one's Pipeline, which says
             which of the job's Pipelines it is), an optimizer on some ranks and ``None`` on a rank
             that holds parameters (names both ranks), or an optimizer holding another rank's parameters. Every
@@ -105,7 +109,7 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
         step = None if step is None else as_int(step)  # a numpy integer: a plain int in the vote and the metadata
         state = named_failure(lambda: state_to_save(pipe, optimizer, step, extra, rank), "save_checkpoint", rank,
                                "collecting its state to save")  # before the vote: its error is every rank's
-        verdict = Verdict(ok={"path": target, "step": step, "pipeline": _which(pipe),
+        verdict = Verdict(ok={"path": target, "step": step, "pipeline": _which(pipe), "extra": extra_summary(extra),
                               **_optimizer_given(pipe, optimizer)})
     except Exception as exc:  # noqa: BLE001 - every rank must learn it
         verdict = Verdict(error=exc)
@@ -113,6 +117,7 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
         oks = vote("save_checkpoint", "arguments", verdict, _timeout_of(pipe))
         for field in ("path", "step", "pipeline"):
             check_same(oks, field, "save_checkpoint")
+        _check_same_extra(oks)
         check_optimizers(oks, "save_checkpoint")
     except Exception:
         if rank == 0 and target is not None:  # refused: remove the temporary directory rank 0 made
@@ -296,6 +301,18 @@ def _which(pipe) -> str:
     checkpoint mixing two models' layers."""
     return (f"Pipeline #{pipe._construction} of the job ({pipe.program.schedule}, {sum(pipe.balance)} layers, "
             f"{len(pipe.state_spec)} tensors)")
+
+
+def _check_same_extra(oks: list) -> None:
+    """Refuse ranks that passed different ``extra`` (compared by
+    :func:`~pipesched.runtime.checkpoint_write.extra_summary`): the checkpoint holds one ``extra`` and
+    :func:`load_checkpoint` gives it to every rank, so keeping one rank's would silently hand the others a value they
+    never passed (e.g. a metric only the last stage's rank computed, ``None`` on rank 0, or a replica's own loss)."""
+    try:
+        check_same(oks, "extra", "save_checkpoint")
+    except ValueError as exc:
+        raise ValueError(f"{exc} (the checkpoint keeps one extra, which load_checkpoint gives every rank: make values "
+                         f"that differ between ranks equal first, e.g. all-reduce them, or leave them out)") from None
 
 
 def _optimizer_given(pipe, optimizer) -> dict:

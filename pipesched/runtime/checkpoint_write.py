@@ -4,6 +4,7 @@ side is :mod:`~pipesched.runtime.checkpoint_read`)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..checks import as_int
 from . import rng_state
 from .collective import peer_loss_as_comm_error
+from .comm import as_bytes
 from .failure import describe
 from .optim_state import check_owned, flat_state
 from .torch_errors import peer_closed_connection
@@ -103,6 +105,31 @@ def split_extra(extra) -> tuple[str, dict]:
     except (TypeError, ValueError) as exc:
         raise TypeError(f"extra must be JSON-serialisable (dict, list, str, int, float, bool, None), or a dict whose "
                         f"top-level values may also be tensors; got {extra!r} ({exc})") from None
+
+
+EXTRA_SHOWN = 120  # characters of extra's JSON text a save's vote (and its error) shows in full
+
+
+def extra_summary(extra) -> str:
+    """What a save's vote compares every rank's ``extra`` by (a checked ``extra``: :func:`split_extra` passed): its
+    JSON text with sorted keys (over :data:`EXTRA_SHOWN` characters: cut, with its length and a digest, so that two
+    texts cut alike still differ), then each tensor's name, dtype, shape and a digest of its bytes."""
+    text, tensors = split_extra(extra)
+    text = json.dumps(json.loads(text), sort_keys=True)  # the round trip makes nested keys str (sortable)
+    if len(text) > EXTRA_SHOWN:
+        text = f"{text[:EXTRA_SHOWN - 20]}... ({len(text)} characters, digest {_digest(text.encode())})"
+    parts = [text]
+    for name, t in sorted(tensors.items()):
+        try:
+            digest = _digest(as_bytes(t).cpu().numpy().tobytes())
+        except Exception:  # noqa: BLE001 - a layout without plain bytes (sparse): compared by dtype and shape only
+            digest = str(t.layout)
+        parts.append(f"tensor {name!r}: {str(t.dtype).removeprefix('torch.')} {list(t.shape)}, digest {digest}")
+    return "; ".join(parts)
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
 def named_failure(run, caller: str, rank: int, doing: str):

@@ -81,7 +81,8 @@ class Pipeline(PipelineCollectives, PipelineMeasured):
             if they have neither). Pass it for a rank whose stages hold no tensors but run on a GPU. It must be the
             CPU or an available CUDA device holding all of this rank's stage tensors, else a ``ValueError`` naming
             both devices (:func:`~pipesched.runtime.devices.checked_device`); ``x`` and ``target`` are moved there.
-        timeout: seconds any rank waits for a message or collective before failing the step.
+        timeout: seconds any rank waits for a message or collective before failing the step; the same on every
+            rank (compared at construction, as the device type is: ``cpu`` or ``cuda``, whose backend the groups use).
         early_receives: ``None`` (default): as the backend allows (:func:`pipesched.api.passes_for`): on gloo,
             once a step's message shapes are known, receives are posted up to 16 instructions early
             (:func:`pipesched.lower.post_receives_early`); on NCCL every message stays at its program
@@ -172,9 +173,11 @@ class Pipeline(PipelineCollectives, PipelineMeasured):
                    memory_limit=memory_limit_field(memory_limit, self._plan is not None or
                                                    self.program.schedule == "zb-auto", self.program.num_ranks,
                                                    self.program.num_microbatches),
+                   device=self.device.type,  # the groups' backend (gloo or NCCL) follows it; its index may differ
                    **describe(self.program, self.balance, len(layers), self.grid.world_size,
                               self.programs.early_receives),
-                   autocast=str(self.autocast), model=model_shapes(self.state_spec)), self.timeout)
+                   autocast=str(self.autocast), model=model_shapes(self.state_spec),
+                   timeout=self.timeout), self.timeout)  # one timeout: the lost-rank roll call assumes it
         grid = self.grid
         self._tie_groups, ties = start_ties(layers, self.ties, self.program, grid, self.timeout, self.device)
         try:
