@@ -99,4 +99,4 @@ def local_setup(model, schedule, num_microbatches, loss_fn, virtual_stages, bala
         torch.cuda.set_device(device)  # NCCL and all_gather_object use the current device
     warn_if_unlaunched()  # plain `python train.py`: one rank, nothing split (SingleProcessWarning)
     return LocalSetup(layers, state_spec(layers), grid, plan, programs.train, programs, costs, balance, ties,
-                      first_layers, stages, device, checked_on(shared, grid.pp_rank))
+                      first_layers, stages, device, checked_on(shared, grid.pp_rank, num_microbatches))

@@ -4,9 +4,9 @@ model, e.g. a ``BatchNorm`` reused at layers 1 and 4 cut onto two ranks. Tied *p
 (and ``eval()`` outputs, and what a checkpoint holds) would silently differ from the unsplit model's, which applies
 every use's update to the one buffer. So a module known to update its buffers in training (a norm layer tracking
 running statistics) used by two stages is refused at construction (on one rank too: its stages would update it in
-another order), and any other buffer shared across ranks is checked around each ``step()`` and ``forward()``: a
-buffer that changed on a rank ends the job with an error naming it (a peer whose step had ended learns it at its
-next call). Buffers that never change (a
+another order), and any other buffer shared across ranks, or by stages of one rank when a step has several
+microbatches (the same order problem), is checked around each ``step()`` and ``forward()``: a buffer that changed
+on a rank ends the job with an error naming it (a peer whose step had ended learns it at its next call). Buffers that never change (a
 rotary or positional table shared by many layers) cost one ``clone`` per step each and are otherwise free.
 
 Sharing is memory, not identity: buffers that are views of one storage (``register_buffer("t", other.table[:])``,
@@ -49,14 +49,16 @@ class SharedBuffer(NamedTuple):
         return [owner._buffers[key] for owner, key in self.members or ((self.owner, self.key),)]
 
 
-def shared_buffers(layers: Sequence[nn.Module], balance: Sequence[int], stage_to_rank) -> list[SharedBuffer]:
+def shared_buffers(layers: Sequence[nn.Module], balance: Sequence[int], stage_to_rank,
+                   names=None) -> list[SharedBuffer]:
     """Every buffer that two stages or more use, in the order of its first use (the ranks may be one: ``zbv`` holds
     stages 0 and ``2p - 1`` on rank 0). A buffer is one memory, not one tensor object: buffers that are views of one
     storage with overlapping bytes (``register_buffer("t", other.table[:])``) are one shared buffer, named by all
     their names. Raises ``ValueError`` (:func:`_refuse_aliased`) where such memory is also a parameter's, another
-    tensor's too, and its uses span ranks (before any communication: every rank builds the same model)."""
+    tensor's too, and its uses span ranks (before any communication: every rank builds the same model). ``names``:
+    each layer's key in the model (:func:`~pipesched.runtime.stage.layer_names`; ``None``: its index)."""
     shared = []
-    for group in storage_groups(layers, balance):
+    for group in storage_groups(layers, balance, names):
         if any(kind == "parameter" for *_, kind in group):
             _refuse_aliased(group, stage_to_rank)
             continue
@@ -96,7 +98,7 @@ def _refuse_aliased(group, stage_to_rank) -> None:
                      f"(balance=)")
 
 
-def storage_groups(layers: Sequence[nn.Module], balance: Sequence[int]) -> list[list]:
+def storage_groups(layers: Sequence[nn.Module], balance: Sequence[int], names=None) -> list[list]:
     """Every use of a parameter or buffer, grouped by memory: ``[(name, stage, owner, key, kind), ...]`` per group
     (``kind`` ``"parameter"`` or ``"buffer"``), uses in model order, groups in the order of their first use. One
     tensor's uses are one group; tensors over one storage whose byte ranges overlap join a group (a tensor without
@@ -109,7 +111,8 @@ def storage_groups(layers: Sequence[nn.Module], balance: Sequence[int]) -> list[
             for kind, slots in (("parameter", owner._parameters), ("buffer", owner._buffers)):
                 for key, tensor in slots.items():
                     if tensor is not None:
-                        name = ".".join(p for p in (str(index), path, key) if p)
+                        layer = str(index) if names is None else names[index]
+                        name = ".".join(p for p in (layer, path, key) if p)
                         uses.setdefault(id(tensor), []).append((next(number), name, stage, owner, key, kind))
                         if id(tensor) not in spans:
                             spans[id(tensor)] = byte_span(tensor)
@@ -165,10 +168,15 @@ def byte_span(tensor) -> tuple | None:
         return None
 
 
-def checked_on(shared: Sequence[SharedBuffer], pp_rank: int) -> list[SharedBuffer]:
+def checked_on(shared: Sequence[SharedBuffer], pp_rank: int, num_microbatches: int) -> list[SharedBuffer]:
     """The buffers of ``shared`` that :func:`check_unchanged` watches on pipeline rank ``pp_rank``: those used on
-    two ranks or more, this one among them (on one rank the stages share one copy)."""
-    return [b for b in shared if len(b.ranks) > 1 and pp_rank in b.ranks]
+    two ranks or more, this one among them; and, when a step has several microbatches, those whose stages are all
+    on this rank: the stages share one copy, but the rank runs one stage's microbatches before the next stage's
+    (``zbv``'s stages 0 and ``2p - 1``, interleaved stages ``r`` and ``r + p``), so a buffer their forwards change
+    and read (an exponential moving average) would see its updates in another order than the unsplit model's. Even
+    a buffer whose order does not matter (a counter only ever incremented) is refused when it changes: which
+    buffers those are cannot be told from outside."""
+    return [b for b in shared if pp_rank in b.ranks and (len(b.ranks) > 1 or num_microbatches > 1)]
 
 
 def refuse_running_stats(shared: Sequence[SharedBuffer]) -> None:
@@ -212,9 +220,12 @@ def check_unchanged(shared: Sequence[SharedBuffer], before: Sequence) -> None:
     """
     for buffer, values in zip(shared, before):
         if len(buffer.tensors()) != len(values) or not all(map(_same, buffer.tensors(), values)):
-            raise RuntimeError(f"{describe(buffer)}, and this rank's forward changed it: the other ranks' copies "
-                               f"did not change alike (buffers are not summed like tied parameters), so its values "
-                               f"would differ from the unsplit model's; put its uses on one rank (balance=), or give "
+            why = ("the other ranks' copies did not change alike (buffers are not summed like tied parameters)"
+                   if len(buffer.ranks) > 1 else "its stages ran their microbatches' uses in another order than "
+                   "the unsplit model (this rank runs one stage's microbatches before the next stage's)")
+            where = "on one rank" if len(buffer.ranks) > 1 else "in one stage"
+            raise RuntimeError(f"{describe(buffer)}, and this rank's forward changed it: {why}, so its values "
+                               f"would differ from the unsplit model's; put its uses {where} (balance=), or give "
                                f"each use its own buffer")
 
 

@@ -17,8 +17,11 @@ def layers_of(model) -> list[nn.Module]:
 
     Raises:
         TypeError: ``model`` is not an ``nn.Sequential`` or a list/tuple of ``nn.Module`` (names the bad item).
+        ValueError: the container itself does something the split would skip: an ``nn.Sequential`` subclass with a
+            ``forward`` of its own, or hooks registered on the container (:func:`refuse_container_behaviour`).
     """
     if isinstance(model, nn.Sequential):
+        refuse_container_behaviour(model)
         return list(model)
     if isinstance(model, (list, tuple, nn.ModuleList)):
         for i, layer in enumerate(model):
@@ -26,6 +29,33 @@ def layers_of(model) -> list[nn.Module]:
                 raise TypeError(f"model[{i}] must be an nn.Module, got {type(layer).__name__}")
         return list(model)
     raise TypeError(f"model must be an nn.Sequential or a list of nn.Module, got {type(model).__name__}")
+
+
+_CONTAINER_HOOKS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
+                    ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"))
+
+
+def refuse_container_behaviour(model: nn.Sequential) -> None:
+    """Refuse an ``nn.Sequential`` whose container adds to running its layers in order: the stages are new
+    ``nn.Sequential`` objects holding the layers (its children), so a ``forward`` of a subclass (``x * 2`` before the
+    layers) or a hook on the container itself would silently not run, and the loss and gradients would differ from
+    the unsplit model's. Hooks on the layers run as in the unsplit model.
+
+    Raises:
+        ValueError: names the class or the hooks and what to do instead.
+    """
+    kind = type(model)
+    if kind.forward is not nn.Sequential.forward:
+        raise ValueError(f"model is a {kind.__qualname__}, an nn.Sequential subclass with a forward() of its own: a "
+                         f"Pipeline runs the model's layers (its children) in order, one stage after another, so "
+                         f"what {kind.__qualname__}.forward adds would silently not run; move that code into a layer "
+                         f"(an nn.Module among its children), or pass nn.Sequential(*model) if it adds nothing")
+    hooks = [f"{len(getattr(model, attr))} {what}{'s' if len(getattr(model, attr)) > 1 else ''}"
+             for attr, what in _CONTAINER_HOOKS if getattr(model, attr, None)]
+    if hooks:
+        raise ValueError(f"model has {' and '.join(hooks)} registered on the nn.Sequential itself: a Pipeline runs "
+                         f"its layers in new stage containers, so these would silently not run; register them on a "
+                         f"layer instead (a forward pre-hook on model[0], a forward or backward hook on model[-1])")
 
 
 def resolve_balance(layers: Sequence[nn.Module], num_stages: int, balance=None, profile=None,
