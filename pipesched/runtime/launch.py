@@ -53,7 +53,8 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
     - ``None`` (default): ``"spawn"`` (a fresh interpreter that imports ``fn`` by module and name) when a
       spawned child can run ``fn``; else ``"fork"`` (a copy of this process, which needs no import). A
       spawned child cannot run ``fn`` when it is defined in ``__main__`` of a notebook, ``python -c`` or a
-      script read from stdin (nothing to import it from), when it is a lambda or defined inside a function,
+      script read from stdin (nothing to import it from), when this process's script was read from stdin at all
+      (multiprocessing would re-run a file named ``<stdin>``), when it is a lambda or defined inside a function,
       or when ``launch`` is called from the top level of a script outside an ``if __name__ == "__main__":``
       block (a spawned child re-runs the script's top level, which would launch again).
     - ``"fork"`` is refused (``ValueError``) where it is unsafe: CUDA is initialized in this process (a

@@ -56,6 +56,10 @@ def spawn_obstacle(fn) -> str | None:
     if "__main__" in modules and script is None:
         return (f"fn {name} is defined in __main__ of a notebook, python -c or a script read from stdin, which "
                 f"a spawned child cannot import; define fn in a module (a .py file) and import it")
+    named = getattr(main, "__file__", None) if getattr(main, "__spec__", None) is None else None
+    if named and script is None:  # multiprocessing's spawn re-runs __main__ from that path, which is no file
+        return (f"this process's main script was read from {named!r} (stdin), which a spawned child would try to "
+                f"re-run as a file; run it from a .py file")
     line = _unguarded_call_line(main, script)
     if line is not None:
         return (f"launch is called at line {line} of {script} outside an `if __name__ == \"__main__\":` block, and "
