@@ -14,7 +14,7 @@ from .comm import backend_for, make_grid, warn_if_unlaunched, world_and_rank
 from .devices import checked_device
 from .measured_costs import plan_for, safe_program
 from .recompute import refuse_forward_hooks
-from .stage import build_stages, layer_starts, layers_of, resolve_balance
+from .stage import build_stages, layer_names, layer_starts, layers_of, resolve_balance
 from .state import state_spec
 from .shared_buffers import checked_on, refuse_running_stats, shared_buffers
 from .ties import find_ties, program_ties
@@ -38,6 +38,8 @@ class LocalSetup:
         stages: ``{stage: nn.Sequential}`` of this rank. device: where they run.
         shared_buffers: the buffers stages on two ranks or more use that this rank holds a use of
             (:mod:`~pipesched.runtime.shared_buffers`: checked unchanged around each step).
+        layer_names: each layer's key in the model (:func:`~pipesched.runtime.stage.layer_names`), on every rank:
+            the first part of its tensors' names (state_dict, checkpoints, ties).
     """
 
     layers: list
@@ -53,6 +55,7 @@ class LocalSetup:
     stages: dict
     device: torch.device
     shared_buffers: list
+    layer_names: tuple = ()
 
 
 def local_setup(model, schedule, num_microbatches, loss_fn, virtual_stages, balance, dp_size, recompute,
@@ -72,7 +75,7 @@ def local_setup(model, schedule, num_microbatches, loss_fn, virtual_stages, bala
                          f"the store and the process groups take no longer), got {timeout!r}")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    layers = layers_of(model)
+    layers, names = layers_of(model), tuple(layer_names(model))
     world, rank = world_and_rank()
     dp_size = dp_size_for(schedule, dp_size)  # a Program's own dp_size (pipesched.user_programs)
     grid = make_grid(rank, world, dp_size)
@@ -83,8 +86,8 @@ def local_setup(model, schedule, num_microbatches, loss_fn, virtual_stages, bala
         schedule, grid.pp_size, num_microbatches, virtual_stages, dp_size, recompute, split_backward, costs=costs,
         memory_limit=memory_limit)
     balance = resolve_balance(layers, program.num_stages, balance, profile, program.stage_to_rank)
-    ties = find_ties(layers, balance, program.stage_to_rank)  # parameters used by 2+ stages
-    shared = shared_buffers(layers, balance, program.stage_to_rank)  # buffers: nothing sums them
+    ties = find_ties(layers, balance, program.stage_to_rank, names)  # parameters used by 2+ stages
+    shared = shared_buffers(layers, balance, program.stage_to_rank, names)  # buffers: nothing sums them
     refuse_running_stats(shared)  # a norm layer's running statistics in two stages: refused now
     # a TIE_REDUCE per rank of a tie that spans ranks; a user's program with ties: checked against the model's
     program = program_with_ties(program, program_ties(ties))
@@ -98,5 +101,5 @@ def local_setup(model, schedule, num_microbatches, loss_fn, virtual_stages, bala
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL and all_gather_object use the current device
     warn_if_unlaunched()  # plain `python train.py`: one rank, nothing split (SingleProcessWarning)
-    return LocalSetup(layers, state_spec(layers), grid, plan, programs.train, programs, costs, balance, ties,
-                      first_layers, stages, device, checked_on(shared, grid.pp_rank, num_microbatches))
+    return LocalSetup(layers, state_spec(layers, names), grid, plan, programs.train, programs, costs, balance, ties,
+                      first_layers, stages, device, checked_on(shared, grid.pp_rank, num_microbatches), names)

@@ -123,6 +123,9 @@ class Pipeline(PipelineCollectives, PipelineMeasured):
             stage). Each rank holding a use keeps its copy; a tie across ranks gets a ``TIE_REDUCE`` that sums the
             copies' gradients after the step's last backward of its stages (:mod:`pipesched.ties`), so the copies
             stay identical under any optimizer.
+        layer_names: each layer's key in the model, in order, on every rank (``("0", "1", ...)`` for a plain
+            ``nn.Sequential`` or a list; ``("embed", "block0", ...)`` for one built from an ``OrderedDict``): layer
+            ``i``'s tensors are named ``f"{layer_names[i]}.<name>"``, as the unsplit model's ``state_dict()``.
     Raises:
         TypeError, ValueError (incl. ``ScheduleArgumentError``), UnknownScheduleError: a bad argument,
             before any communication; the message names the argument, its value and what is valid.
@@ -159,7 +162,7 @@ class Pipeline(PipelineCollectives, PipelineMeasured):
             layers, self._plan, self.loss_fn, self.timeout = setup.layers, setup.plan, loss_fn, float(timeout)
             self._shared_buffers = setup.shared_buffers  # checked unchanged around each step (shared_buffers.py)
             for name in ("state_spec", "grid", "program", "programs", "costs", "balance", "ties", "first_layers",
-                         "stages", "device"):
+                         "stages", "device", "layer_names"):
                 setattr(self, name, getattr(setup, name))
             self.autocast = checked_autocast(autocast, self.device)  # ValueError naming autocast and valid values
         except Exception as exc:
@@ -179,7 +182,8 @@ class Pipeline(PipelineCollectives, PipelineMeasured):
                    autocast=str(self.autocast), model=model_shapes(self.state_spec),
                    timeout=self.timeout), self.timeout)  # one timeout: the lost-rank roll call assumes it
         grid = self.grid
-        self._tie_groups, ties = start_ties(layers, self.ties, self.program, grid, self.timeout, self.device)
+        self._tie_groups, ties = start_ties(layers, self.ties, self.program, grid, self.timeout, self.device,
+                                            self.layer_names)
         try:
             self._pp_group, self._dp_group = make_groups(grid, self.timeout, self.device)
         except Exception as exc:  # file its connected entry all the same: the ranks' rounds stay in step
@@ -254,10 +258,11 @@ class Pipeline(PipelineCollectives, PipelineMeasured):
         owning stage is on another rank, so that every parameter of the unsplit model is owned by exactly one
         pipeline rank (of each replica). What a global norm or a parameter count sums over."""
         return counted_parameters(self.stages, self.first_layers, self.ties, self.program.stage_to_rank,
-                                  self.pp_rank)
+                                  self.pp_rank, self.layer_names)
 
     def state_dict(self) -> dict:
-        """Every parameter and buffer of this rank under the unsplit model's names (``"3.attn.weight"``), detached,
+        """Every parameter and buffer of this rank under the unsplit model's names (its own keys: ``"3.attn.weight"``,
+        ``"embed.weight"`` for a layer keyed ``"embed"``: :attr:`layer_names`), detached,
         sharing storage, a tied copy under the tie's first name; independent of ranks, balance and schedule
         (:func:`~pipesched.runtime.state.saved_state`); ``load_state_dict(state_dict())`` round-trips."""
         return rank_state_dict(self)

@@ -31,6 +31,21 @@ def layers_of(model) -> list[nn.Module]:
     raise TypeError(f"model must be an nn.Sequential or a list of nn.Module, got {type(model).__name__}")
 
 
+def layer_names(model) -> list[str]:
+    """The name of each layer of ``model`` (in :func:`layers_of`'s order) in the unsplit model's ``state_dict()``:
+    its key in an ``nn.Sequential`` (``"0"``, ``"1"``, ... or, built from an ``OrderedDict``, ``"embed"``), its
+    index for a list, tuple or ``nn.ModuleList``. Layer ``i``'s tensors are named ``f"{names[i]}.<name>"``; a key
+    never holds a dot (``nn.Module`` refuses one), so a tensor's name up to its first dot is its layer's.
+
+    Raises:
+        TypeError: as :func:`layers_of`.
+    """
+    layers = layers_of(model)
+    if isinstance(model, nn.Sequential):
+        return list(model._modules)
+    return [str(i) for i in range(len(layers))]
+
+
 _CONTAINER_HOOKS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
                     ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"))
 

@@ -1,8 +1,11 @@
 """A rank's parameters and buffers under the unsplit model's names (FQNs), so state is independent of the split.
 
-The unsplit ``nn.Sequential`` names layer ``i``'s tensors ``"i.<name>"`` (``"3.attn.weight"``). A rank holds some
-layers; :func:`rank_view` registers each under its index in the model, so the view's ``state_dict()`` and
-``named_parameters()`` give those same names whatever the number of ranks, virtual stages, balance or schedule.
+The unsplit ``nn.Sequential`` names a layer's tensors ``"<its key>.<name>"``: the model's own keys
+(:func:`~pipesched.runtime.stage.layer_names`), ``"3.attn.weight"`` for a plain ``nn.Sequential(*layers)`` (a list
+of modules: the index), ``"embed.weight"`` for one built from an ``OrderedDict`` with an ``"embed"`` layer. A rank
+holds some layers; :func:`rank_view` registers each under its key in the model, so the view's ``state_dict()`` and
+``named_parameters()`` give those same names whatever the number of ranks, virtual stages, balance or schedule
+(``Pipeline.layer_names`` holds every layer's key, on every rank).
 :func:`saved_state` is the one place that decides which tensors a rank saves (a tied parameter once, by the rank
 that owns the tie); :func:`read_plan` says which stored entry fills each tensor on load.
 """
@@ -24,29 +27,37 @@ class IncompatibleKeys(NamedTuple):
     unexpected_keys: list[str]
 
 
-def state_spec(layers) -> dict[str, tuple[int, ...]]:
+def state_spec(layers, names=None) -> dict[str, tuple[int, ...]]:
     """Every name of the unsplit model's ``state_dict()`` (parameters and persistent buffers) -> its shape, in model
-    order; kept by a Pipeline on every rank so that any rank can tell a name or shape of another model."""
+    order; kept by a Pipeline on every rank so that any rank can tell a name or shape of another model. ``names``:
+    each layer's key in the model (:func:`~pipesched.runtime.stage.layer_names`; ``None``: its index)."""
+    names = _keys(layers, names)
     spec: dict[str, tuple[int, ...]] = {}
     for index, layer in enumerate(layers):
         for name, tensor in layer.state_dict(keep_vars=True).items():
-            spec[f"{index}.{name}"] = tuple(tensor.shape)
+            spec[f"{names[index]}.{name}"] = tuple(tensor.shape)
     return spec
 
 
-def rank_view(stages: dict[int, nn.Module], first_layers) -> nn.Module:
-    """An ``nn.Module`` holding this rank's layers, each registered under its index in the model (shared, not
+def _keys(layers, names) -> list[str]:
+    return [str(i) for i in range(len(layers))] if names is None else list(names)
+
+
+def rank_view(stages: dict[int, nn.Module], first_layers, names=None) -> nn.Module:
+    """An ``nn.Module`` holding this rank's layers, each registered under its key in the model (shared, not
     copied): its ``state_dict()`` and ``named_parameters()`` use the unsplit model's names.
 
     Args:
         stages: ``{stage: nn.Sequential of its layers}`` of this rank (``Pipeline.stages``).
         first_layers: per stage the index of its first layer in the model, then the layer count
             (``Pipeline.first_layers``).
+        names: every layer's key in the model (``Pipeline.layer_names``); ``None``: its index.
     """
     view = nn.Module()
     for stage in sorted(stages):
         for offset, layer in enumerate(stages[stage]):
-            view.add_module(str(first_layers[stage] + offset), layer)
+            index = first_layers[stage] + offset
+            view.add_module(str(index) if names is None else names[index], layer)
     return view
 
 
@@ -93,7 +104,7 @@ def pipe_aliases(pipe) -> dict[str, str]:
     (:func:`tie_aliases`) and one this rank's layers share among themselves (:func:`shared_aliases`; the tie of a
     1-rank Pipeline), as every rank count stores it. A buffer several layers share is stored under each of its
     names, as on ranks that hold one use each (buffers are no ties)."""
-    view = rank_view(pipe.stages, pipe.first_layers)
+    view = rank_view(pipe.stages, pipe.first_layers, pipe.layer_names)
     parameters = {name for name, _ in view.named_parameters(remove_duplicate=False)}
     shared = {name: first for name, first in shared_aliases(view).items() if name in parameters}
     return {**shared, **tie_aliases(pipe)}
@@ -116,13 +127,13 @@ def parameter_names(pipe) -> dict[int, str]:
     """``id(parameter) -> the name its state is stored under`` for this rank's parameters (a parameter used twice:
     its first name in model order; a tied copy: the tie's stored name, so every rank holding it writes and reads one
     entry, which DCP writes once)."""
-    view = rank_view(pipe.stages, pipe.first_layers)
+    view = rank_view(pipe.stages, pipe.first_layers, pipe.layer_names)
     aliases = tie_aliases(pipe)
     return {id(p): aliases.get(name, name) for name, p in view.named_parameters()}
 
 
 def _view_state(pipe) -> dict[str, torch.Tensor]:
-    return dict(rank_view(pipe.stages, pipe.first_layers).state_dict())
+    return dict(rank_view(pipe.stages, pipe.first_layers, pipe.layer_names).state_dict())
 
 
 def first_mismatch(found: dict[str, tuple[int, ...] | None], local: dict[str, torch.Tensor],
@@ -173,15 +184,17 @@ def rank_state_dict(pipe) -> dict[str, torch.Tensor]:
 
 def needed_by(pipe) -> dict[str, str]:
     """Stored name -> why this rank needs it, for a load's error message: ``"pipeline rank 3 needs for its stage 3
-    (layer 5's '5.weight', a tied copy stored under its first name)"``."""
+    (layer 5's '5.weight', a tied copy stored under its first name)"``; a layer keyed ``"head"`` in the model:
+    ``layer 5's 'head.weight'``)."""
     aliases = pipe_aliases(pipe)
     stage_of = {pipe.first_layers[s] + i: s for s in pipe.stages for i in range(len(pipe.stages[s]))}
+    index_of = {key: i for i, key in enumerate(pipe.layer_names)}
     out: dict[str, str] = {}
     for name in _view_state(pipe):
         stored = aliases.get(name, name)
         if stored in out:
             continue
-        layer = int(name.partition(".")[0])
+        layer = index_of[name.partition(".")[0]]
         copy = ", a tied copy stored under its first name" if stored != name else ""
         out[stored] = (f"pipeline rank {pipe.pp_rank} needs for its stage {stage_of.get(layer)} (layer {layer}'s "
                        f"'{name}'{copy})")

@@ -31,8 +31,8 @@ class TiedParameter(NamedTuple):
     """One parameter used by two or more stages.
 
     Attributes:
-        names: its names in the unsplit model (fully qualified: layer index + name), one per use, in model
-            order, e.g. ``("0.weight", "5.weight")``.
+        names: its names in the unsplit model (fully qualified: the layer's key in the model + name), one per
+            use, in model order, e.g. ``("0.weight", "5.weight")``, ``("embed.weight", "head.weight")``.
         stages: the stages using it, sorted.
         ranks: the pipeline ranks holding those stages, sorted.
         owner: the stage that owns it (the first): a global norm or a checkpoint counts it on that stage's rank.
@@ -49,11 +49,13 @@ class TiedParameter(NamedTuple):
         return len(self.ranks) > 1
 
 
-def find_ties(layers: Sequence[nn.Module], balance: Sequence[int], stage_to_rank) -> tuple[TiedParameter, ...]:
+def find_ties(layers: Sequence[nn.Module], balance: Sequence[int], stage_to_rank,
+              names=None) -> tuple[TiedParameter, ...]:
     """Every parameter used by two stages or more, in the order of its first use.
 
     Args:
         layers: the model's layers, in order. balance: layers per stage. stage_to_rank: pipeline rank per stage.
+        names: each layer's key in the model (:func:`~pipesched.runtime.stage.layer_names`); ``None``: its index.
     Sharing is identity: a frozen parameter (``requires_grad=False``) is a tie too, since it may be unfrozen later
     (its copies must then be summed, and they must be identical now); buffers are not ties (nothing sums them).
     Another tensor over a parameter's memory (a view or slice that is not the same ``Parameter``, a buffer over a
@@ -62,7 +64,8 @@ def find_ties(layers: Sequence[nn.Module], balance: Sequence[int], stage_to_rank
     uses: dict[int, list[tuple[str, int]]] = {}  # id(parameter) -> [(name, stage)] in model order
     for stage, index in stage_of_each_layer(balance):
         for name, tensor in layers[index].named_parameters(remove_duplicate=False):
-            uses.setdefault(id(tensor), []).append((f"{index}.{name}", stage))
+            key = str(index) if names is None else names[index]
+            uses.setdefault(id(tensor), []).append((f"{key}.{name}", stage))
     ties = []
     for found in uses.values():
         stages = tuple(sorted({stage for _, stage in found}))
@@ -78,27 +81,30 @@ def program_ties(ties: Sequence[TiedParameter]) -> tuple[tuple[int, ...], ...]:
     return tuple(dict.fromkeys(t.stages for t in ties if t.cross_rank))
 
 
-def parameter_of(layers: Sequence[nn.Module], name: str) -> nn.Parameter:
-    """The parameter called ``name`` (``"5.weight"``) in the unsplit model made of ``layers``."""
-    index, _, rest = name.partition(".")
-    return layers[int(index)].get_parameter(rest)
+def parameter_of(layers: Sequence[nn.Module], name: str, names=None) -> nn.Parameter:
+    """The parameter called ``name`` (``"5.weight"``, ``"embed.weight"``) in the unsplit model made of ``layers``,
+    whose keys are ``names`` (``None``: the indices); a key holds no dot, so ``name`` up to its first is the layer's."""
+    key, _, rest = name.partition(".")
+    return layers[int(key) if names is None else list(names).index(key)].get_parameter(rest)
 
 
-def tied_params(layers, ties: Sequence[TiedParameter], groups: Sequence[tuple[int, ...]], pp_rank: int) -> dict:
+def tied_params(layers, ties: Sequence[TiedParameter], groups: Sequence[tuple[int, ...]], pp_rank: int,
+                names=None) -> dict:
     """{number of a program tie group this rank holds: [this rank's copies of its parameters]}."""
     out: dict[int, list] = {}
     for k, stages in enumerate(groups):
-        mine = [parameter_of(layers, t.names[0]) for t in ties if t.stages == stages and pp_rank in t.ranks]
+        mine = [parameter_of(layers, t.names[0], names) for t in ties if t.stages == stages and pp_rank in t.ranks]
         if mine:
             out[k] = mine
     return out
 
 
-def counted_parameters(stages: dict, first_layers, ties: Sequence[TiedParameter], stage_to_rank, pp_rank: int):
+def counted_parameters(stages: dict, first_layers, ties: Sequence[TiedParameter], stage_to_rank, pp_rank: int,
+                       names=None):
     """This rank's parameters that a global norm or a checkpoint counts once over the pipeline: every parameter of
     its ``stages`` ({stage: nn.Sequential of its layers}, the first being layer ``first_layers[stage]`` of the
-    model), each once, except tied copies whose owning stage is on another rank."""
-    view = rank_view(stages, first_layers)  # this rank's layers under the unsplit model's names
+    model, whose layers' keys are ``names``), each once, except tied copies whose owning stage is on another rank."""
+    view = rank_view(stages, first_layers, names)  # this rank's layers under the unsplit model's names
     local = {name for name, _ in view.named_parameters(remove_duplicate=False)}
     elsewhere = {id(view.get_parameter(name)) for t in ties if stage_to_rank[t.owner] != pp_rank
                  for name in t.names if name in local}
@@ -117,7 +123,7 @@ def digest(tensor: torch.Tensor) -> str:
     return hashlib.blake2b(head + data, digest_size=16).hexdigest()
 
 
-def check_copies(layers, ties: Sequence[TiedParameter], grid) -> None:
+def check_copies(layers, ties: Sequence[TiedParameter], grid, names=None) -> None:
     """Collective over the default group (every world rank): each rank's copy of each cross-rank tied parameter it
     holds must equal the other copies of its replica bit for bit (replicas may differ: every replica then gets
     replica 0's, :mod:`~pipesched.runtime.replica_init`). Every rank reaches the same verdict.
@@ -129,7 +135,8 @@ def check_copies(layers, ties: Sequence[TiedParameter], grid) -> None:
     ties = [t for t in ties if t.cross_rank]
     if not ties or grid.world_size == 1:
         return
-    mine = {k: digest(parameter_of(layers, t.names[0])) for k, t in enumerate(ties) if grid.pp_rank in t.ranks}
+    mine = {k: digest(parameter_of(layers, t.names[0], names)) for k, t in enumerate(ties)
+            if grid.pp_rank in t.ranks}
     every: list = [None] * grid.world_size
     dist.all_gather_object(every, mine)
     for k, tie in enumerate(ties):
@@ -170,13 +177,15 @@ def with_ties(program, ties: Sequence[TiedParameter]):
     return validate(add_tie_reduce(program, groups)) if groups else program
 
 
-def start_ties(layers, ties: Sequence[TiedParameter], program, grid, timeout: float, device):
+def start_ties(layers, ties: Sequence[TiedParameter], program, grid, timeout: float, device, names=None):
     """At construction, collective over the world: check the copies agree (:func:`check_copies`), then make the
     tie groups (:func:`make_tie_groups`). Returns ``({tie number: group} for this rank's ties, the TieReducer of
-    this rank or None when it holds no cross-rank tie)``. Raises as :func:`check_copies`."""
-    check_copies(layers, ties, grid)
+    this rank or None when it holds no cross-rank tie)``. Raises as :func:`check_copies`. ``names``: each layer's
+    key in the model (``Pipeline.layer_names``; ``None``: its index)."""
+    check_copies(layers, ties, grid, names)
     groups = make_tie_groups(program.ties, program.stage_to_rank, grid, timeout, backend_for(device))
     if not groups:
         return groups, None
     keeps = {k for k in groups if grid.pp_rank == tie_ranks(program, k)[0]}  # TieReducer.begin
-    return groups, TieReducer(tied_params(layers, ties, program.ties, grid.pp_rank), groups, grid.dp_size, keeps)
+    return groups, TieReducer(tied_params(layers, ties, program.ties, grid.pp_rank, names), groups, grid.dp_size,
+                              keeps)
