@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from pipesched.runtime import launch
-from pipesched.runtime.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_resilient.py"
@@ -27,9 +26,9 @@ def _reference(rank, argv):
 
 
 def _torchrun(tmp_path, *argv, timeout=300):
-    port = free_port()
+    # port 0: the agent binds its store to a port the OS picks (as --standalone does), never one "free a moment ago"
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-               "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
                "--rdzv-id", "resilient", "--local-addr", "127.0.0.1", "--monitor-interval", "0.1", str(SCRIPT), *argv]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -60,8 +59,8 @@ def test_each_restart_attempt_gets_its_own_key_space_on_the_agents_store(monkeyp
 
     from pipesched.runtime.elastic import attempt_store
 
-    port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=datetime.timedelta(seconds=5))
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=5))
+    port = server.port
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
