@@ -166,3 +166,14 @@ def test_the_entry_points_leave_the_collector_running():
     program = pipesched.compile_program("interleaved-1f1b", 4, 8, 2)  # build, add_send_recv, validate
     pipesched.simulate(program)
     assert gc.isenabled()
+
+
+def test_no_two_test_modules_share_a_basename():
+    # pytest's default import mode imports each test file by its basename (tests/ has no packages): a second
+    # test_x.py in another folder stops the whole suite's collection ("import file mismatch"); helper modules
+    # (rt_*.py) are imported by basename too. conftest.py is pytest's own, one per folder
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path.name != "conftest.py":
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
