@@ -87,7 +87,7 @@ class CostModel:
         self._unwrap_0d_arrays()
         for name in _PER_STAGE + _SCALAR_SECONDS:
             if getattr(self, name) is None and name not in _OPTIONAL:
-                raise CostError(name, f"cost {name} must be a finite number >= 0 (seconds or bytes), got None (only "
+                raise CostError(name, f"cost {name} must be a finite number >= 0 ({_unit(name)}), got None (only "
                                       f"{', '.join(_OPTIONAL)} may be None: they have defaults)")
         for name in _PER_STAGE:
             value = getattr(self, name)
@@ -243,7 +243,13 @@ def _check_finite(name: str, value) -> None:
     if value is None:
         return
     if not is_real(value) or not math.isfinite(value) or value < 0:
-        raise CostError(name, f"cost {name} must be a finite number >= 0 (seconds or bytes), got {value!r}")
+        raise CostError(name, f"cost {name} must be a finite number >= 0 ({_unit(name)}), got {value!r}")
+
+
+def _unit(name: str) -> str:
+    """The unit of cost field ``name``: ``bytes`` for the sizes (``*_bytes``), else ``seconds`` (times, latency,
+    send_overhead; bandwidth, bytes/s, has its own message)."""
+    return "bytes" if name.endswith("_bytes") else "seconds"
 
 
 def _fmt(value) -> str:

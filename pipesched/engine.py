@@ -173,7 +173,7 @@ class Run:
         if self.mismatch is not None:
             raise _mismatch(plan, *self.mismatch)
         if self.heads != first[1:]:
-            raise _deadlock(plan.program, [h - f for h, f in zip(self.heads, first)])
+            raise _deadlock(plan, [h - f for h, f in zip(self.heads, first)])
         if self.unmatched:
             raise _unmatched(plan, self.unmatched[0])
         return self
@@ -269,8 +269,10 @@ def proven_run(program: Program) -> Run | None:
     return done if done is not None and done.plan.program is program else None
 
 
-def _deadlock(program: Program, heads: list[int]) -> DeadlockError:
+def _deadlock(plan: Plan, heads: list[int]) -> DeadlockError:
+    program = plan.program
     blocked = {r: h for r, h in enumerate(heads) if h < len(program.ranks[r])}
+    awaited = _awaited(plan, [plan.first[r] + h for r, h in blocked.items()])
     lines = []
     for rank, pos in blocked.items():
         instr = program.ranks[rank][pos]
@@ -280,10 +282,32 @@ def _deadlock(program: Program, heads: list[int]) -> DeadlockError:
             lines.append(f"  rank {rank} blocked at {instr} (step {pos}): rank {instr.peer} has not posted "
                          f"the receive; it is blocked at {peer_at}")
         else:
-            lines.append(f"  rank {rank} blocked at {instr} (step {pos}): waiting for data from another rank")
+            waits = awaited.get(plan.first[rank] + pos, _SOME_DATA)
+            lines.append(f"  rank {rank} blocked at {instr} (step {pos}): {waits}")
     first = next(iter(blocked))
     reason = "deadlock: no rank can make progress and work remains\n" + "\n".join(lines)
     return DeadlockError(reason, first, program.ranks[first][blocked[first]], render_grid(program.ranks, blocked))
+
+
+_SOME_DATA = "waiting for data from another rank"  # where no instruction hands the awaited item (not expected)
+
+
+def _awaited(plan: Plan, blocked: list[int]) -> dict[int, str]:
+    """Per blocked compute instruction (flat numbers; others are skipped), what it waits for: the instruction of
+    another rank that hands it the data (the compute that makes it; in a lowered program the SEND that carries
+    it) and that rank, ``"waiting for B1.0 on rank 1"``. One pass over the program (an error path only)."""
+    needs: dict[int, list[int]] = {}
+    for g in blocked:
+        t = plan.rule[g]
+        if plan.kind[t] == COMPUTE and plan.wait[t] >= 0:
+            needs.setdefault(plan.wait[t] + plan.mb[g], []).append(g)
+    said: dict[int, str] = {}
+    for h, t in enumerate(plan.rule) if needs else ():
+        give = plan.give[t]
+        if give >= 0 and plan.kind[t] != RECV and (waiting := needs.pop(give + plan.mb[h], None)):
+            text = f"waiting for {plan.instrs[h]} on rank {_at(plan, h)[0]}"
+            said.update((g, text) for g in waiting)
+    return said
 
 
 def _at(plan: Plan, g: int) -> tuple[int, int]:

@@ -274,7 +274,8 @@ class LayerProfile:
 def _check_value(name: str, value):
     """``value`` as a plain int or float: any real number but a bool (numpy's too: ``np.float32``), finite, >= 0."""
     if not is_real(value) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"LayerProfile.{name} must be a finite number >= 0 (seconds or bytes), got {value!r}")
+        unit = "bytes" if "bytes" in name else "seconds"  # the sizes' names say bytes; the rest are times
+        raise ValueError(f"LayerProfile.{name} must be a finite number >= 0 ({unit}), got {value!r}")
     return plain_number(value)
 
 

@@ -94,10 +94,10 @@ def test_deadlock_is_the_validators_error():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"forward": float("inf")}, "cost forward must be a finite number >= 0 (seconds or bytes), got inf"),
+    ({"forward": float("inf")}, "cost forward must be a finite number >= 0 (seconds), got inf"),
     ({"forward": "1"}, "cost forward must be a number or a sequence of numbers (one per stage), got '1'"),
-    ({"backward": [1, -2]}, "cost backward must be a finite number >= 0 (seconds or bytes), got -2"),
-    ({"latency": -1}, "cost latency must be a finite number >= 0 (seconds or bytes), got -1"),
+    ({"backward": [1, -2]}, "cost backward must be a finite number >= 0 (seconds), got -2"),
+    ({"latency": -1}, "cost latency must be a finite number >= 0 (seconds), got -1"),
     ({"bandwidth": 0}, "cost bandwidth must be a number of bytes/s > 0 (inf: free transfers), got 0"),
 ])
 def test_bad_costs_are_refused_at_construction(kwargs, message):

@@ -24,8 +24,8 @@ NCCL_ORDER = ("rank 0, RECV_B0.0<1: ranks 0 and 1 post their messages to each ot
 #: 1f1b p=2 m=4 with receives posted 16 instructions early: valid, but its shape-learning step hangs (both backends)
 LEARNING = ("rank 0, B0.0: while learning the message shapes (each RECV_F waits for its SEND_F's header; the grid is "
             "the learning view, each such F moved up to its RECV_F): deadlock: no rank can make progress and work "
-            "remains\n  rank 0 blocked at B0.0 (step 8): waiting for data from another rank\n  rank 1 blocked at F1.2 "
-            "(step 5): waiting for data from another rank\n")
+            "remains\n  rank 0 blocked at B0.0 (step 8): waiting for SEND_B1.0>0 on rank 1\n  rank 1 blocked at F1.2 "
+            "(step 5): waiting for SEND_F0.2>1 on rank 0\n")
 
 
 def run(capsys, *argv):

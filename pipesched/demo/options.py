@@ -225,8 +225,10 @@ def _fit_model_to_stages(parser: argparse.ArgumentParser, args: argparse.Namespa
         args.depth = max(4, stages)
     layers = args.depth + 3  # embedding, the blocks, final norm, head
     if layers < stages:
-        parser.error(f"--depth {args.depth} gives the model {layers} layers (embedding, {args.depth} blocks, final "
-                     f"norm, head) but {ranks} ranks x {args.virtual_stages} virtual stages = {stages} stages need "
+        blocks, rank_s = "block" if args.depth == 1 else "blocks", "rank" if ranks == 1 else "ranks"
+        virtual = "virtual stage" if args.virtual_stages == 1 else "virtual stages"
+        parser.error(f"--depth {args.depth} gives the model {layers} layers (embedding, {args.depth} {blocks}, final "
+                     f"norm, head) but {ranks} {rank_s} x {args.virtual_stages} {virtual} = {stages} stages need "
                      f"at least {stages}: use --depth {stages - 3} or more (or leave --depth out), or fewer "
                      f"--ranks or --virtual-stages")
     if isinstance(args.balance, list) and min(args.balance) < 1:

@@ -14,6 +14,7 @@ from .accounting import SavedBytes, tensor_bytes
 from .grad_sum import finish_sum, start_sum
 from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, describe_change, grad_specs, meta_of, tag_of, unsendable
 from .microbatch import as_tuple, stage_output
+from .received import loss_input_text, stage_input_text
 from .recompute import check_no_forward_hooks, keep_nothing, replay_rng, rng_state, scratch_buffers
 from .settings import SETTINGS
 from .split import SplitPlans, backward_input, backward_weight
@@ -69,6 +70,8 @@ class Executor:
             self.loss_post[key] = loss_post_position(stream, program.stage_to_rank[-1], early)
         self.ran = None  # the program of the last step run
         self.current = None  # the instruction running now (for error reports)
+        #: (instr, text): what the stage whose forward (or loss_fn) raised received, for the error; set only then
+        self.failed_input = None
         self.clock = clock_for(work.device)
         self.events: list = []  # [instr, start mark, end mark] per instruction run, see pipesched.runtime.clock
         self.sent: dict = {}  # {SEND instr: bytes its messages put on the wire} of the last step
@@ -172,7 +175,11 @@ class Executor:
         module, arg = self.stages[s], (inputs if is_tuple else inputs[0])
         if not st.io.train:
             with torch.no_grad(), self.autocast():
-                out = module(arg)
+                try:
+                    out = module(arg)
+                except Exception:
+                    self.failed_input = (instr, self._input_text(s, mb, inputs, is_tuple))
+                    raise
             if s == self.last:
                 st.outputs[mb] = out
             else:
@@ -182,7 +189,11 @@ class Executor:
         if redo:  # what R must replay: the RNG, the buffers; and the input's versions, to check them
             st.rng[(s, mb)] = (rng_state(self.device), [t._version for t in inputs], st.buffers.snapshot(module))
         with (keep_nothing() if redo else self.counter.track()), self.autocast():
-            out = call_stage(module, arg, s)
+            try:
+                out = call_stage(module, arg, s)
+            except Exception:
+                self.failed_input = (instr, self._input_text(s, mb, inputs, is_tuple))
+                raise
             loss = self._loss(out, mb) if s == self.last else None
         saved = self.counter.take()
         st.inputs[(s, mb)] = (inputs, is_tuple)
@@ -195,10 +206,18 @@ class Executor:
             st.roots[(s, mb)] = roots
         self._hold((s, mb), tensor_bytes(inputs) if redo else saved)
 
+    def _input_text(self, s, mb, inputs, is_tuple):
+        """What stage ``s`` received for microbatch ``mb`` (:func:`~pipesched.runtime.received.stage_input_text`)."""
+        return stage_input_text(s, mb, inputs, is_tuple, None if s == 0 else self.program.stage_to_rank[s - 1])
+
     def _loss(self, out, mb):
         io = self.step.io
         target = io.targets[mb] if io.targets is not None else None
-        value = self.loss_fn(out) if target is None else self.loss_fn(out, target)
+        try:
+            value = self.loss_fn(out) if target is None else self.loss_fn(out, target)
+        except Exception:
+            self.failed_input = (self.current, loss_input_text(out, target))
+            raise
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"loss_fn must return a scalar tensor (one element: shape (), (1,), ...), got {shape}")

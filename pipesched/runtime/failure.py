@@ -51,6 +51,8 @@ class FailureRecord:
         where: what the rank was running, in words, where no instruction names it (``"while running
             run_collective's collective"``, ``"in its launch fn, outside any Pipeline call"``); ``None``: while
             preparing or finishing a step.
+        received: what the stage of a failed forward received, or what its ``loss_fn`` got, in words (said after
+            the cause); ``None``: not a forward's failure.
     """
 
     rank: int | None
@@ -65,19 +67,21 @@ class FailureRecord:
     lost: bool = False
     ended: str | None = None
     where: str | None = None
+    received: str | None = None
 
     @classmethod
     def local(cls, rank: int, instr, exc: BaseException, pp_rank: int | None = None,
-              where: str | None = None) -> FailureRecord:
+              where: str | None = None, received: str | None = None) -> FailureRecord:
         """The record of a failure of this rank: ``exc`` raised while running ``instr`` (or outside any: ``None``;
-        ``where`` then says what ran, ``None``: while preparing or finishing a step)."""
+        ``where`` then says what ran, ``None``: while preparing or finishing a step). ``received``: what the
+        failed forward's stage (or ``loss_fn``) received, said after the cause (``None``: nothing said)."""
         return cls(
             rank=rank, pp_rank=pp_rank, id=f"{rank}:{time.time_ns()}", where=None if instr is not None else where,
             instr=None if instr is None else str(instr),
             op=None if instr is None else instr.op.value,
             stage=None if instr is None else instr.stage,
             microbatch=None if instr is None else instr.microbatch,
-            cause=describe(exc),
+            cause=describe(exc), received=received,
             traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
         )
 
@@ -123,6 +127,9 @@ class PipelineError(RuntimeError):
             message then says what ran, ``record.where``, e.g. ``while running run_collective's collective``).
         op, stage, microbatch: the instruction's kind (``"F"``, ``"B"``, ...), stage and microbatch, or ``None``.
         cause: ``"ExceptionType: message"`` of the original exception.
+        received: for a forward (``F``) that raised, what its stage received (``"its input (from stage 0 on
+            pipeline rank 0): tensor (3, 16) float16"``), or what ``loss_fn`` got; said after the cause. ``None``
+            otherwise.
         detail: the original traceback text (on every rank).
     """
 
@@ -131,7 +138,7 @@ class PipelineError(RuntimeError):
         self.rank, self.pp_rank = record.rank, record.pp_rank
         self.instr = record.instr
         self.op, self.stage, self.microbatch = record.op, record.stage, record.microbatch
-        self.cause = record.cause
+        self.cause, self.received = record.cause, record.received
         self.detail = record.traceback
         self.seen_by, self.note = seen_by, note
         super().__init__(self._message())
@@ -149,6 +156,8 @@ class PipelineError(RuntimeError):
                 where = "outside any instruction (while preparing or finishing the step)"
             who = f"world rank {self.rank}" + (f" (pipeline rank {self.pp_rank})" if self.pp_rank is not None else "")
             text = f"pipeline rank failure: {who} failed {where}: {self.cause}"
+            if self.received:
+                text += f"; {self.received}"
         if self.seen_by is not None and self.seen_by != self.rank:
             text += f" [reported to world rank {self.seen_by}{': ' + self.note if self.note else ''}]"
         return text

@@ -33,7 +33,9 @@ def fail(pipe, exc: BaseException, where: str | None = None) -> PipelineError:
                                            away_s=getattr(pipe, "_away_s", 0.0), timeout=pipe.timeout), me)
     origin = record is None
     if origin:
-        record = FailureRecord.local(me, instr, exc, grid.pp_rank, where=where)
+        failed = pipe._executor.failed_input  # (instr, text) where a forward or loss_fn raised (executor._f)
+        received = failed[1] if failed is not None and instr is not None and failed[0] is instr else None
+        record = FailureRecord.local(me, instr, exc, grid.pp_rank, where=where, received=received)
         if isinstance(exc, CommError) and not exc.connection_lost:  # timed out: name who did not (stalled.py)
             members = set(grid.pipeline_ranks(grid.dp_rank)) | set(grid.dp_ranks(grid.pp_rank))
             note = stall_note(silent_members(pipe._failures, me, members), grid.pp_size, pipe.timeout)

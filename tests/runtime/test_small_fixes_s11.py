@@ -207,7 +207,7 @@ def test_a_second_pipeline_after_gloo_creation_failed_on_one_rank_trains_on_ever
 
 def test_peaks_after_a_failed_step_raise_as_timeline_does(results):
     failed = ("pipeline rank failure: world rank 1 (pipeline rank 1) failed at instruction F1.0 (kind F, stage 1, "
-              f"microbatch 0): {BOOM}")
+              f"microbatch 0): {BOOM}; its input (from stage 0 on pipeline rank 0): tensor (2, 8) float32")
     for rank, r in enumerate(results):
         good = r["peaks"]["good"]
         assert isinstance(good[0], int) and good[0] > 0 and good[1] is None  # CPU: no device peak
