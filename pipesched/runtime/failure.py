@@ -53,6 +53,9 @@ class FailureRecord:
             preparing or finishing a step.
         received: what the stage of a failed forward received, or what its ``loss_fn`` got, in words (said after
             the cause); ``None``: not a forward's failure.
+        stalled: for a wait that timed out, the world ranks that did not answer the roll call
+            (:mod:`~pipesched.runtime.stalled`): alive but not at this point of the step, the stall among them;
+            also named in ``cause``. Empty otherwise.
     """
 
     rank: int | None
@@ -68,6 +71,7 @@ class FailureRecord:
     ended: str | None = None
     where: str | None = None
     received: str | None = None
+    stalled: tuple = ()
 
     @classmethod
     def local(cls, rank: int, instr, exc: BaseException, pp_rank: int | None = None,
@@ -127,6 +131,9 @@ class PipelineError(RuntimeError):
             message then says what ran, ``record.where``, e.g. ``while running run_collective's collective``).
         op, stage, microbatch: the instruction's kind (``"F"``, ``"B"``, ...), stage and microbatch, or ``None``.
         cause: ``"ExceptionType: message"`` of the original exception.
+        stalled: the world ranks a timed-out wait found alive but not there (did not answer the roll call: the
+            stall is among them), as a tuple; ``()`` for any other failure. ``rank`` is then the rank whose wait
+            timed out first.
         received: for a forward (``F``) that raised, what its stage received (``"its input (from stage 0 on
             pipeline rank 0): tensor (3, 16) float16"``), or what ``loss_fn`` got; said after the cause. ``None``
             otherwise.
@@ -139,6 +146,7 @@ class PipelineError(RuntimeError):
         self.instr = record.instr
         self.op, self.stage, self.microbatch = record.op, record.stage, record.microbatch
         self.cause, self.received = record.cause, record.received
+        self.stalled = tuple(record.stalled)
         self.detail = record.traceback
         self.seen_by, self.note = seen_by, note
         super().__init__(self._message())

@@ -38,8 +38,9 @@ def fail(pipe, exc: BaseException, where: str | None = None) -> PipelineError:
         record = FailureRecord.local(me, instr, exc, grid.pp_rank, where=where, received=received)
         if isinstance(exc, CommError) and not exc.connection_lost:  # timed out: name who did not (stalled.py)
             members = set(grid.pipeline_ranks(grid.dp_rank)) | set(grid.dp_ranks(grid.pp_rank))
-            note = stall_note(silent_members(pipe._failures, me, members), grid.pp_size, pipe.timeout)
-            record = dataclasses.replace(record, cause=record.cause + note) if note else record
+            silent = silent_members(pipe._failures, me, members)
+            note = stall_note(silent, grid.pp_size, pipe.timeout)
+            record = dataclasses.replace(record, cause=record.cause + note, stalled=tuple(silent)) if note else record
     if not record.lost:
         pipe._failures.publish(record)  # the origin's record, or passed on to this rank's other group (DP)
     pipe._failures.seen(record)

@@ -27,4 +27,4 @@ def pause_between_steps(rank: int, stalled: int, pause_s: float) -> dict:
         pipe.step(x, y)
         return {"type": None}
     except PipelineError as exc:
-        return {"type": "PipelineError", "rank": exc.rank, "message": str(exc)}
+        return {"type": "PipelineError", "rank": exc.rank, "message": str(exc), "stalled": exc.stalled}

@@ -22,6 +22,7 @@ def test_two_ranks_name_the_one_that_stalled(stalled):
     for got in reports:  # the waiter's own timeout, with the note; the stalled rank reads the same record later
         assert got["type"] == "PipelineError", got
         assert got["rank"] == waiter, got
+        assert got["stalled"] == (stalled,), got  # the stall, by world rank, for code that acts on it
         assert _note(stalled, stalled) in got["message"], got
         assert f"world rank {waiter} (pipeline rank {waiter}) did not" not in got["message"], got
 
@@ -31,5 +32,6 @@ def test_three_ranks_name_only_the_stalled_one():
     for got in reports:
         assert got["type"] == "PipelineError", got
         assert _note(2, 2) in got["message"], got
+        assert got["stalled"] == (2,), got
         assert "world rank 0 (pipeline rank 0) did not" not in got["message"], got
         assert "world rank 1 (pipeline rank 1) did not" not in got["message"], got
