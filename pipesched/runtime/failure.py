@@ -94,7 +94,9 @@ class FailureRecord:
 
     @classmethod
     def from_json(cls, text: str) -> FailureRecord:
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        fields["stalled"] = tuple(fields.get("stalled", ()))  # JSON gives a list: the record's own type back
+        return cls(**fields)
 
 
 def describe(exc: BaseException) -> str:
