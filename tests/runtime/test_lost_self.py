@@ -49,7 +49,7 @@ class _LoggingStore(MemoryStore):
 def _pipe(world_rank, world_size, store):
     """What ``pipeline_failure.fail`` reads of a Pipeline: a grid, a failure channel, no process groups."""
     executor = types.SimpleNamespace(current=None, step=None, transport=types.SimpleNamespace(group=None),
-                                     dp_group=None)
+                                     dp_group=None, failed_input=None)
     return types.SimpleNamespace(grid=make_grid(world_rank, world_size, 1), _executor=executor,
                                  _failures=FailureChannel(store, ["pp0"]), _pp_group=None, _dp_group=None,
                                  _tie_groups={}, _handshake=types.SimpleNamespace(dp_group=None), _departure=None,
