@@ -31,6 +31,7 @@ from .state import first_mismatch, parameter_names, pipe_read_plan, read_plan, s
 from .checkpoint_read import (SAVING, as_path, copy_in, empty_for, extra_of, firsts, hidden, optimizer_keys,
                               read_checkpoint, read_locally, shape_of, staging_for)
 from .vote import Verdict, check_optimizers, check_same, vote
+from .checkpoint_group import checkpoint_group
 from .checkpoint_write import (check_save, commit, extra_summary, failures_named, lost_peer_named, named_failure,
                                state_to_save)
 
@@ -98,8 +99,10 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
             ``path`` is untouched. A rank that dies outside DCP's collectives makes the votes time out after
             ``pipe.timeout``.
         PipelineError: a rank's process ended inside DCP's collectives (killed while writing): named as lost, as in
-            a step (``... was lost: its process ended ...``); ``pipe`` is unusable afterwards. Also from
-            :func:`load_checkpoint`.
+            a step (``... was lost: its process ended ...``); or it stalled there: the others' wait times out after
+            ``pipe.timeout`` (DCP runs on the Pipeline's group with that timeout,
+            :mod:`~pipesched.runtime.checkpoint_group`) and names it, as a step's timeout does (``... did not time
+            out within 1 s of this rank ...``); ``pipe`` is unusable afterwards. Also from :func:`load_checkpoint`.
     """
     rank = dist.get_rank()
     target = None
@@ -125,8 +128,9 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
         raise
     target = oks[0]["path"]
     temp = hidden(target, SAVING)
-    with failures_named(target, "writing"), lost_peer_named(pipe, target, "writing"):  # a lost rank: named
-        dcp.save(state, checkpoint_id=temp)
+    group = checkpoint_group(pipe)  # after the vote, on every rank alike: DCP waits at most pipe.timeout on it
+    with failures_named(target, "writing"), lost_peer_named(pipe, target, "writing"):  # lost or stalled: named
+        dcp.save(state, checkpoint_id=temp, process_group=group)
     vote("save_checkpoint", "written", Verdict(ok=True), pipe.timeout)  # every rank has finished writing
     error = None
     if rank == 0:
@@ -197,8 +201,9 @@ def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
     problems = [ok["problem"] for ok in oks if ok["problem"]]
     if problems:
         raise ValueError(min(problems)[1])  # the same on every rank: missing names by model position, then the rest
+    group = checkpoint_group(pipe)  # after the votes, on every rank alike: DCP waits at most pipe.timeout on it
     with failures_named(target, "reading"), lost_peer_named(pipe, target, "reading"):
-        dcp.load(staging, checkpoint_id=target)  # collective; raises on every rank if any rank fails to read
+        dcp.load(staging, checkpoint_id=target, process_group=group)  # collective; raises on every rank if one fails
     rng = staging.get("rng", {}).get(str(dist.get_rank()), {})
 
     def restore():

@@ -14,11 +14,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..checks import as_int
 from . import rng_state
-from .collective import peer_loss_as_comm_error
 from .comm import as_bytes
-from .failure import describe
+from .failure import CommError, describe
 from .optim_state import check_owned, flat_state
-from .torch_errors import peer_closed_connection
+from .torch_errors import peer_closed_connection, wait_timed_out
 from .state import parameter_names, saved_state
 from .checkpoint_read import FORMAT, REPLACED, SAVING, as_path, hidden, read_checkpoint
 
@@ -148,18 +147,23 @@ def lost_peer_named(pipe, target: str, doing: str):
     ``RuntimeError``, "Connection reset by peer", naming no rank) ends this rank as a step or
     :meth:`~pipesched.runtime.Pipeline.run_collective` does (:mod:`~pipesched.runtime.collective`): a
     ``PipelineError`` naming the lost rank, or the failure record of the rank that failed first; ``pipe`` is
-    unusable afterwards. Any other exception passes as it is."""
+    unusable afterwards. A wait that timed out (DCP's group has ``pipe.timeout``:
+    :mod:`~pipesched.runtime.checkpoint_group`) ends as a step's does: the roll call of every world rank names the
+    ranks that did not time out with this one (a rank stalled inside DCP's write or read). Any other exception
+    passes as it is."""
     try:
         yield
     except RuntimeError as exc:
-        if not peer_closed_connection(exc):
+        if not (peer_closed_connection(exc) or wait_timed_out(exc)):
             raise
         caught = exc  # the except clause's name is unbound when it ends; the closure keeps its own
+        what = f"DCP's collectives while {doing} {target!r}"
 
-        def again():
-            raise caught
-        pipe._guarded(lambda: peer_loss_as_comm_error(again, f"DCP's collectives while {doing} {target!r}"),
-                      where=f"while {doing} checkpoint {target!r} (DCP's collectives)")
+        def again():  # as peer_loss_as_comm_error, for a timeout too
+            error = CommError(what, caught)
+            error.members = range(pipe.grid.world_size)  # DCP's group: every world rank answers the roll call
+            raise error from None
+        pipe._guarded(again, where=f"while {doing} checkpoint {target!r} (DCP's collectives)")
         raise AssertionError("_guarded returned from a failing call")  # unreachable: it raises a PipelineError
 
 

@@ -38,6 +38,7 @@ def fail(pipe, exc: BaseException, where: str | None = None) -> PipelineError:
         record = FailureRecord.local(me, instr, exc, grid.pp_rank, where=where, received=received)
         if isinstance(exc, CommError) and not exc.connection_lost:  # timed out: name who did not (stalled.py)
             members = set(grid.pipeline_ranks(grid.dp_rank)) | set(grid.dp_ranks(grid.pp_rank))
+            members |= set(getattr(exc, "members", ()))  # a wait on a wider group (DCP's: every world rank)
             silent = silent_members(pipe._failures, me, members)
             note = stall_note(silent, grid.pp_size, pipe.timeout)
             record = dataclasses.replace(record, cause=record.cause + note, stalled=tuple(silent)) if note else record
@@ -60,12 +61,13 @@ def teardown(pipe) -> None:
     pipe._executor.transport.group = None
     pipe._executor.dp_group = None
     pipe._handshake.dp_group = None  # no reference may keep a destroyed group's connections open
-    for group in (pipe._pp_group, pipe._dp_group, *pipe._tie_groups.values()):
+    checkpoint = getattr(pipe, "_checkpoint_group", None)  # DCP's (checkpoint_group.py), once a save or load made it
+    for group in (pipe._pp_group, pipe._dp_group, *pipe._tie_groups.values(), checkpoint):
         if group is not None:
             try:
                 dist.destroy_process_group(group)
             except Exception:  # noqa: BLE001 - best effort while failing
                 pass
-    pipe._pp_group = pipe._dp_group = None
+    pipe._pp_group = pipe._dp_group = pipe._checkpoint_group = None
     pipe._tie_groups = {}
     gc.collect()

@@ -25,6 +25,12 @@ def peer_closed_connection(exc: BaseException) -> bool:
     return any(phrase in text for phrase in _PEER_GONE)
 
 
+def wait_timed_out(exc: BaseException) -> bool:
+    """Whether a failed gloo point-to-point or collective call timed out (its group's ``timeout``: "Timed out
+    waiting 3000ms for recv operation to complete"), the peer's connection still open: a stalled peer."""
+    return isinstance(exc, RuntimeError) and "timed out waiting" in str(exc).lower()
+
+
 def inplace_on_leaf(exc: BaseException) -> bool:
     """Whether autograd refused an in-place operation on a leaf tensor that requires grad (a stage's input is
     such a leaf, so a first layer like ``nn.ReLU(inplace=True)`` raises this although it works unsplit)."""
