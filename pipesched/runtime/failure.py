@@ -47,7 +47,9 @@ class FailureRecord:
             this one (:func:`~pipesched.runtime.lost_rank.lost_record`).
         ended: ``rank`` left on purpose while others could still wait on it: ``"closed"`` (``pipe.close()``) or
             ``"exited"`` (its process or launch ``fn`` ended without closing the Pipeline), published by that rank
-            before its connections closed (:mod:`pipesched.runtime.departure`); else ``None``.
+            before its connections closed (:mod:`pipesched.runtime.departure`); ``"returned"``: its launch ``fn``
+            returned while a peer was in the fns' own collective with it (built by that peer,
+            :func:`~pipesched.runtime.launch_child.told`); else ``None``.
         where: what the rank was running, in words, where no instruction names it (``"while running
             run_collective's collective"``, ``"in its launch fn, outside any Pipeline call"``); ``None``: while
             preparing or finishing a step.

@@ -30,8 +30,9 @@ def run_child(rank, world_size, store_at, threads, fn, args, results, grace, rel
         # the key space env:// rendezvous gives the default group (init_process_group wraps its store the same way)
         dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", tcp), rank=rank, world_size=world_size)
         store = dist.distributed_c10d._get_default_store()  # held: a hosting rank 0 keeps the store up after teardown
-        value = fn(rank, *args)
-        results.put(("ok", rank, pickle.dumps(value), ""))
+        value = pickle.dumps(fn(rank, *args))
+        mark_returned(store, rank)  # before its connections close: a peer left in a collective with it names it
+        results.put(("ok", rank, value, ""))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         text = traceback.format_exc()
         exc = told(exc, rank, store)  # before this rank's connections close (finally)
@@ -112,7 +113,9 @@ def told(exc: BaseException, rank: int, store) -> BaseException:
     """What this rank reports for ``exc``, its ``fn``'s exception outside any Pipeline call: its own failure is
     published for the others (:func:`~pipesched.runtime.failure.publish_job_failure`: a peer's Pipeline, or a peer
     waiting in a store round, names it); a collective error or timeout that followed another rank's published
-    failure is reported as a ``PipelineError`` naming that rank. A ``PipelineError`` is reported as it is."""
+    failure is reported as a ``PipelineError`` naming that rank; gloo's "Connection closed by peer" after peers' ``fn``
+    returned (:func:`mark_returned`) as a ``PipelineError`` naming them (``record.ended == "returned"``), not as this
+    rank's own failure. A ``PipelineError`` is reported as it is."""
     from .failure import PipelineError, describe, job_failure, publish_job_failure
     from .torch_errors import peer_closed_connection
 
@@ -124,8 +127,51 @@ def told(exc: BaseException, rank: int, store) -> BaseException:
     waited = peer_closed_connection(exc) or isinstance(exc, (TimeoutError, getattr(dist, "DistError", TimeoutError)))
     if earlier is not None and earlier.rank != rank and waited:
         return PipelineError(earlier, rank, f"its launch fn then raised {describe(exc)}")
+    gloo_closed = (isinstance(exc, RuntimeError) and peer_closed_connection(exc)  # gloo's, not an OSError's
+                   and not isinstance(exc, (dist.DistNetworkError, dist.DistStoreError)))  # nor the store's
+    gone = returned_peers(store, rank) if earlier is None and gloo_closed else []
+    if gone:  # a peer's fn returned (closing its connections) while this rank was in a collective with it
+        return PipelineError(_returned_record(gone, rank), rank, f"its launch fn then raised {type(exc).__name__}")
     publish_job_failure(store, rank, exc)
     return exc
+
+
+_RETURNED = "pipesched/job/returned/{rank}"
+
+
+def mark_returned(store, rank: int) -> None:
+    """Say (one store key, best effort) that world rank ``rank``'s ``fn`` returned: set before its connections
+    close, so that a peer whose own collective fails on that closed connection names it (:func:`told`)."""
+    try:
+        store.set(_RETURNED.format(rank=rank), "1")
+    except Exception:  # noqa: BLE001 - a store that does not answer: the peer reports its own error
+        pass
+
+
+def returned_peers(store, rank: int) -> list[int]:
+    """The world ranks other than ``rank`` whose ``fn`` has returned (:func:`mark_returned`), ascending; ``[]`` if
+    none or the store does not answer."""
+    import torch.distributed as dist
+
+    try:
+        world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+        return [r for r in range(world_size) if r != rank and store.check([_RETURNED.format(rank=r)])]
+    except Exception:  # noqa: BLE001 - as above
+        return []
+
+
+def _returned_record(gone: list[int], rank: int):
+    """The ``ended="returned"`` record naming the peers in ``gone`` to ``rank``, which was in a collective with them."""
+    import time
+
+    from .failure import FailureRecord
+
+    who = f"world rank {gone[0]}" if len(gone) == 1 else "world ranks " + ", ".join(map(str, gone))
+    its, them = ("its", "it") if len(gone) == 1 else ("their", "them")
+    cause = (f"{who}'s launch fn returned while world rank {rank} was still in a collective with {them} (a collective "
+             f"the launch fns call themselves, outside any Pipeline call): every rank's fn must make the same "
+             f"collective calls before it returns; {its} connections closed as {its} fn ended")
+    return FailureRecord(rank=gone[0], ended="returned", id=f"returned:{gone[0]}:{time.time_ns()}", cause=cause)
 
 
 def close_groups(dist) -> None:

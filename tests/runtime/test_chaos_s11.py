@@ -2,7 +2,9 @@
 (SIGSTOP, as a swapped-out or debugger-held process) at a point where the others must still end within the Pipeline's
 ``timeout`` and name it (README, Failure: "a rank that stalls makes the others fail after ``timeout`` seconds").
 A third case: one rank's fn RETURNS while another waits in the
-fn's own collective (dist.barrier). All three are known violations, kept as strict xfails until fixed. 2 forked gloo ranks; the stalled child is
+fn's own collective (dist.barrier). The first is fixed (DCP's collectives run on a group with the Pipeline's
+timeout); so are the other two (the waiting rank names the rank whose groups count is behind; a returned fn marks
+so in the store for a peer left in its collective). 2 forked gloo ranks; the stalled child is
 killed by launch when it stops the job. No timing assertion: a launch ``timeout`` far above the Pipeline's (3 s)
 only bounds a run that would otherwise wait out torch's 30-minute default."""
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipesched.runtime import Pipeline, launch, save_checkpoint
+from pipesched.runtime import Pipeline, PipelineError, launch, save_checkpoint
 
 pytestmark = pytest.mark.multiprocess
 
@@ -55,25 +57,36 @@ def stall_before_groups(rank: int, origin: int) -> str:
     return "constructed"
 
 
-@pytest.mark.xfail(strict=True, reason="a rank stalled inside DCP's write (dcp.save in checkpoint.save_checkpoint) "
-                   "blocks the others in DCP's collectives on the default group, whose timeout is torch's 30-minute "
-                   "default under launch, not pipe.timeout: every rank waits until launch's own timeout")
 def test_a_rank_stalled_inside_the_checkpoint_write_is_named_within_the_pipeline_timeout(tmp_path):
-    with pytest.raises(Exception) as info:
+    # DCP's collectives run on the Pipeline's checkpoint group (timeout=pipe.timeout, checkpoint_group.py): rank 0's
+    # wait for the stalled rank 1 times out, and the roll call over every world rank names rank 1
+    with pytest.raises(PipelineError) as info:
         launch(stall_in_dcp_write, 2, str(tmp_path), 1, timeout=LAUNCH_TIMEOUT, grace=5, start_method="fork")
-    assert "did not finish within" not in str(info.value)  # launch's own timeout: no rank ended on its own
-    assert "world rank 1" in str(info.value)
+    message, target = str(info.value), f"{tmp_path}/ckpt"
+    assert "did not finish within" not in message  # launch's own timeout: no rank ended on its own
+    assert message.startswith(
+        f"pipeline rank failure: world rank 0 (pipeline rank 0) failed while writing checkpoint {target!r} (DCP's "
+        f"collectives): CommError: DCP's collectives while writing {target!r}: RuntimeError: "), message
+    assert f"Timed out waiting {PIPE_TIMEOUT * 1000:.0f}ms for " in message, message  # gloo's, on the checkpoint group
+    assert message.endswith(
+        f"; world rank 1 (pipeline rank 1) did not time out within 1 s of this rank and kept their connections open: "
+        f"alive but not at this point of the step within timeout={PIPE_TIMEOUT:g} s. The stall is there (a hang or a "
+        f"long pause in that rank's code between its pipeline calls), or that rank began waiting later, on one that "
+        f"is"), message
+    assert not os.path.exists(target)  # nothing committed
 
 
-@pytest.mark.xfail(strict=True, reason="a rank stalled before make_groups (after the construction agreement): the "
-                   "others time out in dist.new_group and comm._groups_failed, finding no published record, files "
-                   "the waiting rank's own timeout as the failure ('world rank 0 ... failed while creating the "
-                   "Pipeline's process groups: DistStoreError: wait timeout'), never naming the stalled rank")
 def test_a_rank_stalled_before_creating_the_groups_is_named_by_the_rank_that_waited_for_it():
-    with pytest.raises(Exception) as info:
+    # fixed: comm._groups_failed, finding no published record, reads every rank's make_groups count and names the
+    # rank whose count is below its own (it never began the creation), not the waiting rank's own timeout
+    with pytest.raises(PipelineError) as info:
         launch(stall_before_groups, 2, 1, timeout=LAUNCH_TIMEOUT, grace=5, start_method="fork")
-    assert "did not finish within" not in str(info.value)
-    assert "world rank 1" in str(info.value)  # the stalled rank, as connected() and agree() name theirs
+    assert str(info.value) == (
+        "pipeline rank failure: world rank 1 (pipeline rank 1) failed before creating the Pipeline's process groups "
+        "(dist.new_group, every rank of the job): TimeoutError: world rank 1 did not begin creating them within "
+        "timeout=3 s of world rank 0, after the construction agreement: stalled or hung in between [reported to "
+        "world rank 0: its own wait ended with DistStoreError]")
+    assert (info.value.rank, info.value.seen_by) == (1, 0)
 
 
 def return_while_others_barrier(rank: int, origin: int) -> str:
@@ -84,11 +97,14 @@ def return_while_others_barrier(rank: int, origin: int) -> str:
     return "returned"
 
 
-@pytest.mark.xfail(strict=True, reason="launch_child.told: a peer's fn that RETURNED publishes nothing, so the rank "
-                   "left in its own dist.barrier reports torch's bare 'Connection closed by peer [127.0.0.1]:PORT' "
-                   "(a port, no rank) as its own failure, and launch raises it")
 def test_a_rank_whose_fn_returned_is_named_to_a_peer_left_in_its_own_collective():
-    with pytest.raises(Exception) as info:
+    # fixed: each child marks in the store that its fn returned before its connections close (launch_child.
+    # mark_returned); the peer whose own collective then fails on the closed connection names it (told)
+    with pytest.raises(PipelineError) as info:
         launch(return_while_others_barrier, 2, 1, timeout=LAUNCH_TIMEOUT, grace=5, start_method="fork")
-    assert "did not finish within" not in str(info.value)
-    assert "world rank 1" in str(info.value)
+    assert str(info.value) == (
+        "pipeline rank failure: world rank 1's launch fn returned while world rank 0 was still in a collective with "
+        "it (a collective the launch fns call themselves, outside any Pipeline call): every rank's fn must make the "
+        "same collective calls before it returns; its connections closed as its fn ended [reported to world rank 0: "
+        "its launch fn then raised RuntimeError]")
+    assert (info.value.rank, info.value.record.ended, info.value.seen_by) == (1, "returned", 0)
