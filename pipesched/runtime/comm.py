@@ -17,11 +17,9 @@ whatever order the receives are posted in; with gloo a send completes only once 
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import sys
-import time
 import warnings
 from dataclasses import dataclass
 
@@ -29,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .elastic import attempt_store
+from .groups_failure import COUNT_KEY, ERROR_KEY, creation_failure
 
 #: the dtypes that may cross a stage boundary, by wire code (a fixed list of names, so the codes are the same on
 #: every rank; a name this torch lacks keeps its code, as ``None``). Every dtype torch 2.x can hold except the
@@ -176,92 +175,28 @@ def make_groups(grid: Grid, timeout: float, device: torch.device):
     them time out after ``timeout`` seconds.
 
     Raises:
-        PipelineError: the creation failed on some rank, on every rank (:func:`_groups_failed`): the rank that
+        PipelineError: the creation failed on some rank, on every rank
+            (:func:`~pipesched.runtime.groups_failure.creation_failure`): the rank that
             failed first is named with its exception, on that rank at once, on the others (blocked in the
             creation) when their wait ends, after ``timeout``; where no rank published a failure, the ranks that
-            never began this creation (their count in the store is behind: :func:`_absent_record`), else, after a
-            timeout, the ranks that did not answer the roll call (stalled inside it: :func:`_stalled_record`), else
+            never began this creation (their count in the store is behind), else, after a
+            timeout, the ranks that did not answer the roll call (stalled inside it), else
             this rank's timeout, saying what it waited for and ``timeout``.
     """
     store = dist.distributed_c10d._get_default_store()
-    attempt = store.add(f"pipesched/groups/count/{grid.world_rank}", 1)  # this rank's n-th meets the others' n-th
+    attempt = store.add(COUNT_KEY.format(rank=grid.world_rank), 1)  # this rank's n-th meets the others' n-th
     try:
         return _new_groups(grid, timeout, device)
     except Exception as exc:  # noqa: BLE001 - every rank must learn who failed
-        raise _groups_failed(store, _GROUPS_ERROR.format(attempt=attempt), grid, timeout, exc) from exc
-
-
-_GROUPS_ERROR = "pipesched/groups/{attempt}/error"
+        raise creation_failure(store, attempt, grid, timeout, exc) from exc
 
 
 def groups_error_key(store, world_rank: int) -> str:
     """The key under which this rank's latest :func:`make_groups` (its n-th, meeting every rank's n-th) has its
-    failure published by any rank (:func:`_groups_failed`): what :func:`~pipesched.runtime.agreement.connected`
+    failure published by any rank (:func:`~pipesched.runtime.groups_failure.creation_failure`): what
+    :func:`~pipesched.runtime.agreement.connected`
     watches (on NCCL, ``dist.new_group`` connects lazily: the others are not blocked in the creation)."""
-    return _GROUPS_ERROR.format(attempt=store.add(f"pipesched/groups/count/{world_rank}", 0))
-
-
-def _groups_failed(store, key: str, grid: Grid, timeout: float, exc: BaseException):
-    """The ``PipelineError`` for a failed :func:`make_groups`: the first record published under ``key`` (this
-    rank's own if none: published for the others, whose creation waits on this rank until their timeout)."""
-    from .failure import FailureChannel, FailureRecord, PipelineError, job_failure
-    from .torch_errors import wait_timed_out
-
-    where = (f"while creating the Pipeline's process groups (dist.new_group, every rank of the job, "
-             f"timeout={timeout:g} s)")
-    channel = FailureChannel(store, [])
-    channel.keys = channel.read_keys = [key]
-    waited = isinstance(exc, (TimeoutError, dist.DistStoreError)) or wait_timed_out(exc)  # for the others
-    mine = (channel.lookup() or job_failure(store)  # a launch fn that raised before it came: named as itself
-            or (waited and _absent_record(store, key, grid, timeout, exc))
-            or (waited and _stalled_record(channel, grid, timeout, exc, where))
-            or FailureRecord.local(grid.world_rank, None, exc, grid.pp_rank, where=where))
-    channel.publish(mine)
-    record = channel.lookup() or mine
-    note = "" if record.rank == grid.world_rank else f"its own wait ended with {type(exc).__name__}"
-    return PipelineError(record, grid.world_rank, note)
-
-
-def _absent_record(store, key: str, grid: Grid, timeout: float, exc: BaseException):
-    """Where no rank published a failure and this rank's wait timed out: the record naming the ranks that never
-    began this creation (their ``pipesched/groups/count/{r}`` is below this rank's attempt: stalled or hung after the
-    construction agreement, before :func:`make_groups`), so that every rank that waited for them names them, not its
-    own timeout; ``None`` if every rank began it (or the store does not answer)."""
-    from .failure import FailureRecord
-
-    attempt = int(key.split("/")[2])
-    try:
-        absent = [r for r in range(grid.world_size)
-                  if r != grid.world_rank and store.add(f"pipesched/groups/count/{r}", 0) < attempt]
-    except Exception:  # noqa: BLE001 - a store that does not answer: this rank's own timeout is all it knows
-        return None
-    if not absent:
-        return None
-    who = (f"world rank {absent[0]}" if len(absent) == 1 else
-           "world ranks " + ", ".join(str(r) for r in absent))
-    record = FailureRecord.local(absent[0], None, exc, absent[0] % grid.pp_size,
-                                 where="before creating the Pipeline's process groups (dist.new_group, every rank "
-                                       "of the job)")
-    cause = (f"TimeoutError: {who} did not begin creating them within timeout={timeout:g} s of world rank "
-             f"{grid.world_rank}, after the construction agreement: stalled or hung in between")
-    return dataclasses.replace(record, id=f"absent:{absent[0]}:{time.time_ns()}", cause=cause)
-
-
-def _stalled_record(channel, grid: Grid, timeout: float, exc: BaseException, where: str):
-    """Where every rank began the creation and none published a failure, and this rank's wait timed out: the record
-    naming the ranks that did not time out with it (the roll call of :mod:`~pipesched.runtime.stalled`: stalled
-    inside the creation); ``None`` when every rank answered."""
-    from .failure import FailureRecord
-    from .stalled import ROLL_CALL_S, silent_members
-
-    silent = silent_members(channel, grid.world_rank, range(grid.world_size))
-    if not silent:
-        return None
-    who = f"world rank {silent[0]}" if len(silent) == 1 else "world ranks " + ", ".join(map(str, silent))
-    record = FailureRecord.local(silent[0], None, exc, silent[0] % grid.pp_size, where=where)
-    cause = (f"TimeoutError: {who} began creating them but did not finish within timeout={timeout:g} s, nor time "
-             f"out within {ROLL_CALL_S:g} s of world rank {grid.world_rank}: stalled or hung inside the creation")
-    return dataclasses.replace(record, id=f"stalled:{silent[0]}:{time.time_ns()}", cause=cause)
+    return ERROR_KEY.format(attempt=store.add(COUNT_KEY.format(rank=world_rank), 0))
 
 
 def _new_groups(grid: Grid, timeout: float, device: torch.device):

@@ -101,6 +101,12 @@ class FailureRecord:
         return cls(**fields)
 
 
+def world_ranks_text(ranks) -> str:
+    """``"world rank 3"`` for one rank, ``"world ranks 1, 3"`` for several (ascending as given)."""
+    ranks = list(ranks)
+    return f"world rank {ranks[0]}" if len(ranks) == 1 else "world ranks " + ", ".join(map(str, ranks))
+
+
 def describe(exc: BaseException) -> str:
     """``"ExceptionType: message"``; where the exception's ``str()`` itself raises, its type and what ``str()``
     raised instead, so the record of a failure is always published (a failure that cannot be described must

@@ -164,9 +164,9 @@ def _returned_record(gone: list[int], rank: int):
     """The ``ended="returned"`` record naming the peers in ``gone`` to ``rank``, which was in a collective with them."""
     import time
 
-    from .failure import FailureRecord
+    from .failure import FailureRecord, world_ranks_text
 
-    who = f"world rank {gone[0]}" if len(gone) == 1 else "world ranks " + ", ".join(map(str, gone))
+    who = world_ranks_text(gone)
     its, them = ("its", "it") if len(gone) == 1 else ("their", "them")
     cause = (f"{who}'s launch fn returned while world rank {rank} was still in a collective with {them} (a collective "
              f"the launch fns call themselves, outside any Pipeline call): every rank's fn must make the same "
