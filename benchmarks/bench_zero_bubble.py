@@ -49,6 +49,14 @@ OURS = (("1f1b", "1f1b", 1, "Schedule1F1B"), ("zb-h1", "zb-h1", 1, "ScheduleInte
 THEIRS = ("Schedule1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 AT_1F1B_MEMORY = ("zb-h1", "zbv", "zb-auto")  # peak in-flight activations no more than 1F1B's
+FUSED = ("zb-h1", "zbv", "dualpipev", "zb-auto")  # --fusion: these again with gradient_accumulation_fusion=True
+
+
+def rows(fusion: bool) -> tuple:
+    """(row label, our schedule, virtual stages, torch's class or None, gradient_accumulation_fusion) of ours."""
+    plain = tuple((*row, False) for row in OURS)
+    return plain + tuple((f"{label} +fusion", name, v, theirs, True) for label, name, v, theirs in OURS
+                         if fusion and label in FUSED)
 
 
 # ---- the model, the data, the two sides -------------------------------------------------------------------------
@@ -63,13 +71,13 @@ def data(width: int, rows: int, m: int):
     return torch.randn(rows * m, width, generator=g), torch.randn(rows * m, width, generator=g)
 
 
-def ours(cfg, schedule: str, v: int, costs=None):
+def ours(cfg, schedule: str, v: int, costs=None, fuse: bool = False):
     """(step, zero_grad, pipeline) of our Pipeline on this rank; cfg = (width, rows, m)."""
     from pipesched.runtime import Pipeline
 
     width, rows, m = cfg
     pipe = Pipeline(model(width), schedule=schedule, num_microbatches=m, loss_fn=F.mse_loss, virtual_stages=v,
-                    split_backward=False, costs=costs)
+                    split_backward=False, costs=costs, gradient_accumulation_fusion=fuse)
     x, y = data(width, rows, m)
 
     def zero():
@@ -219,7 +227,7 @@ def _shared(value, rank: int):
     return box[0]
 
 
-def worker(rank: int, cfgs, rounds: int, block: int, warmup: int, profile: bool):
+def worker(rank: int, cfgs, rounds: int, block: int, warmup: int, profile: bool, fusion: bool = False):
     """Per config: {side: {"steps": [(s, faults, CPU s)], "bubbles": [(measured, simulated, in SEND calls)]},
     "zb-auto costs": CostModel}; side = ("ours", label) or ("torch", class name)."""
     import torch.distributed as dist
@@ -227,15 +235,18 @@ def worker(rank: int, cfgs, rounds: int, block: int, warmup: int, profile: bool)
     torch.set_num_threads(1)
     out = []
     for cfg in cfgs:
-        sides = {("ours", label): ours(cfg, name, v) for label, name, v, _ in OURS if name != "zb-auto"}
+        sides = {("ours", label): ours(cfg, name, v, fuse=fuse)
+                 for label, name, v, _, fuse in rows(fusion) if name != "zb-auto"}
         sides.update({("torch", name): theirs(rank, cfg, name) for name in THEIRS})
         for step, zero, _ in sides.values():
             timed(step, zero, max(1, warmup))
         costs = _shared(bubbles(sides["ours", "zb-h1"][2])[3], rank)  # zb-auto is built for zb-h1's costs
-        sides["ours", "zb-auto"] = ours(cfg, "zb-auto", 1, costs)
-        timed(*sides["ours", "zb-auto"][:2], max(1, warmup))
+        for label, name, _, _, fuse in rows(fusion):
+            if name == "zb-auto":
+                sides["ours", label] = ours(cfg, "zb-auto", 1, costs, fuse)
+                timed(*sides["ours", label][:2], max(1, warmup))
         got = {key: {"steps": [], "bubbles": []} for key in sides}
-        order = [("ours", label) for label, *_ in OURS] + [("torch", name) for name in THEIRS]
+        order = [("ours", label) for label, *_ in rows(fusion)] + [("torch", name) for name in THEIRS]
         for _ in range(rounds):
             for key in order:  # ours and torch's alternate: 1f1b, zb-h1, ..., then torch's four
                 step, zero, pipe = sides[key]
@@ -288,7 +299,7 @@ def spread(ratios: list[float]) -> str:
     return f"[{q1:.2f}-{q3:.2f}]"
 
 
-def table(results, label: str, block: int = 1) -> list[str]:
+def table(results, label: str, block: int = 1, fusion: bool = False) -> list[str]:
     """Rows of the markdown table of one config (results: one dict per rank); after each ratio, the middle half
     of the per-round ratios (:func:`round_ratios`)."""
     lines = [f"\n{label}",
@@ -296,8 +307,8 @@ def table(results, label: str, block: int = 1) -> list[str]:
              "faults/step ours / torch | bubble measured / simulated | in SEND calls |",
              "|---|---|---|---|---|---|---|---|---|"]
     ref = summarize(results, ("torch", "Schedule1F1B"))[0]
-    best = None
-    for row, _, _, torch_name in OURS:
+    best = fused_best = None
+    for row, _, _, torch_name, fuse in rows(fusion):
         t, f, c = summarize(results, ("ours", row))
         bub = results[0]["ours", row]["bubbles"]
         measured, simulated, sending = (statistics.median(b[k] for b in bub) for k in range(3))
@@ -311,8 +322,13 @@ def table(results, label: str, block: int = 1) -> list[str]:
                      f"{f:.0f} / {'-' if ff is None else f'{ff:.0f}'} | {measured:.3f} / {simulated:.3f} | {sending:.3f} |")
         if row in AT_1F1B_MEMORY and (best is None or t < best[1]):
             best = (row, t)
+        if fuse and row.split()[0] in AT_1F1B_MEMORY and (fused_best is None or t < fused_best[1]):
+            fused_best = (row, t)
     lines.append(f"best at 1F1B's memory: {best[0]}, {best[1] / ref:.2f}x torch's Schedule1F1B; zb-auto built for "
                  f"{results[0]['zb-auto costs'].describe()}")
+    if fused_best:
+        lines.append(f"with gradient_accumulation_fusion (not bitwise): {fused_best[0]}, "
+                     f"{fused_best[1] / ref:.2f}x torch's Schedule1F1B")
     lines.append(ceiling(results[0]))
     return lines
 
@@ -355,6 +371,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--wide-width", type=int, default=MODELS["wide"][0])
     parser.add_argument("--wide-rows", type=int, default=MODELS["wide"][1], help="rows per microbatch")
     parser.add_argument("--profile", action="store_true", help="cProfile ours' zb-h1 and zbv on the last rank")
+    parser.add_argument("--fusion", action="store_true",
+                        help="also ours' " + ", ".join(FUSED) + " with gradient_accumulation_fusion=True")
 
 
 def run(args, launch) -> None:
@@ -364,7 +382,8 @@ def run(args, launch) -> None:
         raise SystemExit(f"--models: {args.models!r}; valid: comma-separated names from {sorted(sizes)}")
     cfgs = [(*sizes[n], int(m)) for n in names for m in args.m.split(",")]
     load0, start = os.getloadavg(), time.perf_counter()
-    results = launch(worker, P, cfgs, args.rounds, args.block, args.warmup, args.profile, timeout=7200)
+    results = launch(worker, P, cfgs, args.rounds, args.block, args.warmup, args.profile, args.fusion,
+                     timeout=7200)
     load1 = os.getloadavg()
     print(f"\np={P} gloo, 1 thread/process, {LAYERS} x (Linear(w, w) + Tanh), MSE; medians of {args.rounds} x "
           f"{args.block} steps per side in alternating blocks; {time.perf_counter() - start:.0f} s; load average "
@@ -372,7 +391,7 @@ def run(args, launch) -> None:
           f"{load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f} after ({os.cpu_count()} cores)")
     for k, (width, rows, m) in enumerate(cfgs):
         label = f"w={width}, {rows} rows per microbatch, m={m}"
-        print("\n".join(table([r[k] for r in results], label, args.block)))
+        print("\n".join(table([r[k] for r in results], label, args.block, args.fusion)))
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ class Executor:
         self.transport, self.dp_group, self.loss_fn = links.transport, links.dp_group, work.loss_fn
         recomputed = program.stages_with(Op.R)
         self.recompute = [s in recomputed for s in range(program.num_stages)]
-        self.device, self.autocast = work.device, work.autocast
+        self.device, self.autocast, self.fuse_wgrad = work.device, work.autocast, work.fuse_wgrad
         self.first_layers = work.first_layers if work.first_layers is not None else [0] * program.num_stages
         self.last = program.num_stages - 1
         self.local = set(work.stages)
@@ -339,9 +339,9 @@ class Executor:
             # torch.utils.checkpoint region recomputes its forward again there (I, as the fused backward, already
             # did once), so what it writes to buffers (BatchNorm's running statistics) goes to scratch copies
             with scratch_buffers(self.stages[s]):
-                backward_weight(work)
+                backward_weight(work, self.fuse_wgrad)
         else:
-            backward_weight(work)
+            backward_weight(work, self.fuse_wgrad)
         self._release(s, mb)
 
     def _release(self, s, mb):

@@ -298,7 +298,8 @@ def check_same_program(program, groups, sizes, device) -> None:
 
 def rebuilt_executor(executor: Executor, programs: StepPrograms) -> Executor:
     """A new :class:`Executor` of ``programs`` on ``executor``'s stages, loss, device, transport, groups and ties."""
-    work = RankWork(executor.stages, executor.loss_fn, executor.device, executor.first_layers, executor.autocast)
+    work = RankWork(executor.stages, executor.loss_fn, executor.device, executor.first_layers, executor.autocast,
+                    executor.fuse_wgrad)
     links = Links(executor.transport, executor.dp_group, executor.ties)
     return Executor(programs, executor.pp_rank, work, links)
 

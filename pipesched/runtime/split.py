@@ -31,6 +31,8 @@ from collections import deque
 import torch
 from torch.autograd.graph import GradientEdge
 
+from .wgrad_fusion import fused_linear_weight
+
 
 class WeightGrad:
     """The deferred half of a split backward: for each group of parameters, the boundary edges to restart
@@ -117,9 +119,10 @@ def backward_input(roots, grads, inputs, params, plans: SplitPlans | None = None
     return tuple(got), WeightGrad(work)
 
 
-def backward_weight(work: WeightGrad) -> None:
+def backward_weight(work: WeightGrad, fuse: bool = False) -> None:
     """Weight-gradient half: accumulate every parameter's gradient into its ``.grad`` (as
-    ``torch.autograd.backward`` does), then let the graph go.
+    ``torch.autograd.backward`` does), then let the graph go. ``fuse``: a ``Linear``'s weight gradient is added
+    into an existing ``.grad`` by the GEMM itself (:mod:`pipesched.runtime.wgrad_fusion`: faster, not bitwise).
 
     Each boundary node's incoming gradient is pinned to the one ``I`` recorded (by the pre-hook that recorded
     it): for a group restarting at several boundary nodes, one below another (a parameter used twice), so the
@@ -129,6 +132,8 @@ def backward_weight(work: WeightGrad) -> None:
     if work.whole is not None:
         torch.autograd.backward(*work.whole)
     for starts, params in work.groups:
+        if fuse and fused_linear_weight(starts, params, _accumulate):
+            continue
         edges = [GradientEdge(node, i) for node, grads in starts for i, g in _given(grads)]
         values = [g for _, grads in starts for _, g in _given(grads)]
         _accumulate(edges, values, params)

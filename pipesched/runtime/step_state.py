@@ -53,6 +53,7 @@ class RankWork(NamedTuple):
     device: torch.device
     first_layers: Sequence[int] | None = None  #: per stage, its first layer's index in the model (for errors)
     autocast: Callable = contextlib.nullcontext  #: () -> the context F, R and the loss run in (runtime.amp)
+    fuse_wgrad: bool = False  #: W adds a Linear's weight gradient into ``.grad`` in its GEMM (runtime.wgrad_fusion)
 
 
 class Links(NamedTuple):
