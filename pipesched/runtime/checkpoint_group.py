@@ -46,4 +46,6 @@ def _new_group(pipe):
         return dist.new_group(list(range(pipe.grid.world_size)), timeout=datetime.timedelta(seconds=pipe.timeout),
                               backend=backend_for(pipe.device))
     except dist.DistStoreError as exc:
-        raise CommError("every world rank to create the checkpoint's process group", exc) from None
+        error = CommError("every world rank to create the checkpoint's process group", exc)
+        error.during = "the creation of the checkpoint's process group"  # the roll call's words (stalled.py)
+        raise error from None

@@ -56,8 +56,8 @@ class FailureRecord:
         received: what the stage of a failed forward received, or what its ``loss_fn`` got, in words (said after
             the cause); ``None``: not a forward's failure.
         stalled: for a wait that timed out, the world ranks that did not answer the roll call
-            (:mod:`~pipesched.runtime.stalled`): alive but not at this point of the step, the stall among them;
-            also named in ``cause``. Empty otherwise.
+            (:mod:`~pipesched.runtime.stalled`): alive but not at this point of the call (the step, the checkpoint
+            save, ...), the stall among them; also named in ``cause``. Empty otherwise.
     """
 
     rank: int | None

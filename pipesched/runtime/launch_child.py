@@ -36,6 +36,8 @@ def run_child(rank, world_size, store_at, threads, fn, args, results, grace, rel
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         text = traceback.format_exc()
         exc = told(exc, rank, store)  # before this rank's connections close (finally)
+        if store is not None:
+            mark_raised(store, rank)  # as mark_returned: a peer that finds its connection closed knows it from lost
         try:
             payload = pickle.dumps(exc)
         except Exception:  # noqa: BLE001
@@ -130,6 +132,9 @@ def told(exc: BaseException, rank: int, store) -> BaseException:
     gloo_closed = (isinstance(exc, RuntimeError) and peer_closed_connection(exc)  # gloo's, not an OSError's
                    and not isinstance(exc, (dist.DistNetworkError, dist.DistStoreError)))  # nor the store's
     gone = returned_peers(store, rank) if earlier is None and gloo_closed else []
+    lost = _lost_peers(store, rank, gone) if gone else []  # a peer killed meanwhile closed its connection too
+    if lost:  # ... and it is the cause: a returned fn's closed connection is no error by itself
+        return PipelineError(_lost_record(lost, gone, rank), rank, f"its launch fn then raised {type(exc).__name__}")
     if gone:  # a peer's fn returned (closing its connections) while this rank was in a collective with it
         return PipelineError(_returned_record(gone, rank), rank, f"its launch fn then raised {type(exc).__name__}")
     publish_job_failure(store, rank, exc)
@@ -137,6 +142,7 @@ def told(exc: BaseException, rank: int, store) -> BaseException:
 
 
 _RETURNED = "pipesched/job/returned/{rank}"
+_RAISED = "pipesched/job/raised/{rank}"
 
 
 def mark_returned(store, rank: int) -> None:
@@ -146,6 +152,35 @@ def mark_returned(store, rank: int) -> None:
         store.set(_RETURNED.format(rank=rank), "1")
     except Exception:  # noqa: BLE001 - a store that does not answer: the peer reports its own error
         pass
+
+
+def mark_raised(store, rank: int) -> None:
+    """Say (one store key, best effort) that world rank ``rank``'s ``fn`` raised and was reported (:func:`told`): set
+    before its connections close, so that a peer probing its closed connection does not take it for a lost rank
+    (:func:`_lost_peers`)."""
+    try:
+        store.set(_RAISED.format(rank=rank), "1")
+    except Exception:  # noqa: BLE001 - as mark_returned
+        pass
+
+
+def _lost_peers(store, rank: int, gone: list[int]) -> list[int]:
+    """The world ranks whose connection to this rank (in the default group) is closed although their ``fn`` neither
+    returned (``gone``, :func:`mark_returned`) nor raised (:func:`mark_raised`): their process ended without a word
+    (killed, ``os._exit``), ascending; ``[]`` if none or the store does not answer. Each such rank's mark is read
+    after the probe: a rank that closes its connections has marked itself before."""
+    import torch
+    import torch.distributed as dist
+
+    from .lost_rank import closed_members
+
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        closed = closed_members(group, list(range(group.size())), torch.device("cpu"))
+        return sorted(r for r in closed if r not in gone and not store.check([_RAISED.format(rank=r)])
+                      and not store.check([_RETURNED.format(rank=r)]))
+    except Exception:  # noqa: BLE001 - no group, or a store that does not answer: nothing can be said
+        return []
 
 
 def returned_peers(store, rank: int) -> list[int]:
@@ -172,6 +207,21 @@ def _returned_record(gone: list[int], rank: int):
              f"the launch fns call themselves, outside any Pipeline call): every rank's fn must make the same "
              f"collective calls before it returns; {its} connections closed as {its} fn ended")
     return FailureRecord(rank=gone[0], ended="returned", id=f"returned:{gone[0]}:{time.time_ns()}", cause=cause)
+
+
+def _lost_record(lost: list[int], gone: list[int], rank: int):
+    """The ``lost`` record naming the first of ``lost`` to ``rank``, which was in a call with it; the peers in
+    ``gone``, whose fn returned, are said not to be the cause."""
+    import time
+
+    from .failure import FailureRecord, world_ranks_text
+
+    who, returned = world_ranks_text(lost[:1]), world_ranks_text(gone)
+    cause = (f"{who} was lost: its process ended without a failure record (killed, e.g. by SIGKILL or the "
+             f"out-of-memory killer, or exited) while world rank {rank} was in a call with it (a collective or "
+             f"point-to-point call the launch fns make themselves, outside any Pipeline call): its connection "
+             f"closed; {returned}'s launch fn had returned, which is not the cause named here")
+    return FailureRecord(rank=lost[0], lost=True, id=f"lost:{lost[0]}:{time.time_ns()}", cause=cause)
 
 
 def close_groups(dist) -> None:

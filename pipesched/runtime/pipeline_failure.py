@@ -12,7 +12,7 @@ import torch.distributed as dist
 from .departure import forget
 from .failure import CommError, FailureRecord, PipelineError
 from .lost_rank import adoptable, lost_record, store_host
-from .stalled import answer_roll_call, silent_members, stall_note
+from .stalled import STEP, answer_roll_call, silent_members, stall_note
 
 _ORIGIN_GRACE_S = 30.0  # at most this the origin's (and the store host's) process lingers at exit for its peers
 
@@ -40,7 +40,8 @@ def fail(pipe, exc: BaseException, where: str | None = None) -> PipelineError:
             members = set(grid.pipeline_ranks(grid.dp_rank)) | set(grid.dp_ranks(grid.pp_rank))
             members |= set(getattr(exc, "members", ()))  # a wait on a wider group (DCP's: every world rank)
             silent = silent_members(pipe._failures, me, members)
-            note = stall_note(silent, grid.pp_size, pipe.timeout)
+            during = getattr(exc, "during", None) or (STEP if where is None else "this call")  # what was waited in
+            note = stall_note(silent, grid.pp_size, pipe.timeout, during)
             record = dataclasses.replace(record, cause=record.cause + note, stalled=tuple(silent)) if note else record
     if not record.lost:
         pipe._failures.publish(record)  # the origin's record, or passed on to this rank's other group (DP)

@@ -62,11 +62,16 @@ def silent_members(failures: FailureChannel, world_rank: int, members, wait_s: f
         time.sleep(0.05)
 
 
-def stall_note(silent: list[int], pp_size: int, timeout: float) -> str:
-    """The sentence added to a timed-out rank's failure naming the ranks that did not time out with it."""
+STEP = "the step"  #: what a wait was in, said by :func:`stall_note`, unless the wait's ``CommError`` says (``.during``)
+
+
+def stall_note(silent: list[int], pp_size: int, timeout: float, during: str = STEP) -> str:
+    """The sentence added to a timed-out rank's failure naming the ranks that did not time out with it; ``during``:
+    what the wait was in (:data:`STEP`, ``"the checkpoint save"``, ...)."""
     if not silent:
         return ""
     named = ", ".join(f"world rank {r} (pipeline rank {r % pp_size})" for r in silent)
+    pause = "between its pipeline calls" if during == STEP else f"before or inside {during}"
     return (f"; {named} did not time out within {ROLL_CALL_S:g} s of this rank and kept their connections open: alive "
-            f"but not at this point of the step within timeout={timeout:g} s. The stall is there (a hang or a long "
-            f"pause in that rank's code between its pipeline calls), or that rank began waiting later, on one that is")
+            f"but not at this point of {during} within timeout={timeout:g} s. The stall is there (a hang or a long "
+            f"pause in that rank's code {pause}), or that rank began waiting later, on one that is")

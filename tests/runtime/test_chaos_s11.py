@@ -70,9 +70,9 @@ def test_a_rank_stalled_inside_the_checkpoint_write_is_named_within_the_pipeline
     assert f"Timed out waiting {PIPE_TIMEOUT * 1000:.0f}ms for " in message, message  # gloo's, on the checkpoint group
     assert message.endswith(
         f"; world rank 1 (pipeline rank 1) did not time out within 1 s of this rank and kept their connections open: "
-        f"alive but not at this point of the step within timeout={PIPE_TIMEOUT:g} s. The stall is there (a hang or a "
-        f"long pause in that rank's code between its pipeline calls), or that rank began waiting later, on one that "
-        f"is"), message
+        f"alive but not at this point of the checkpoint save within timeout={PIPE_TIMEOUT:g} s. The stall is there (a "
+        f"hang or a long pause in that rank's code before or inside the checkpoint save), or that rank began waiting "
+        f"later, on one that is"), message  # the save's words, not a step's (test_failure_wording_s12.py)
     assert not os.path.exists(target)  # nothing committed
 
 
