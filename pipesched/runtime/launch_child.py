@@ -132,8 +132,8 @@ def told(exc: BaseException, rank: int, store) -> BaseException:
     gloo_closed = (isinstance(exc, RuntimeError) and peer_closed_connection(exc)  # gloo's, not an OSError's
                    and not isinstance(exc, (dist.DistNetworkError, dist.DistStoreError)))  # nor the store's
     gone = returned_peers(store, rank) if earlier is None and gloo_closed else []
-    lost = _lost_peers(store, rank, gone) if gone else []  # a peer killed meanwhile closed its connection too
-    if lost:  # ... and it is the cause: a returned fn's closed connection is no error by itself
+    lost = _lost_peers(store, rank, gone) if earlier is None and gloo_closed else []  # a peer killed closed it
+    if lost:  # ... and it is the cause (a returned fn's closed connection is no error by itself), not this rank
         return PipelineError(_lost_record(lost, gone, rank), rank, f"its launch fn then raised {type(exc).__name__}")
     if gone:  # a peer's fn returned (closing its connections) while this rank was in a collective with it
         return PipelineError(_returned_record(gone, rank), rank, f"its launch fn then raised {type(exc).__name__}")
@@ -211,16 +211,18 @@ def _returned_record(gone: list[int], rank: int):
 
 def _lost_record(lost: list[int], gone: list[int], rank: int):
     """The ``lost`` record naming the first of ``lost`` to ``rank``, which was in a call with it; the peers in
-    ``gone``, whose fn returned, are said not to be the cause."""
+    ``gone`` (if any), whose fn returned, are said not to be the cause."""
     import time
 
     from .failure import FailureRecord, world_ranks_text
 
-    who, returned = world_ranks_text(lost[:1]), world_ranks_text(gone)
+    who = world_ranks_text(lost[:1])
     cause = (f"{who} was lost: its process ended without a failure record (killed, e.g. by SIGKILL or the "
              f"out-of-memory killer, or exited) while world rank {rank} was in a call with it (a collective or "
              f"point-to-point call the launch fns make themselves, outside any Pipeline call): its connection "
-             f"closed; {returned}'s launch fn had returned, which is not the cause named here")
+             f"closed")
+    if gone:
+        cause += f"; {world_ranks_text(gone)}'s launch fn had returned, which is not the cause named here"
     return FailureRecord(rank=lost[0], lost=True, id=f"lost:{lost[0]}:{time.time_ns()}", cause=cause)
 
 

@@ -143,6 +143,39 @@ def test_a_killed_peer_is_named_not_the_rank_whose_fn_returned(tmp_path, how):
         "launch fn then raised RuntimeError]"), message
 
 
+def die_or_wait(rank: int, directory: str) -> str:
+    """No fn returns: rank 2's process ends without a report; ranks 0 and 1 wait on a receive from it and write
+    what they report."""
+    import torch
+    import torch.distributed as dist
+
+    from pipesched.runtime.launch_child import told
+
+    dist.barrier()
+    if rank == 2:
+        os._exit(1)
+    try:
+        dist.recv(torch.zeros(1), src=2)
+    except Exception as exc:
+        error = told(exc, rank, dist.distributed_c10d._get_default_store())
+        with open(f"{directory}/{rank}.txt", "w") as out:
+            out.write(f"{type(error).__name__}|{getattr(error, 'rank', None)}|{error}")
+        raise
+    return "received"
+
+
+def test_a_killed_peer_is_named_by_every_rank_waiting_on_it_when_no_fn_returned(tmp_path):
+    with pytest.raises(RuntimeError, match="launch: rank 2 exited with code 1 without reporting"):
+        launch(die_or_wait, 3, str(tmp_path), timeout=LAUNCH_TIMEOUT, grace=5, start_method="fork")
+    for rank in (0, 1):  # each names rank 2, not its own closed connection, as the origin
+        assert (tmp_path / f"{rank}.txt").read_text() == (
+            "PipelineError|2|pipeline rank failure: world rank 2 was lost: its process ended without a failure record "
+            "(killed, e.g. by SIGKILL or the out-of-memory killer, or exited) while world rank "
+            f"{rank} was in a call with it (a collective or point-to-point call the launch fns make themselves, "
+            f"outside any Pipeline call): its connection closed [reported to world rank {rank}: its launch fn then "
+            "raised RuntimeError]")
+
+
 def return_or_barrier_then_tell(rank: int, directory: str) -> str:
     """Rank 0's fn returns while ranks 1 and 2 are in a barrier; rank 2 raises (reported, its connections then close);
     rank 1 waits until its connection to rank 2 is closed too, then writes what it reports: rank 2 raised, it was
