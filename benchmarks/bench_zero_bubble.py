@@ -49,7 +49,7 @@ OURS = (("1f1b", "1f1b", 1, "Schedule1F1B"), ("zb-h1", "zb-h1", 1, "ScheduleInte
 THEIRS = ("Schedule1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 AT_1F1B_MEMORY = ("zb-h1", "zbv", "zb-auto")  # peak in-flight activations no more than 1F1B's
-FUSED = ("zb-h1", "zbv", "dualpipev", "zb-auto")  # --fusion: these again with gradient_accumulation_fusion=True
+FUSED = ("1f1b", "zb-h1", "zbv", "dualpipev", "zb-auto")  # --fusion: these again with gradient_accumulation_fusion=True
 
 
 def rows(fusion: bool) -> tuple:

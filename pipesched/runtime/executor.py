@@ -311,6 +311,10 @@ class Executor:
         return [r for r, _ in pairs], [g for _, g in pairs]
 
     def _b(self, instr):
+        if self.fuse_wgrad:  # gradient-accumulation fusion needs the weight half apart: I then W, in one B
+            self._i(instr)
+            self._w(instr)
+            return
         s, mb = instr.stage, instr.microbatch
         roots, grads = self._backward_roots(s, mb)
         if roots:

@@ -4,8 +4,9 @@ Autograd computes a ``Linear``'s weight gradient ``dW = dY^T X`` into a new tens
 that into ``.grad``: a GEMM writing ``out x in`` values, then a pass that reads them, reads ``.grad`` and writes it
 back. With ``.grad`` already holding earlier microbatches' sum, one GEMM with ``beta = 1``
 (``weight.grad.addmm_(dY^T, X)``) does both: Megatron-Core's ``gradient_accumulation_fusion`` (its fused
-``wgrad`` kernels), here for ``W`` instructions on any device through ``torch.addmm``. On this machine's CPU it
-takes 6.3 ms where autograd takes 9.0-10.0 (one ``Linear(2048, 2048)``, 64 rows, one thread).
+``wgrad`` kernels), here for ``W`` instructions (and ``B``, which the executor then runs as ``I`` then ``W``) on
+any device through ``torch.addmm``. On this machine's CPU it takes 6.3 ms where autograd takes 9.0-10.0 (one
+``Linear(2048, 2048)``, 64 rows, one thread).
 
 **Not bitwise.** The GEMM adds its products into the old ``.grad`` as it goes, in K-blocks (rows of the
 microbatch; MKL here: blocks of 256 rows), where autograd rounds the whole product first, then adds: the sums

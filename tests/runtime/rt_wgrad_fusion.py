@@ -29,13 +29,15 @@ def counted():
 
 
 def suite(rank):
-    """zbv and zb-h1 (m = 4, 2 rows per microbatch, 3 AdamW steps: fused or not, bitwise equal at these sizes
-    on this machine's BLAS), zbv on 300-row microbatches (equal to rounding), the flag off (never asked), and a
-    flag that is no bool (refused on every rank before any communication)."""
+    """zbv, zb-h1, 1f1b (its B run as I then W) and zbv with recompute (m = 4, 2 rows per microbatch, 3 AdamW
+    steps), zbv on 300-row microbatches, the flag off (never asked), and a flag that is no bool (refused on every
+    rank before any communication)."""
     out = {}
-    for name, schedule, v, n in (("zbv", "zbv", 2, 8), ("zb-h1", "zb-h1", 1, 8), ("zbv-rows", "zbv", 2, 1200)):
+    for name, schedule, v, n, options in (("zbv", "zbv", 2, 8, {}), ("zb-h1", "zb-h1", 1, 8, {}),
+                                          ("zbv-rows", "zbv", 2, 1200, {}), ("1f1b", "1f1b", 1, 8, {}),
+                                          ("zbv-recompute", "zbv", 2, 8, {"recompute": True})):
         with counted() as calls:
-            case = transparency(rank, schedule, v, m=4, n=n, gradient_accumulation_fusion=True)
+            case = transparency(rank, schedule, v, m=4, n=n, gradient_accumulation_fusion=True, **options)
         out[name] = {"case": case, "calls": dict(calls)}
     with counted() as calls:
         case = transparency(rank, "zbv", 2, m=4, n=8)

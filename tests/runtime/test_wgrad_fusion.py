@@ -140,19 +140,24 @@ def test_a_non_contiguous_grad_keeps_autograds_path():
 def test_pipeline_with_fusion_matches_the_unsplit_model():
     results = launch(rt.suite, 2, timeout=240, start_method="fork")
     for rank, got in enumerate(results):
-        for name in ("zbv", "zb-h1", "zbv-rows"):
+        for name in ("zbv", "zb-h1", "zbv-rows", "1f1b", "zbv-recompute"):
             case = got[name]["case"]
             for step in case["steps"]:
                 assert step["loss_equal"] is True or name == "zbv-rows", (name, step)
                 assert step["grads"] > 0 and step["worst"] < 1e-5, (name, step)
-            assert {"I", "W"} <= set(case["ops"]) and "B" not in case["ops"]
+            if name == "1f1b":  # the program's B, run as I then W inside it
+                assert "B" in case["ops"] and not {"I", "W"} & set(case["ops"]), case["ops"]
+            else:
+                assert {"I", "W"} <= set(case["ops"]) and "B" not in case["ops"]
+            assert ("R" in case["ops"]) is (name == "zbv-recompute"), case["ops"]
         # zbv, 8 Linears in 4 stages of 2: rank 0 holds stages 0 (its W is the whole backward: no group) and 3,
         # rank 1 stages 1 and 2; each split stage's first W of a step finds .grad None; 3 steps of m = 4
         split_stages = (1, 2)[rank]
         assert got["zbv"]["calls"] == {"fused": 3 * 2 * split_stages * 3, "declined": 3 * 2 * split_stages}
-        assert got["zbv-rows"]["calls"] == got["zbv"]["calls"]
+        assert got["zbv-rows"]["calls"] == got["zbv-recompute"]["calls"] == got["zbv"]["calls"]
         # zb-h1: rank 0's one stage is stage 0 (no groups); rank 1's stage 1 holds 4 Linears
         assert got["zb-h1"]["calls"] == ({"fused": 0, "declined": 0}, {"fused": 36, "declined": 12})[rank]
+        assert got["1f1b"]["calls"] == got["zb-h1"]["calls"]  # the same stages: its B splits as zb-h1's I, W
         assert got["off"]["calls"] == {"fused": 0, "declined": 0}
         assert all(s["bitwise"] for s in got["off"]["case"]["steps"]) and got["off"]["case"]["params_equal"]
         assert got["refused"] == "Pipeline: gradient_accumulation_fusion must be True or False, got str 'yes'"
