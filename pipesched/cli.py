@@ -42,7 +42,8 @@ def add_schedule_args(parser: argparse.ArgumentParser, optional_name: bool = Fal
     parser.add_argument("--ranks", "-p", type=int, default=4, help="pipeline ranks p (default 4)")
     parser.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step m (default 8)")
     parser.add_argument("--virtual-stages", "-v", type=int, default=None,
-                        help="stages per rank v (default: the schedule's, 2 for interleaved-1f1b)")
+                        help="stages per rank v (default: the schedule's: 2 for interleaved-1f1b, zbv and dualpipev, "
+                             "else 1)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (adds ALL_REDUCE; default 1)")
     parser.add_argument("--recompute", action="store_true", help="recompute every stage's forward before its backward")
     parser.add_argument("--split-backward", action="store_true",

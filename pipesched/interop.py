@@ -166,6 +166,10 @@ def not_text(exc: UnicodeDecodeError) -> str:
     return f"not UTF-8 text: byte {exc.object[exc.start]:#04x} at offset {exc.start}"
 
 
+# how pipesched's text form (a comment or a header line) or JSON form starts: only for a hint
+_OWN_FORM_STARTS = ("#", "{", "schedule:", "microbatches:", "stage_to_rank:", "dp_size:", "rank 0:")
+
+
 def _decode_rows(path) -> list[list[_Cell]]:
     rows = []
     with open(path, newline="", encoding="utf-8-sig") as f:
@@ -176,8 +180,12 @@ def _decode_rows(path) -> list[list[_Cell]]:
                 try:
                     action = parse_action(text)
                 except ValueError as exc:
+                    hint = (" (this looks like pipesched's own text or JSON form: read it with pipesched.load, or "
+                            "`pipesched validate FILE` without --torch-csv)"
+                            if reader.line_num == 1 and column == 1 and text.lstrip().startswith(_OWN_FORM_STARTS)
+                            else "")
                     raise ProgramFormatError(f"{path}, line {reader.line_num}, column {column} (rank {rank}): "
-                                             f"{exc}") from None
+                                             f"{exc}{hint}") from None
                 if action is not None:
                     cells.append(_Cell(action, reader.line_num, column, rank))
             rows.append(cells)

@@ -13,6 +13,9 @@ from .program_pairs import overlap_groups, with_groups
 
 _HEADER_KEYS = ("schedule", "microbatches", "stage_to_rank", "dp_size", "forward_only", "ties", OVERLAP_PAIRS)
 _RANK_LINE = re.compile(r"^rank\s+(\d+)\s*:(.*)$", re.ASCII)
+# the start of a row of torch's schedule CSV (`0F0,0SEND_F0,...`, `(0F5;5B2)OVERLAP_F_B`): only for a hint
+_TORCH_CSV_ROW = re.compile(
+    r"^\(?\d+(?:F|B|I|W|SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)\d*\s*(?:[,;)]|$)", re.ASCII)
 
 
 def to_text(program: Program) -> str:
@@ -72,7 +75,10 @@ def from_text(text: str) -> Program:
                 ranks[current].extend(Instr.parse(tok) for tok in line.split())
             else:
                 hint = (" (this looks like `pipesched show`'s grid, a picture for reading: write the program with "
-                        "`pipesched show ... --format text` or `--json`)" if line.split()[:1] == ["step"] else "")
+                        "`pipesched show ... --format text` or `--json`)" if line.split()[:1] == ["step"] else
+                        " (this looks like a torch.distributed.pipelining schedule CSV: read it with "
+                        "pipesched.interop.from_torch_csv, or `pipesched validate --torch-csv FILE`)"
+                        if _TORCH_CSV_ROW.match(line) else "")
                 raise ValueError(f"expected a header ({', '.join(_HEADER_KEYS)}) or 'rank N:', got {line!r}{hint}")
         except ValueError as exc:
             raise ProgramFormatError(f"line {lineno}: {exc}") from None

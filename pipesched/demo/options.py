@@ -38,7 +38,8 @@ def _add_schedule_options(parser: argparse.ArgumentParser) -> None:
                         "world size / dp; default 4)")
     parser.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default 4)")
     parser.add_argument("--virtual-stages", type=int, default=None,
-                        help="stages per rank (default: the schedule's: 2 for interleaved-1f1b, else 1)")
+                        help="stages per rank (default: the schedule's: 2 for interleaved-1f1b, zbv and dualpipev, "
+                        "else 1)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     parser.add_argument("--recompute", action="store_true", default=None, help="recompute activations in backward")
     parser.add_argument("--balance", default=None,
