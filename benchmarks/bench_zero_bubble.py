@@ -52,11 +52,18 @@ AT_1F1B_MEMORY = ("zb-h1", "zbv", "zb-auto")  # peak in-flight activations no mo
 FUSED = ("1f1b", "zb-h1", "zbv", "dualpipev", "zb-auto")  # --fusion: these again with gradient_accumulation_fusion=True
 
 
-def rows(fusion: bool) -> tuple:
-    """(row label, our schedule, virtual stages, torch's class or None, gradient_accumulation_fusion) of ours."""
-    plain = tuple((*row, False) for row in OURS)
-    return plain + tuple((f"{label} +fusion", name, v, theirs, True) for label, name, v, theirs in OURS
+def rows(fusion: bool, only=None) -> tuple:
+    """(row label, our schedule, virtual stages, torch's class or None, gradient_accumulation_fusion) of ours;
+    ``only``: the schedules to keep (``None``: all), 1f1b and zb-h1 always (the ceiling and zb-auto's costs)."""
+    keep = [row for row in OURS if only is None or row[0] in {*only, "1f1b", "zb-h1"}]
+    plain = tuple((*row, False) for row in keep)
+    return plain + tuple((f"{label} +fusion", name, v, theirs, True) for label, name, v, theirs in keep
                          if fusion and label in FUSED)
+
+
+def torch_sides(ours_rows) -> tuple:
+    """torch's classes that ``ours_rows`` are compared with, Schedule1F1B first (always)."""
+    return tuple(name for name in THEIRS if name == "Schedule1F1B" or any(row[3] == name for row in ours_rows))
 
 
 # ---- the model, the data, the two sides -------------------------------------------------------------------------
@@ -227,26 +234,26 @@ def _shared(value, rank: int):
     return box[0]
 
 
-def worker(rank: int, cfgs, rounds: int, block: int, warmup: int, profile: bool, fusion: bool = False):
+def worker(rank: int, cfgs, rounds: int, block: int, warmup: int, profile: bool, fusion: bool = False, only=None):
     """Per config: {side: {"steps": [(s, faults, CPU s)], "bubbles": [(measured, simulated, in SEND calls)]},
     "zb-auto costs": CostModel}; side = ("ours", label) or ("torch", class name)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    out = []
+    out, mine = [], rows(fusion, only)
     for cfg in cfgs:
         sides = {("ours", label): ours(cfg, name, v, fuse=fuse)
-                 for label, name, v, _, fuse in rows(fusion) if name != "zb-auto"}
-        sides.update({("torch", name): theirs(rank, cfg, name) for name in THEIRS})
+                 for label, name, v, _, fuse in mine if name != "zb-auto"}
+        sides.update({("torch", name): theirs(rank, cfg, name) for name in torch_sides(mine)})
         for step, zero, _ in sides.values():
             timed(step, zero, max(1, warmup))
         costs = _shared(bubbles(sides["ours", "zb-h1"][2])[3], rank)  # zb-auto is built for zb-h1's costs
-        for label, name, _, _, fuse in rows(fusion):
+        for label, name, _, _, fuse in mine:
             if name == "zb-auto":
                 sides["ours", label] = ours(cfg, "zb-auto", 1, costs, fuse)
                 timed(*sides["ours", label][:2], max(1, warmup))
         got = {key: {"steps": [], "bubbles": []} for key in sides}
-        order = [("ours", label) for label, *_ in rows(fusion)] + [("torch", name) for name in THEIRS]
+        order = [("ours", label) for label, *_ in mine] + [("torch", name) for name in torch_sides(mine)]
         for _ in range(rounds):
             for key in order:  # ours and torch's alternate: 1f1b, zb-h1, ..., then torch's four
                 step, zero, pipe = sides[key]
@@ -257,10 +264,10 @@ def worker(rank: int, cfgs, rounds: int, block: int, warmup: int, profile: bool,
                     got[key]["bubbles"].append(tuple(measured))
                     got[key].setdefault("costs", []).append(costs_now)
         if profile and rank == P - 1:
-            for label in ("zb-h1", "zbv"):
+            for label in [lb for lb in ("zb-h1", "zbv") if ("ours", lb) in sides]:
                 _profile(*sides["ours", label][:2], rounds * block, f"{label} {cfg}")
         elif profile:
-            for label in ("zb-h1", "zbv"):
+            for label in [lb for lb in ("zb-h1", "zbv") if ("ours", lb) in sides]:
                 timed(*sides["ours", label][:2], rounds * block)
         for key, (_, _, pipe) in sides.items():
             if pipe is not None:
@@ -299,7 +306,7 @@ def spread(ratios: list[float]) -> str:
     return f"[{q1:.2f}-{q3:.2f}]"
 
 
-def table(results, label: str, block: int = 1, fusion: bool = False) -> list[str]:
+def table(results, label: str, block: int = 1, fusion: bool = False, only=None) -> list[str]:
     """Rows of the markdown table of one config (results: one dict per rank); after each ratio, the middle half
     of the per-round ratios (:func:`round_ratios`)."""
     lines = [f"\n{label}",
@@ -308,7 +315,7 @@ def table(results, label: str, block: int = 1, fusion: bool = False) -> list[str
              "|---|---|---|---|---|---|---|---|---|"]
     ref = summarize(results, ("torch", "Schedule1F1B"))[0]
     best = fused_best = None
-    for row, _, _, torch_name, fuse in rows(fusion):
+    for row, _, _, torch_name, fuse in rows(fusion, only):
         t, f, c = summarize(results, ("ours", row))
         bub = results[0]["ours", row]["bubbles"]
         measured, simulated, sending = (statistics.median(b[k] for b in bub) for k in range(3))
@@ -371,6 +378,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--wide-width", type=int, default=MODELS["wide"][0])
     parser.add_argument("--wide-rows", type=int, default=MODELS["wide"][1], help="rows per microbatch")
     parser.add_argument("--profile", action="store_true", help="cProfile ours' zb-h1 and zbv on the last rank")
+    parser.add_argument("--schedules", default=None,
+                        help="comma-separated: only these of ours (and torch's same); 1f1b and zb-h1 always run")
     parser.add_argument("--fusion", action="store_true",
                         help="also ours' " + ", ".join(FUSED) + " with gradient_accumulation_fusion=True")
 
@@ -382,7 +391,11 @@ def run(args, launch) -> None:
         raise SystemExit(f"--models: {args.models!r}; valid: comma-separated names from {sorted(sizes)}")
     cfgs = [(*sizes[n], int(m)) for n in names for m in args.m.split(",")]
     load0, start = os.getloadavg(), time.perf_counter()
-    results = launch(worker, P, cfgs, args.rounds, args.block, args.warmup, args.profile, args.fusion,
+    only = None if args.schedules is None else [s for s in args.schedules.split(",") if s]
+    if only is not None and any(s not in {row[0] for row in OURS} for s in only):
+        raise SystemExit(f"--schedules: {args.schedules!r}; valid: comma-separated names from "
+                         f"{[row[0] for row in OURS]}")
+    results = launch(worker, P, cfgs, args.rounds, args.block, args.warmup, args.profile, args.fusion, only,
                      timeout=7200)
     load1 = os.getloadavg()
     print(f"\np={P} gloo, 1 thread/process, {LAYERS} x (Linear(w, w) + Tanh), MSE; medians of {args.rounds} x "
@@ -391,7 +404,7 @@ def run(args, launch) -> None:
           f"{load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f} after ({os.cpu_count()} cores)")
     for k, (width, rows, m) in enumerate(cfgs):
         label = f"w={width}, {rows} rows per microbatch, m={m}"
-        print("\n".join(table([r[k] for r in results], label, args.block, args.fusion)))
+        print("\n".join(table([r[k] for r in results], label, args.block, args.fusion, only)))
 
 
 if __name__ == "__main__":
