@@ -18,8 +18,14 @@ node (``nn.Linear``, ``F.linear``, ``x @ w.t()``) whose ``mat2`` is ``weight.t()
 ``.grad`` is already a plain contiguous tensor of the product's dtype and device, no gradient hooks are on the
 weight (``register_hook``, ``register_post_accumulate_grad_hook``) and the tensors are plain ``torch.Tensor``.
 Anything else (the first microbatch after ``zero_grad(set_to_none=True)``, an autocast cast between the weight
-and the GEMM, a weight used twice, a convolution) runs autograd's path unchanged. The bias, if any, gets its
-gradient from autograd as before (bitwise).
+and the GEMM, a weight used twice, also as the GEMM's other operand as in ``torch.addmm(h, tanh(w), w.t())``, a
+GEMM whose ``self`` is not a leaf bias, a root that does not depend on the stage input, a convolution) runs
+autograd's path unchanged. The bias, if any, gets its gradient from autograd as before (bitwise).
+
+Hooks a fused ``W`` does not run (torch cannot list them, so they do not make it decline): those registered on
+the weight's accumulate node itself (``w.view_as(w).grad_fn.next_functions[0][0].register_hook``, as Megatron's
+and DeepSpeed's data parallelism do), and, for a ``Linear`` without a bias, the second run of a tensor hook on its
+output that the split's ``W`` restart would make (the unsplit model's count, where unfused ``W`` runs it twice).
 """
 from __future__ import annotations
 
@@ -48,10 +54,13 @@ def fused_linear_weight(starts, params, accumulate) -> bool:
     if saved is None or len(grads) != 1 or grads[0] is None or getattr(node, "_saved_alpha", 1) != 1:
         return False
     weight = _transposed_leaf(node.next_functions[-1][0])
-    if weight is None or not any(p is weight for p in params):
+    if weight is None or not any(p is weight for p in params) or not _only_through_mat2(node, grads, weight, params):
         return False
-    grad_out, left = grads[0], getattr(node, saved)
-    if not _fusable(weight, grad_out, left):
+    grad_out = grads[0]
+    if not _fusable(weight, grad_out):
+        return False
+    left = getattr(node, saved)  # after the checks: under a non-reentrant checkpoint, reading it recomputes
+    if not _fits(weight.grad, left):
         return False
     rest = [p for p in params if p is not weight]
     if rest:
@@ -70,17 +79,42 @@ def _transposed_leaf(node):
     return getattr(below, "variable", None) if type(below).__name__ == "AccumulateGrad" else None
 
 
-def _fusable(weight, grad_out, left) -> bool:
-    """Whether ``weight.grad += grad_out^T @ left`` in one ``addmm_`` does what the accumulate node would
-    (bar rounding): ``.grad`` there to add into, of the product's dtype, device and shape, contiguous, not
-    itself requiring grad; no hooks on the weight; plain tensors."""
+def _only_through_mat2(node, grads, weight, params) -> bool:
+    """Whether the weight's gradient can reach ``node`` only through ``mat2`` (``weight.t()``), so the ``addmm_``
+    is all of it. Another use of the weight below ``mat1`` passes a node that depends on the stage input (its own
+    restart point: the group then has two) when the input comes in through ``mat1``; not when ``node`` is a root
+    outside the input closure (``grads`` a dict) or the input comes in through ``addmm``'s ``self``
+    (``torch.addmm(h, tanh(w), w.t())``: ``mat1`` may then hang on the weight alone, and its share would be lost).
+    So ``self`` must be absent or a leaf parameter of the group other than the weight (a ``Linear``'s bias)."""
+    if isinstance(grads, dict):
+        return False
+    if type(node).__name__ != "AddmmBackward0":
+        return True
+    bias = node.next_functions[0][0]
+    if bias is None:
+        return True
+    leaf = getattr(bias, "variable", None) if type(bias).__name__ == "AccumulateGrad" else None
+    return leaf is not None and leaf is not weight and any(p is leaf for p in params)
+
+
+def _fusable(weight, grad_out) -> bool:
+    """Whether ``weight.grad += grad_out^T @ left`` in one ``addmm_`` can do what the accumulate node would (bar
+    rounding), as far as the weight and ``grad_out`` say: ``.grad`` there to add into, contiguous, not itself
+    requiring grad, of ``grad_out``'s dtype and device, one row per output feature; no hooks on the weight; plain
+    tensors (``left``: :func:`_fits`)."""
     grad = weight.grad
-    if grad is None or not all(type(t) in _PLAIN for t in (weight, grad, grad_out, left)):
+    if grad is None or not all(type(t) in _PLAIN for t in (weight, grad, grad_out)):
         return False
     if weight._backward_hooks or getattr(weight, "_post_accumulate_grad_hooks", None):
         return False
-    if grad_out.dim() != 2 or left.dim() != 2 or grad.layout != torch.strided or grad.requires_grad:
+    if grad_out.dim() != 2 or grad.dim() != 2 or grad.layout != torch.strided or grad.requires_grad:
         return False
-    return (grad.is_contiguous() and grad.dtype == grad_out.dtype == left.dtype
-            and grad.device == grad_out.device == left.device
-            and tuple(grad.shape) == (grad_out.shape[1], left.shape[1]))
+    return (grad.is_contiguous() and grad.dtype == grad_out.dtype and grad.device == grad_out.device
+            and grad.shape[0] == grad_out.shape[1])
+
+
+def _fits(grad, left) -> bool:
+    """Whether the GEMM's saved left operand fits ``grad`` (checked by :func:`_fusable`): a plain 2-D tensor of its
+    dtype and device, one column per input feature."""
+    return (type(left) in _PLAIN and left.dim() == 2 and left.dtype == grad.dtype and left.device == grad.device
+            and left.shape[1] == grad.shape[1])
