@@ -135,6 +135,8 @@ def told(exc: BaseException, rank: int, store) -> BaseException:
     lost = _lost_peers(store, rank, gone) if earlier is None and gloo_closed else []  # a peer killed closed it
     if lost:  # ... and it is the cause (a returned fn's closed connection is no error by itself), not this rank
         return PipelineError(_lost_record(lost, gone, rank), rank, f"its launch fn then raised {type(exc).__name__}")
+    if earlier is None and gloo_closed and not gone:  # a peer marked while _lost_peers waited (its fn closed its
+        gone = returned_peers(store, rank)  # connections itself, then returned)
     if gone:  # a peer's fn returned (closing its connections) while this rank was in a collective with it
         return PipelineError(_returned_record(gone, rank), rank, f"its launch fn then raised {type(exc).__name__}")
     publish_job_failure(store, rank, exc)
@@ -164,21 +166,34 @@ def mark_raised(store, rank: int) -> None:
         pass
 
 
+_MARK_GRACE_S = 1.0  #: seconds a closed peer gets to show its returned/raised mark before it is called lost
+
+
 def _lost_peers(store, rank: int, gone: list[int]) -> list[int]:
     """The world ranks whose connection to this rank (in the default group) is closed although their ``fn`` neither
     returned (``gone``, :func:`mark_returned`) nor raised (:func:`mark_raised`): their process ended without a word
     (killed, ``os._exit``), ascending; ``[]`` if none or the store does not answer. Each such rank's mark is read
-    after the probe: a rank that closes its connections has marked itself before."""
+    after the probe, for up to :data:`_MARK_GRACE_S`: a rank that closes its connections when its fn ends has
+    marked itself before, but a fn may close them itself (``dist.destroy_process_group()``) and then return."""
+    import time
+
     import torch
     import torch.distributed as dist
 
     from .lost_rank import closed_members
 
+    def unmarked(r):
+        return not store.check([_RAISED.format(rank=r)]) and not store.check([_RETURNED.format(rank=r)])
+
     try:
         group = dist.distributed_c10d._get_default_group()
-        closed = closed_members(group, list(range(group.size())), torch.device("cpu"))
-        return sorted(r for r in closed if r not in gone and not store.check([_RAISED.format(rank=r)])
-                      and not store.check([_RETURNED.format(rank=r)]))
+        closed = [r for r in closed_members(group, list(range(group.size())), torch.device("cpu")) if r not in gone]
+        deadline = time.monotonic() + _MARK_GRACE_S
+        while True:
+            closed = [r for r in closed if unmarked(r)]
+            if not closed or time.monotonic() >= deadline:
+                return sorted(closed)
+            time.sleep(0.05)
     except Exception:  # noqa: BLE001 - no group, or a store that does not answer: nothing can be said
         return []
 

@@ -176,6 +176,36 @@ def test_a_killed_peer_is_named_by_every_rank_waiting_on_it_when_no_fn_returned(
             "raised RuntimeError]")
 
 
+def destroy_and_return_or_wait(rank: int, directory: str) -> str:
+    """Rank 1's fn closes its own connections (``dist.destroy_process_group()``, as torch's docs end a script) and
+    returns while rank 0 still waits on a receive from it: rank 0 writes what it reports."""
+    import torch
+    import torch.distributed as dist
+
+    from pipesched.runtime.launch_child import told
+
+    dist.barrier()
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        dist.destroy_process_group()
+        return "returned"
+    try:
+        dist.recv(torch.zeros(1), src=1)
+    except Exception as exc:
+        error = told(exc, rank, store)
+        with open(f"{directory}/{rank}.txt", "w") as out:
+            out.write(f"{getattr(error, 'rank', None)}|{error.record.ended}|{error.record.lost}")
+        raise
+    return "received"
+
+
+def test_a_peer_that_closed_its_own_connections_and_returned_is_named_returned_not_lost(tmp_path):
+    with pytest.raises(PipelineError) as info:
+        launch(destroy_and_return_or_wait, 2, str(tmp_path), timeout=LAUNCH_TIMEOUT, grace=5, start_method="fork")
+    assert (info.value.rank, info.value.record.ended, info.value.record.lost) == (1, "returned", False)
+    assert (tmp_path / "0.txt").read_text() == "1|returned|False"  # not "was lost: ... killed"
+
+
 def return_or_barrier_then_tell(rank: int, directory: str) -> str:
     """Rank 0's fn returns while ranks 1 and 2 are in a barrier; rank 2 raises (reported, its connections then close);
     rank 1 waits until its connection to rank 2 is closed too, then writes what it reports: rank 2 raised, it was
