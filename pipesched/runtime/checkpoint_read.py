@@ -21,6 +21,20 @@ FORMAT = "pipesched-checkpoint/1"
 SAVING, REPLACED = ".saving", ".replaced"  # suffixes of a save's hidden temporary directories
 
 
+def _held_checkpoints(folder: str) -> str:
+    """For a folder that is no checkpoint: the checkpoints it holds, as a hint (``""`` if none)."""
+    try:
+        names = sorted(n for n in os.listdir(folder) if not n.startswith(".")
+                       and os.path.isfile(os.path.join(folder, n, ".metadata")))
+    except OSError:
+        return ""
+    if not names:
+        return ""
+    shown = ", ".join(repr(n) for n in names[-3:])
+    return (f"; it is a folder of {len(names)} checkpoint(s) ({'..., ' if len(names) > 3 else ''}{shown}): load one "
+            f"of them, e.g. load_checkpoint(latest_checkpoint({folder!r}))")
+
+
 def read_checkpoint(path) -> tuple[str, dict, dict]:
     """(absolute path, DCP entries by name, the ``pipesched.*`` values) of a complete pipesched checkpoint."""
     target = as_path(path)
@@ -32,7 +46,7 @@ def read_checkpoint(path) -> tuple[str, dict, dict]:
                          f"checkpoint it was saved as, or latest_checkpoint() of its folder")
     if not os.path.isdir(target) or not os.path.isfile(os.path.join(target, ".metadata")):
         raise ValueError(f"checkpoint {target!r} is incomplete or not a checkpoint: it has no .metadata (written "
-                         f"last, when every rank has finished)")
+                         f"last, when every rank has finished){_held_checkpoints(target)}")
     try:
         entries = FileSystemReader(target).read_metadata().state_dict_metadata
     except Exception as exc:  # noqa: BLE001 - a damaged file: name the path
