@@ -129,7 +129,8 @@ def test_readme_pipeline_block_lists_every_constructor_argument():
     block = readme[start:readme.index("\nopt = ", start)]
     named = [name for line in block.splitlines() for name in re.findall(r"(\w+)=", line.split("#")[0])]
     assert ["model", *named] == _init_params()
-    assert "                profile=None)               # balance=\"time\" only" in block
+    assert "                profile=None,               # balance=\"time\" only" in block
+    assert "                gradient_accumulation_fusion=False)  # True: W adds" in block  # the last argument
     assert "(no ties= argument: tied weights are found in the model, see below)" in block
     assert "ties" not in _init_params()
 
