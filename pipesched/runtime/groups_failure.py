@@ -71,4 +71,5 @@ def _stalled_record(channel, grid, timeout: float, exc: BaseException, where: st
     cause = (f"TimeoutError: {world_ranks_text(silent)} began creating them but did not finish within "
              f"timeout={timeout:g} s, nor time out within {ROLL_CALL_S:g} s of world rank {grid.world_rank}: stalled "
              f"or hung inside the creation")
-    return dataclasses.replace(record, id=f"stalled:{silent[0]}:{time.time_ns()}", cause=cause)
+    return dataclasses.replace(record, id=f"stalled:{silent[0]}:{time.time_ns()}", cause=cause,
+                               stalled=tuple(silent))  # err.stalled, as a step's roll call gives it

@@ -93,7 +93,7 @@ def test_a_stall_in_creating_the_pipelines_groups_is_not_worded_as_a_step():
     message = str(info.value)
     assert "stalled or hung inside the creation" in message, message
     assert "step" not in message, message
-    assert info.value.rank == 1  # the record names the stalled rank itself (its .stalled is not set on this path)
+    assert (info.value.rank, info.value.stalled) == (1, (1,))  # the stalled rank, also as data
 
 
 # -- 2. a returned fn and a killed peer --------------------------------------------------------------------------------
