@@ -57,7 +57,8 @@ class Executor:
         self.modules = {s: list(m.modules()) for s, m in work.stages.items()}  # (their buffers are read at each W)
         self.ties = ties = links.ties  # the TieReducer of TIE_REDUCE (runtime.tie_reduce), None without ties here
         self.reduced = reduced_params(self.params if ties is None else ties.untied(self.params), program.ranks[pp_rank])
-        table = {Op.F: self._f, Op.B: self._b, Op.I: self._i, Op.W: self._w, Op.R: self._r,
+        b = self._i_then_w if self.fuse_wgrad else self._b  # fusion needs the weight half apart (chosen once)
+        table = {Op.F: self._f, Op.B: b, Op.I: self._i, Op.W: self._w, Op.R: self._r,
                  Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b,
                  Op.RECV_B: self._recv_b, Op.ALL_REDUCE: self._all_reduce, Op.TIE_REDUCE: self._tie_reduce}
         #: per (train, learning): this rank's stream of that program, each instruction with its handler
@@ -311,10 +312,6 @@ class Executor:
         return [r for r, _ in pairs], [g for _, g in pairs]
 
     def _b(self, instr):
-        if self.fuse_wgrad:  # gradient-accumulation fusion needs the weight half apart: I then W, in one B
-            self._i(instr)
-            self._w(instr)
-            return
         s, mb = instr.stage, instr.microbatch
         roots, grads = self._backward_roots(s, mb)
         if roots:
@@ -335,6 +332,10 @@ class Executor:
                                                        self.split_plans[s])
         if s > 0:
             self.step.input_grads[(s, mb)] = got
+
+    def _i_then_w(self, instr):  # a B under gradient-accumulation fusion
+        self._i(instr)
+        self._w(instr)
 
     def _w(self, instr):
         s, mb = instr.stage, instr.microbatch

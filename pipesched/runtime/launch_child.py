@@ -131,16 +131,24 @@ def told(exc: BaseException, rank: int, store) -> BaseException:
         return PipelineError(earlier, rank, f"its launch fn then raised {describe(exc)}")
     gloo_closed = (isinstance(exc, RuntimeError) and peer_closed_connection(exc)  # gloo's, not an OSError's
                    and not isinstance(exc, (dist.DistNetworkError, dist.DistStoreError)))  # nor the store's
-    gone = returned_peers(store, rank) if earlier is None and gloo_closed else []
-    lost = _lost_peers(store, rank, gone) if earlier is None and gloo_closed else []  # a peer killed closed it
-    if lost:  # ... and it is the cause (a returned fn's closed connection is no error by itself), not this rank
-        return PipelineError(_lost_record(lost, gone, rank), rank, f"its launch fn then raised {type(exc).__name__}")
-    if earlier is None and gloo_closed and not gone:  # a peer marked while _lost_peers waited (its fn closed its
-        gone = returned_peers(store, rank)  # connections itself, then returned)
-    if gone:  # a peer's fn returned (closing its connections) while this rank was in a collective with it
-        return PipelineError(_returned_record(gone, rank), rank, f"its launch fn then raised {type(exc).__name__}")
+    record = _closed_peer_record(store, rank) if earlier is None and gloo_closed else None
+    if record is not None:
+        return PipelineError(record, rank, f"its launch fn then raised {type(exc).__name__}")
     publish_job_failure(store, rank, exc)
     return exc
+
+
+def _closed_peer_record(store, rank: int):
+    """Who closed the connection this rank's collective failed on: a peer killed meanwhile (the ``lost`` record: the
+    cause, whether or not another peer's fn returned, whose closed connection is no error by itself), else peers whose
+    fn returned (``ended="returned"``; read again after :func:`_lost_peers`' wait, in which a fn that closed its
+    connections itself may have returned); ``None``: neither, this rank's own failure."""
+    gone = returned_peers(store, rank)
+    lost = _lost_peers(store, rank, gone)
+    if lost:
+        return _lost_record(lost, gone, rank)
+    gone = gone or returned_peers(store, rank)
+    return _returned_record(gone, rank) if gone else None
 
 
 _RETURNED = "pipesched/job/returned/{rank}"
@@ -150,19 +158,20 @@ _RAISED = "pipesched/job/raised/{rank}"
 def mark_returned(store, rank: int) -> None:
     """Say (one store key, best effort) that world rank ``rank``'s ``fn`` returned: set before its connections
     close, so that a peer whose own collective fails on that closed connection names it (:func:`told`)."""
-    try:
-        store.set(_RETURNED.format(rank=rank), "1")
-    except Exception:  # noqa: BLE001 - a store that does not answer: the peer reports its own error
-        pass
+    _mark(store, _RETURNED, rank)
 
 
 def mark_raised(store, rank: int) -> None:
     """Say (one store key, best effort) that world rank ``rank``'s ``fn`` raised and was reported (:func:`told`): set
     before its connections close, so that a peer probing its closed connection does not take it for a lost rank
     (:func:`_lost_peers`)."""
+    _mark(store, _RAISED, rank)
+
+
+def _mark(store, key: str, rank: int) -> None:
     try:
-        store.set(_RAISED.format(rank=rank), "1")
-    except Exception:  # noqa: BLE001 - as mark_returned
+        store.set(key.format(rank=rank), "1")
+    except Exception:  # noqa: BLE001 - a store that does not answer: the peer reports its own error
         pass
 
 

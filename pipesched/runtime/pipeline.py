@@ -106,16 +106,11 @@ class Pipeline(PipelineCollectives, PipelineMeasured):
             optimizer state stay as they are (float32), and activations cross ranks in the dtype the stage
             produced (bfloat16 halves the bytes). Every rank must pass the same. float16 wants a
             :class:`~pipesched.runtime.GradScaler` (``step(..., scaler=)``). See :mod:`pipesched.runtime.amp`.
-        gradient_accumulation_fusion: ``False`` (default) or ``True``: each ``W`` instruction adds an
-            ``nn.Linear``'s weight gradient into its existing ``.grad`` with one GEMM (``addmm_``, ``beta = 1``) instead
-            of a GEMM into a new tensor and an add, as Megatron-Core's option of that name does; 30% less time per
-            ``W`` of a ``Linear(2048, 2048)`` on 64 rows here (:mod:`pipesched.runtime.wgrad_fusion`). **Not
-            bitwise**: the weight gradients then equal the unsplit model's to float rounding only (the GEMM adds
-            into ``.grad`` block by block), so the bitwise guarantees hold with it off. A ``B`` instruction then
-            runs as ``I`` then ``W`` inside it (the split's bookkeeping, about 0.24 ms per stage and microbatch
-            on 4 x Linear(512): it pays on wide layers only; tensor hooks inside the stage run twice, as with
-            ``split_backward``). Only where ``.grad`` already exists (not the first microbatch after
-            ``zero_grad()``). A ``TypeError`` for anything but a bool. Per rank (not compared across ranks).
+        gradient_accumulation_fusion: ``False`` (default) or ``True``: ``W`` adds an ``nn.Linear``'s weight gradient
+            into its existing ``.grad`` with one GEMM (``addmm_``, ``beta = 1``), as Megatron-Core's option of that
+            name; a ``B`` then runs as ``I`` then ``W`` (:mod:`pipesched.runtime.wgrad_fusion`: where it applies,
+            what it costs). **Not bitwise** (float rounding), so the bitwise guarantees hold with it off. A
+            ``TypeError`` for anything but a bool. Per rank (not compared across ranks).
     Attributes:
         programs: the validated programs this pipeline runs (:class:`pipesched.api.StepPrograms`): ``step()``
             and ``forward()``, once the message shapes are known and while learning them; the executor runs

@@ -31,7 +31,7 @@ from collections import deque
 import torch
 from torch.autograd.graph import GradientEdge
 
-from .wgrad_fusion import fused_linear_weight
+from .wgrad_fusion import PLAIN_TENSORS, fused_linear_weight
 
 
 class WeightGrad:
@@ -140,8 +140,6 @@ def backward_weight(work: WeightGrad, fuse: bool = False) -> None:
     work.groups, work.whole = [], None
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # classes whose backward needs no __torch_function__ dispatch
-
 
 def _accumulate(edges, values, params) -> None:
     """``torch.autograd.backward(edges, values, inputs=params, retain_graph=True)`` without its argument
@@ -150,7 +148,7 @@ def _accumulate(edges, values, params) -> None:
     call is kept where torch lacks the engine entry point it uses, and for tensor subclasses (which it may
     dispatch through ``__torch_function__``)."""
     run = getattr(torch.autograd.graph, "_engine_run_backward", None)
-    if run is None or not all(type(t) in _PLAIN for t in (*values, *params)):
+    if run is None or not all(type(t) in PLAIN_TENSORS for t in (*values, *params)):
         torch.autograd.backward(edges, values, inputs=params, retain_graph=True)
         return
     run(tuple(edges), tuple(values), True, False, tuple(params), allow_unreachable=True, accumulate_grad=True)

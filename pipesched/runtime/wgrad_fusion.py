@@ -6,7 +6,9 @@ back. With ``.grad`` already holding earlier microbatches' sum, one GEMM with ``
 (``weight.grad.addmm_(dY^T, X)``) does both: Megatron-Core's ``gradient_accumulation_fusion`` (its fused
 ``wgrad`` kernels), here for ``W`` instructions (and ``B``, which the executor then runs as ``I`` then ``W``) on
 any device through ``torch.addmm``. On this machine's CPU it takes 6.3 ms where autograd takes 9.0-10.0 (one
-``Linear(2048, 2048)``, 64 rows, one thread).
+``Linear(2048, 2048)``, 64 rows, one thread). A ``B`` run so pays the split's bookkeeping (about 0.24 ms per stage
+and microbatch on 4 x Linear(512): it pays on wide layers only), and tensor hooks inside the stage run twice, as
+with ``split_backward``. Only where ``.grad`` already exists: not the first microbatch after ``zero_grad()``.
 
 **Not bitwise.** The GEMM adds its products into the old ``.grad`` as it goes, in K-blocks (rows of the
 microbatch; MKL here: blocks of 256 rows), where autograd rounds the whole product first, then adds: the sums
@@ -33,7 +35,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 _GEMMS = {"AddmmBackward0": "_saved_mat1", "MmBackward0": "_saved_self"}  # node type -> its saved left operand
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  #: classes whose autograd needs no __torch_function__ dispatch
 
 
 def fused_linear_weight(starts, params, accumulate) -> bool:
@@ -103,7 +105,7 @@ def _fusable(weight, grad_out) -> bool:
     requiring grad, of ``grad_out``'s dtype and device, one row per output feature; no hooks on the weight; plain
     tensors (``left``: :func:`_fits`)."""
     grad = weight.grad
-    if grad is None or not all(type(t) in _PLAIN for t in (weight, grad, grad_out)):
+    if grad is None or not all(type(t) in PLAIN_TENSORS for t in (weight, grad, grad_out)):
         return False
     if weight._backward_hooks or getattr(weight, "_post_accumulate_grad_hooks", None):
         return False
@@ -116,5 +118,5 @@ def _fusable(weight, grad_out) -> bool:
 def _fits(grad, left) -> bool:
     """Whether the GEMM's saved left operand fits ``grad`` (checked by :func:`_fusable`): a plain 2-D tensor of its
     dtype and device, one column per input feature."""
-    return (type(left) in _PLAIN and left.dim() == 2 and left.dtype == grad.dtype and left.device == grad.device
+    return (type(left) in PLAIN_TENSORS and left.dim() == 2 and left.dtype == grad.dtype and left.device == grad.device
             and left.shape[1] == grad.shape[1])

@@ -53,38 +53,31 @@ def test_a_stall_in_a_step_is_worded_as_the_step():
         assert (got["rank"], got["stalled"]) == (0, (1,)), got
 
 
-def test_a_stall_in_a_checkpoint_save_is_worded_as_the_save(tmp_path):
+def _stalled_rank_1(body, args, start: str, during: str) -> None:
+    """``body`` on 2 ranks stalls rank 1: rank 0's error starts with ``start``, ends with the roll call's words for
+    ``during``, never says "step", and names rank 0 (timed out) with rank 1 stalled."""
     with pytest.raises(PipelineError) as info:
-        launch(chaos.stall_in_dcp_write, 2, str(tmp_path), 1, timeout=LAUNCH_TIMEOUT, grace=5, start_method="fork")
+        launch(body, 2, *args, timeout=LAUNCH_TIMEOUT, grace=5, start_method="fork")
     message = str(info.value)
-    assert message.startswith(f"pipeline rank failure: world rank 0 (pipeline rank 0) failed while writing "
-                              f"checkpoint {str(tmp_path / 'ckpt')!r} (DCP's collectives)"), message
-    assert message.endswith(_tail("the checkpoint save", "before or inside the checkpoint save")), message
-    assert "step" not in message, message
-    assert (info.value.rank, info.value.stalled) == (0, (1,))
-
-
-def test_a_stall_in_a_checkpoint_load_is_worded_as_the_load(tmp_path):
-    with pytest.raises(PipelineError) as info:
-        launch(cg.stall_in_dcp_read, 2, str(tmp_path), 1, 1, timeout=LAUNCH_TIMEOUT, grace=5, start_method="fork")
-    message = str(info.value)
-    assert message.startswith(f"pipeline rank failure: world rank 0 (pipeline rank 0) failed while reading "
-                              f"checkpoint {str(tmp_path / 'ckpt')!r} (DCP's collectives)"), message
-    assert message.endswith(_tail("the checkpoint load", "before or inside the checkpoint load")), message
-    assert "step" not in message, message
-    assert (info.value.rank, info.value.stalled) == (0, (1,))
-
-
-def test_a_stall_in_creating_the_checkpoint_group_is_worded_as_the_group_creation(tmp_path):
-    with pytest.raises(PipelineError) as info:
-        launch(cg.stall_before_the_group, 2, str(tmp_path), 1, timeout=LAUNCH_TIMEOUT, grace=5, start_method="fork")
-    message = str(info.value)
-    during = "the creation of the checkpoint's process group"
-    assert message.startswith("pipeline rank failure: world rank 0 (pipeline rank 0) failed while creating the "
-                              "checkpoint's process group"), message
+    assert message.startswith(f"pipeline rank failure: world rank 0 (pipeline rank 0) failed while {start}"), message
     assert message.endswith(_tail(during, f"before or inside {during}")), message
     assert "step" not in message, message
     assert (info.value.rank, info.value.stalled) == (0, (1,))
+
+
+def test_a_stall_in_a_checkpoint_save_is_worded_as_the_save(tmp_path):
+    _stalled_rank_1(chaos.stall_in_dcp_write, (str(tmp_path), 1),
+                    f"writing checkpoint {str(tmp_path / 'ckpt')!r} (DCP's collectives)", "the checkpoint save")
+
+
+def test_a_stall_in_a_checkpoint_load_is_worded_as_the_load(tmp_path):
+    _stalled_rank_1(cg.stall_in_dcp_read, (str(tmp_path), 1, 1),
+                    f"reading checkpoint {str(tmp_path / 'ckpt')!r} (DCP's collectives)", "the checkpoint load")
+
+
+def test_a_stall_in_creating_the_checkpoint_group_is_worded_as_the_group_creation(tmp_path):
+    _stalled_rank_1(cg.stall_before_the_group, (str(tmp_path), 1), "creating the checkpoint's process group",
+                    "the creation of the checkpoint's process group")
 
 
 def test_a_stall_in_creating_the_pipelines_groups_is_not_worded_as_a_step():
