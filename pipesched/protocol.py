@@ -24,7 +24,8 @@ on each rank, posts exactly these messages, in this order (:func:`step_posts`):
    order on both sides. A gradient message (SEND_B/RECV_B) is *masked* (``runtime/transport.py``): only the
    input tensors of a stage that require grad get one, and some of those may get none (the next stage
    detaches them or never uses them; a stage whose outputs get none skips its backward). While learning,
-   the message carries a gradient for each tensor that requires grad (zeros for none) plus a presence mask;
+   the message carries a gradient for each tensor that requires grad (zeros for none) plus a presence mask
+   (with each gradient's dim order, one ``uint8`` tensor);
    afterwards only the present gradients; and no message at all where no input tensor requires grad, or
    (known) none gets a gradient. :func:`step_posts` takes which gradients come (``gradients``) and gives
    each gradient message's tensor count (:attr:`Post.tensors`, :func:`gradient_tensors`).
@@ -92,7 +93,8 @@ def gradient_tensors(mask: tuple, learning: bool) -> int:
         mask: one bool per tensor of the stage's input that requires grad, True where it gets a gradient
             (``()``: no input tensor requires grad).
         learning: the step learns the message metas: the message then carries every gradient of ``mask``
-            (zeros for the absent ones) plus the ``uint8`` presence mask; afterwards only the present ones.
+            (zeros for the absent ones) plus one ``uint8`` tensor, the presence mask and each gradient's dim
+            order; afterwards only the present ones.
     """
     if learning:
         return len(mask) + 1 if mask else 0

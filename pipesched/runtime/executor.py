@@ -12,6 +12,7 @@ import torch
 from ..ir import Op
 from .accounting import SavedBytes, tensor_bytes
 from .grad_sum import finish_sum, start_sum
+from .input_grads import input_gradients
 from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, describe_change, grad_specs, meta_of, tag_of, unsendable
 from .microbatch import as_tuple, stage_output
 from .received import loss_input_text, stage_input_text
@@ -294,11 +295,11 @@ class Executor:
         pending = st.pending.pop(("grad", s, mb), None)
         if pending is None:  # no output needs a gradient, or (learned) none gets one
             return (None,) * len(st.io.metas.get(("out_grad", s, mb), ()))
-        grads, mask = self.transport.wait_grads(pending)
+        grads, mask, orders = self.transport.wait_grads(pending)
         self.waited = self.clock.mark()
         self.events[st.recv_event.pop(("grad", s, mb))][2] = self.waited
         if st.io.learning:
-            st.io.metas[("out_grad", s, mb)] = mask
+            st.io.metas[("out_grad", s, mb)], st.io.metas[("out_grad_order", s, mb)] = mask, orders
         return grads
 
     def _backward_roots(self, s, mb):
@@ -314,11 +315,14 @@ class Executor:
     def _b(self, instr):
         s, mb = instr.stage, instr.microbatch
         roots, grads = self._backward_roots(s, mb)
-        if roots:
-            torch.autograd.backward(roots, grads)
         inputs, _ = self.step.inputs.pop((s, mb))
-        if s > 0:  # None where no gradient reached an input, as .grad in the unsplit model
-            self.step.input_grads[(s, mb)] = tuple(t.grad for t in inputs if t.requires_grad)
+        # an input's gradient as it flows on in the unsplit model (after the forward's hooks on it, in the layout
+        # the backward made), not its .grad, which autograd lays out as the input. None where none reached it
+        with input_gradients(inputs if s > 0 else ()) as got:
+            if roots:
+                torch.autograd.backward(roots, grads)
+        if s > 0:
+            self.step.input_grads[(s, mb)] = tuple(got)
         self._release(s, mb)
 
     def _i(self, instr):
@@ -361,11 +365,14 @@ class Executor:
         s, mb, st = instr.stage, instr.microbatch, self.step
         outs, is_tuple = st.fwd_out.pop((s, mb))
         meta = meta_of(outs, is_tuple)
-        if not st.io.learning and meta != st.io.metas[("out", s, mb)]:
-            change = describe_change(f"the output of stage {s}", meta, st.io.metas[("out", s, mb)])
-            raise RuntimeError(f"microbatch {mb}: {change}, with the same input signature and settings "
-                               f"({SETTINGS}); a stage's output shapes, dtypes and requires_grad must follow "
-                               f"from those (data-dependent ones are not supported)")
+        learned = None if st.io.learning else st.io.metas[("out", s, mb)]
+        if learned is not None and meta != learned:
+            change = describe_change(f"the output of stage {s}", meta, learned)
+            if change:
+                raise RuntimeError(f"microbatch {mb}: {change}, with the same input signature and settings "
+                                   f"({SETTINGS}); a stage's output shapes, dtypes and requires_grad must follow "
+                                   f"from those (data-dependent ones are not supported)")
+            meta = learned  # only the layout differs: sent in the learned dim order, which the receiver expects
         sends = self.transport.send_act(outs, meta, instr.peer, s, mb, st.io.learning)
         self.sent[instr] = tensor_bytes(buf for _, buf in sends)
         if st.io.train:
@@ -394,8 +401,9 @@ class Executor:
                                f"{list(st.io.metas[('in_grad', s, mb)])} before, with the same input signature "
                                f"and settings ({SETTINGS}); which inputs get a gradient must follow from those")
         tag = tag_of("grad", s, mb, self.program.num_stages)
-        specs = grad_specs(st.io.metas[("in", s, mb)])
-        sends = self.transport.send_grads(grads, specs, instr.peer, tag, st.io.learning)
+        specs, key = grad_specs(st.io.metas[("in", s, mb)]), ("in_grad_order", s, mb)
+        orders = None if st.io.learning else st.io.metas[key]  # None: learn each gradient's layout, send it along
+        sends, st.io.metas[key] = self.transport.send_grads(grads, specs, instr.peer, tag, orders)
         st.other_sends.extend(sends)
         self.sent[instr] = tensor_bytes(buf for _, buf in sends)
 
@@ -405,9 +413,10 @@ class Executor:
         if not specs:
             return
         mask = None if st.io.learning else st.io.metas[("out_grad", s, mb)]
+        orders = None if st.io.learning else st.io.metas[("out_grad_order", s, mb)]
         what = f"RECV_B{s}.{mb} from pipeline rank {instr.peer}"
         tag = tag_of("grad", s + 1, mb, self.program.num_stages)
-        pending = self.transport.post_grads(specs, mask, instr.peer, tag, what)
+        pending = self.transport.post_grads(specs, mask, instr.peer, tag, what, orders)
         if pending is not None:
             st.pending[("grad", s, mb)] = pending
             st.recv_event[("grad", s, mb)] = len(self.events)

@@ -29,7 +29,8 @@ class StepRecord:
         train: a training ``step()`` (else ``forward()``).
         dp_rank: this rank's data-parallel replica.
         sent: ``{SEND instruction: bytes}``: what each of this rank's SEND_F / SEND_B put on the wire (the packed
-            payload; while learning also the 2048-byte meta header of an activation and the gradients' mask).
+            payload; while learning also the 4096-byte meta header of an activation, and the gradients' mask and
+            dim orders).
     """
 
     events: list

@@ -3,18 +3,25 @@ from __future__ import annotations
 
 import torch
 
-from .comm import HEADER_LEN, decode_meta, empty_for, encode_meta, pack, tag_of, unpack
+from .comm import (HEADER_LEN, decode_meta, empty_for, encode_meta, from_wire, pack, restride, tag_of, to_wire,
+                   unpack, wire_order, wire_shape)
 from .failure import CommError
 
 
 class Pending:
-    """A posted receive: its work, buffer, specs, and the meta its header carried (``None`` when the
-    receiver knew the meta already)."""
+    """A posted receive: its work, buffer, specs (of the wire: dims in memory order), the dim order of each tensor
+    (``None``: all row-major), and the meta its header carried (``None`` when the receiver knew the meta already)."""
 
-    __slots__ = ("work", "buf", "specs", "peer", "what", "meta")
+    __slots__ = ("work", "buf", "specs", "peer", "what", "meta", "orders")
 
     def __init__(self, work, buf, specs, peer, what, meta=None):
         self.work, self.buf, self.specs, self.peer, self.what, self.meta = work, buf, specs, peer, what, meta
+        self.orders = None
+
+
+def _wire_specs(specs) -> list:
+    """(shape, dtype, dim order) per tensor -> the (shape, dtype) of each one's wire view (:func:`to_wire`)."""
+    return [(wire_shape(shape, order), dtype) for shape, dtype, order in specs]
 
 
 class Transport:
@@ -38,16 +45,19 @@ class Transport:
             raise CommError(f"a send to pipeline rank {peer}", exc, peer) from None
 
     def send_act(self, tensors, meta, peer: int, stage: int, microbatch: int, learning: bool) -> list:
-        """Send the output of (stage, microbatch); a meta header first while learning. Returns the works."""
+        """Send the output of (stage, microbatch), each tensor in the dim order ``meta`` gives (the receiver's);
+        a meta header first while learning. Returns the works."""
         pending = []
         if learning:
             header = encode_meta(meta).to(self.device)
             pending.append(self.send((header,), peer, tag_of("act_header", stage, microbatch, self.num_stages)))
-        pending.append(self.send(tensors, peer, tag_of("act", stage, microbatch, self.num_stages)))
+        wired = [to_wire(t, order) for t, order in zip(tensors, meta[2])]
+        pending.append(self.send(wired, peer, tag_of("act", stage, microbatch, self.num_stages)))
         return pending
 
     def post(self, specs, peer: int, tag: int, what: str) -> Pending:
-        """Post the receive of a message of ``specs`` ((shape, dtype) per tensor)."""
+        """Post the receive of a message of ``specs`` ((shape, dtype) per tensor, as on the wire; the caller sets
+        the returned receive's ``orders`` to view tensors laid out otherwise back, see :func:`from_wire`)."""
         buf = empty_for(specs, self.device)
         try:
             return Pending(self.group.recv([buf], peer, tag), buf, specs, peer, what)
@@ -60,51 +70,71 @@ class Transport:
         before any later message from ``peer``: the pending receive then carries the meta."""
         tag = tag_of("act", stage, microbatch, self.num_stages)
         if meta is not None:
-            return self.post([(s, d) for s, d, _ in meta[1]], peer, tag, what)
+            return self._post_meta(meta, peer, tag, what)
         header = self.post([((HEADER_LEN,), torch.int64)], peer, tag_of("act_header", stage, microbatch,
                                                                           self.num_stages), what)
         wait(header.work, what, peer)
         meta = decode_meta(header.buf)
-        pending = self.post([(s, d) for s, d, _ in meta[1]], peer, tag, what)
+        pending = self._post_meta(meta, peer, tag, what)
         pending.meta = meta
         return pending
 
-    def send_grads(self, grads, specs, peer: int, tag: int, learning: bool) -> list:
+    def _post_meta(self, meta, peer, tag, what) -> Pending:
+        specs = [(shape, dtype, order) for (shape, dtype, _), order in zip(meta[1], meta[2])]
+        pending = self.post(_wire_specs(specs), peer, tag, what)
+        pending.orders = meta[2]
+        return pending
+
+    def send_grads(self, grads, specs, peer: int, tag: int, orders=None) -> tuple[list, tuple]:
         """Send the gradients of a stage's inputs that need one, ``None`` where the stage's backward gave an
-        input no gradient (the unsplit model's ``.grad is None``). While learning: every one (zeros standing
-        in for ``None``) plus a ``uint8`` presence mask, as one packed message, so the receiver learns which
-        come; afterwards only the present ones (none present: no message). ``specs``: (shape, dtype) per
-        gradient. Returns the works."""
-        if learning:
-            mask = torch.tensor([g is not None for g in grads], dtype=torch.uint8, device=self.device)
+        input no gradient (the unsplit model's ``.grad is None``). ``specs``: (shape, dtype) per gradient.
+        While learning (``orders`` is ``None``): every one, row-major (zeros standing in for ``None``), plus one
+        ``uint8`` tensor holding the presence mask and then each gradient's dim order (:func:`wire_order`), as one
+        packed message, so the receiver learns which come and in what layout; afterwards (``orders``: the learned
+        ones) only the present ones, each in its learned dim order (none present: no message). Returns ``(works,
+        orders)``."""
+        if orders is None:
+            orders = tuple(tuple(range(len(shape))) if g is None else wire_order(g) for g, (shape, _) in
+                           zip(grads, specs))
+            words = [g is not None for g in grads] + [d for order in orders for d in order]
+            mask = torch.tensor(words, dtype=torch.uint8, device=self.device)
             full = [torch.zeros(shape, dtype=dtype, device=self.device) if g is None else g
                     for g, (shape, dtype) in zip(grads, specs)]
-            return [self.send((*full, mask), peer, tag)]
-        present = [g for g in grads if g is not None]
-        return [self.send(present, peer, tag)] if present else []
+            return [self.send((*full, mask), peer, tag)], orders
+        present = [to_wire(g, order) for g, order in zip(grads, orders) if g is not None]
+        return ([self.send(present, peer, tag)] if present else []), orders
 
-    def post_grads(self, specs, mask, peer: int, tag: int, what: str) -> Pending | None:
-        """Post the receive matching :meth:`send_grads`: ``mask`` (which gradients come) is ``None`` while
-        learning (the message carries it), else the learned one. Returns ``None`` when no message comes."""
+    def post_grads(self, specs, mask, peer: int, tag: int, what: str, orders=None) -> Pending | None:
+        """Post the receive matching :meth:`send_grads` (``specs``: (shape, dtype) per gradient): ``mask`` (which
+        gradients come) and ``orders`` (their dim orders) are ``None`` while learning (the message carries them),
+        else the learned ones. Returns ``None`` when no message comes."""
         if mask is None:
-            pending = self.post(list(specs) + [((len(specs),), torch.uint8)], peer, tag, what)
+            words = len(specs) + sum(len(shape) for shape, _ in specs)
+            pending = self.post(list(specs) + [((words,), torch.uint8)], peer, tag, what)
         else:
-            present = [spec for spec, bit in zip(specs, mask) if bit]
+            present = [(shape, dtype, order) for (shape, dtype), bit, order in zip(specs, mask, orders) if bit]
             if not present:
                 return None
-            pending = self.post(present, peer, tag, what)
+            pending = self.post(_wire_specs(present), peer, tag, what)
+            pending.orders = [order for _, _, order in present]
         pending.meta = mask
         return pending
 
     def wait_grads(self, pending: Pending):
-        """Wait for a :meth:`post_grads` receive; returns ``(gradients with None where none came, mask)``."""
+        """Wait for a :meth:`post_grads` receive; returns ``(gradients with None where none came, mask, orders)``,
+        each gradient laid out in its dim order (``orders``: what the learning message said, else ``None``)."""
         tensors, mask = self.wait(pending)
         if mask is None:
-            *grads, bits = tensors
-            mask = tuple(bool(b) for b in bits.tolist())
-            return tuple(g if bit else None for g, bit in zip(grads, mask)), mask
+            *grads, words = tensors
+            words = words.tolist()
+            mask, orders, pos = tuple(bool(b) for b in words[:len(grads)]), [], len(grads)
+            for g in grads:
+                orders.append(tuple(words[pos:pos + g.dim()]))
+                pos += g.dim()
+            return (tuple(restride(g, order) if bit else None for g, bit, order in zip(grads, mask, orders)), mask,
+                    tuple(orders))
         present = iter(tensors)
-        return tuple(next(present) if bit else None for bit in mask), mask
+        return tuple(next(present) if bit else None for bit in mask), mask, None
 
     def wait(self, pending: Pending):
         """Wait for a posted receive; returns ``(tensors, meta or None)`` (the meta when a header came).
@@ -113,7 +143,10 @@ class Transport:
             CommError: the peer is gone or the wait timed out.
         """
         wait(pending.work, pending.what, pending.peer)
-        return unpack(pending.buf, pending.specs), pending.meta
+        tensors = unpack(pending.buf, pending.specs)
+        if pending.orders is not None:
+            tensors = tuple(from_wire(t, order) for t, order in zip(tensors, pending.orders))
+        return tensors, pending.meta
 
 
 def wait(work, what: str, peer: int | None = None) -> None:

@@ -53,7 +53,7 @@ def test_forward_runs_under_autocast(results):
 
 def test_bf16_activation_and_gradient_messages_are_half_the_float32_bytes(results):
     # 4 microbatches of (2, 16): float32 2*16*4 = 128 bytes, bfloat16 64, each way. While learning an activation
-    # also carries the 2048-byte meta header and a gradient message the 16-byte (aligned) presence mask
+    # also carries the 4096-byte meta header and a gradient message 16 bytes (aligned): presence mask, dim order
     f32 = {f"SEND_F0.{mb}>1": 128 for mb in range(4)} | {f"SEND_B1.{mb}>0": 128 for mb in range(4)}
     bf16 = {k: v // 2 for k, v in f32.items()}
     for rank, res in enumerate(results):
@@ -62,7 +62,7 @@ def test_bf16_activation_and_gradient_messages_are_half_the_float32_bytes(result
         sent_here = "SEND_F" if rank == 0 else "SEND_B"
         assert by["None"]["local"] == {k: v for k, v in f32.items() if k.startswith(sent_here)}
         assert by["torch.bfloat16"]["local"] == {k: v for k, v in bf16.items() if k.startswith(sent_here)}
-        extra = 2048 if rank == 0 else 16
+        extra = 4096 if rank == 0 else 16
         assert by["torch.bfloat16"]["learning"] == {k: v + extra for k, v in bf16.items() if k.startswith(sent_here)}
 
 
