@@ -91,4 +91,4 @@ def write_sum(param, total, present: bool, divisor: int, sparse: bool = False) -
     elif grad is not None and grad.layout == torch.strided:
         grad.copy_(total)
     else:
-        param.grad = total.clone()
+        param.grad = torch.empty_like(param).copy_(total)  # laid out as the parameter (channels_last), as autograd's

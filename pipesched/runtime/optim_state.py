@@ -10,6 +10,8 @@ whose parameters have gradients.
 """
 from __future__ import annotations
 
+import torch
+
 
 def check_owned(optimizer, names: dict[int, str]) -> None:
     """Raise ``ValueError`` if ``optimizer`` holds a parameter that is not one of this rank's (``names``)."""
@@ -70,11 +72,21 @@ def load_flat_state(optimizer, names: dict[int, str], flat: dict[str, object]) -
             fqn = names[id(param)]
             entry = _unflatten({k[len(f"state.{fqn}."):]: v for k, v in flat.items() if k.startswith(f"state.{fqn}.")})
             if entry:
-                state[index] = entry
+                state[index] = _laid_out_as(entry, param)
             native["params"].append(index)
             index += 1
         groups.append(native)
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _laid_out_as(entry: dict, param) -> dict:
+    """``entry``'s tensors of ``param``'s shape laid out as ``param`` (a channels_last conv weight's ``exp_avg``), as
+    torch's own state is (``zeros_like(param)``); the checkpoint is read into row-major tensors. Values unchanged."""
+    if param.layout != torch.strided:
+        return entry
+    return {k: torch.empty_like(param, dtype=v.dtype, device=v.device).copy_(v)
+            if isinstance(v, torch.Tensor) and v.shape == param.shape and v.stride() != param.stride() else v
+            for k, v in entry.items()}
 
 
 def _flatten(value, prefix: str, out: dict) -> None:
