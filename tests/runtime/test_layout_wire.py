@@ -138,3 +138,14 @@ def test_input_gradients_are_the_gradients_as_they_flow_not_the_inputs_grad():
     first = got[0]
     lin(x.transpose(1, 2)).backward(torch.ones(2, 5, 3))  # after the block: its hooks are gone
     assert got[0] is first
+
+
+def test_input_gradients_cost_no_copy_where_the_gradient_has_the_inputs_layout():
+    """The usual case: the flowing gradient has the input's strides; autograd hands that tensor over as ``.grad``
+    (the hook kept no reference), and it is what is returned: the same storage, no copy."""
+    lin = nn.Linear(4, 3)
+    x = torch.randn(5, 4).requires_grad_()
+    out = lin(x)
+    with input_gradients([x]) as got:
+        out.backward(torch.ones(5, 3))
+    assert got[0] is x.grad and got[0].stride() == (4, 1)
