@@ -14,13 +14,12 @@ metas of a new input signature it sends a fixed-size ``int64`` header before eac
 Gradient messages never need a header: their shapes are those of the activations they answer (their dim orders
 travel in the learning step's gradient message, see below).
 
-Layout: a tensor crosses the wire in its own dim order (:func:`wire_order`: a transposed or ``channels_last``
-output is sent as the bytes of its dims in memory order, a free view, not made contiguous) and the receiver views
-the buffer back in that order, so the next stage's input, and the gradient sent back, have the strides the unsplit
-model's tensor has there (dense ones exactly; a tensor with gaps or repeats, such as a slice or an ``expand``,
-arrives dense in its dims' order): the same kernels run on them as in the unsplit model, to the bit. A gradient
-keeps its own layout (not necessarily its activation's: a ``Linear`` over a transposed input gives a row-major one):
-the learning message carries each gradient's dim order, later ones are sent in it.
+Layout (:mod:`pipesched.runtime.layout`): a tensor crosses the wire in its own memory layout, so the next stage's
+input, and the gradient sent back, have the strides the unsplit model's tensor has there: a dense one (transposed,
+``channels_last``) as the free view of its dims in memory order, viewed back; one with gaps (a slice) row-major,
+copied into a region with its strides; one with repeats (an ``expand``) arrives dense. A gradient keeps its own dim
+order (not necessarily its activation's: a ``Linear`` over a transposed input gives a row-major one): the learning
+message carries each gradient's, later ones are sent in it.
 Every message of a step has its own tag (kind, stage, microbatch), so a receive matches exactly one send
 whatever order the receives are posted in; with gloo a send completes only once its receive is posted.
 """
@@ -37,6 +36,7 @@ import torch.distributed as dist
 
 from .elastic import attempt_store
 from .groups_failure import COUNT_KEY, ERROR_KEY, creation_failure
+from .layout import Gapped, activation_layout
 
 #: the dtypes that may cross a stage boundary, by wire code (a fixed list of names, so the codes are the same on
 #: every rank; a name this torch lacks keeps its code, as ``None``). Every dtype torch 2.x can hold except the
@@ -63,7 +63,8 @@ def unsendable(dtype) -> str | None:
                 f"as tensors")
     return (f"a tensor of dtype {dtype} cannot cross a stage boundary: pipesched does not know this dtype "
             f"(every other dtype travels: {', '.join(n for n, d in zip(DTYPE_NAMES, DTYPES) if d is not None)})")
-HEADER_LEN = 512  # int64 words of a meta header: 3 + 2 * ndim per tensor (dtype, requires_grad, ndim, shape, order)
+HEADER_LEN = 512  # int64 words of a meta header: 3 + 2 * ndim per tensor (dtype, requires_grad, ndim, shape, layout)
+_GAPPED = 1 << 16  # set in a tensor's ndim word: its layout words are strides and an offset (Gapped), not a dim order
 _ALIGN = 16
 
 # tags: 0..15 control, then 4 per (stage, microbatch): act header, act payload, grad payload
@@ -226,73 +227,19 @@ def _new_groups(grid: Grid, timeout: float, device: torch.device):
 
 # ---- metas -----------------------------------------------------------------------------------------
 
-Meta = tuple  # (is_tuple, ((shape, dtype, requires_grad), ...), (dim order, ...))
-
-
-def wire_order(t: torch.Tensor) -> tuple[int, ...]:
-    """The order of ``t``'s dims from outermost to innermost in memory: ``(0, 1, ..., n-1)`` for a row-major tensor,
-    ``(1, 0)`` for a transposed matrix, ``(0, 2, 3, 1)`` for ``channels_last``. For a dense tensor it is the order
-    whose dense layout has exactly ``t``'s strides, those of its size-1 dims too (a ``channels_last`` ``(N, C, 1,
-    1)`` after a global pool has strides ``(C, 1, C, C)``, which torch's kernels read as ``channels_last``, and
-    ``is_contiguous()`` does not tell from row-major): dims by decreasing stride, the larger first among equal
-    strides. Otherwise (gaps, repeats) torch's ``Tensor.dim_order``."""
-    if t.is_contiguous() and 1 not in t.shape:
-        return tuple(range(t.dim()))
-    strides, shape = t.stride(), t.shape
-    order = tuple(sorted(range(t.dim()), key=lambda d: (-strides[d], -shape[d])))
-    if _dense_in(strides, shape, order):
-        return order
-    return tuple(t.dim_order())
-
-
-def _dense_in(strides, shape, order) -> bool:
-    """Whether ``strides`` are exactly those of a dense tensor of ``shape`` laid out in dim ``order``."""
-    expected = 1
-    for d in reversed(order):
-        if strides[d] != expected:
-            return False
-        expected *= shape[d]
-    return True
+Meta = tuple  # (is_tuple, ((shape, dtype, requires_grad), ...), (layout, ...))
 
 
 def meta_of(tensors, is_tuple: bool) -> Meta:
-    """The meta of a message: ``(is_tuple, ((shape, dtype, requires_grad), ...), (dim order, ...))``."""
+    """The meta of a message: ``(is_tuple, ((shape, dtype, requires_grad), ...), (layout, ...))``, each layout a
+    dim order or a :class:`~pipesched.runtime.layout.Gapped` (:func:`~pipesched.runtime.layout.activation_layout`)."""
     return (is_tuple, tuple((tuple(t.shape), t.dtype, bool(t.requires_grad)) for t in tensors),
-            tuple(wire_order(t) for t in tensors))
+            tuple(activation_layout(t) for t in tensors))
 
 
 def grad_specs(meta) -> list:
     """(shape, dtype) of the gradients a message of ``meta`` gets back: one per tensor that requires grad."""
     return [(shape, dtype) for shape, dtype, requires_grad in meta[1] if requires_grad]
-
-
-def _is_identity(order) -> bool:
-    return all(d == k for k, d in enumerate(order))
-
-
-def to_wire(t: torch.Tensor, order) -> torch.Tensor:
-    """``t`` with its dims in ``order`` (a view): the tensor whose row-major values the message carries, free for a
-    tensor laid out in ``order``; :func:`pack` copies any other one."""
-    return t if _is_identity(order) else t.permute(order)
-
-
-def wire_shape(shape, order) -> tuple[int, ...]:
-    """The shape of :func:`to_wire`'s view of a tensor of ``shape``: the receive buffer's."""
-    return tuple(shape[d] for d in order)
-
-
-def from_wire(t: torch.Tensor, order) -> torch.Tensor:
-    """Inverse of :func:`to_wire`: the received buffer ``t`` viewed with its dims back in place (a view: its strides
-    are those of a dense tensor laid out in ``order``)."""
-    return t if _is_identity(order) else t.permute(tuple(order.index(d) for d in range(len(order))))
-
-
-def restride(t: torch.Tensor, order) -> torch.Tensor:
-    """A copy of ``t`` laid out dense in dim ``order`` (``t`` itself when ``order`` is row-major): how a tensor that
-    arrived row-major gets the layout its sender's had."""
-    if _is_identity(order):
-        return t
-    return from_wire(t.new_empty(wire_shape(t.shape, order)), order).copy_(t)
 
 
 def describe_change(what: str, now: Meta, before: Meta) -> str:
@@ -317,12 +264,14 @@ def encode_meta(meta: Meta) -> torch.Tensor:
     Raises:
         ValueError: a dtype that cannot be sent, or a message too large to describe (too many tensors/dims).
     """
-    is_tuple, parts, orders = meta
+    is_tuple, parts, layouts = meta
     words = [int(is_tuple), len(parts)]
-    for (shape, dtype, requires_grad), order in zip(parts, orders):
+    for (shape, dtype, requires_grad), layout in zip(parts, layouts):
         if dtype not in DTYPE_CODE:
             raise ValueError(unsendable(dtype))
-        words += [DTYPE_CODE[dtype], int(requires_grad), len(shape), *shape, *order]
+        gapped = isinstance(layout, Gapped)
+        words += [DTYPE_CODE[dtype], int(requires_grad), len(shape) | (_GAPPED if gapped else 0), *shape,
+                  *((*layout.strides, layout.offset) if gapped else layout)]
     if len(words) > HEADER_LEN:
         raise ValueError(f"a stage output with {len(parts)} tensors is too large to describe "
                          f"({len(words)} > {HEADER_LEN} header words)")
@@ -332,18 +281,20 @@ def encode_meta(meta: Meta) -> torch.Tensor:
 def decode_meta(header: torch.Tensor) -> Meta:
     """Inverse of :func:`encode_meta`."""
     words = header.tolist()
-    is_tuple, count, pos, parts, orders = bool(words[0]), words[1], 2, [], []
+    is_tuple, count, pos, parts, layouts = bool(words[0]), words[1], 2, [], []
     for _ in range(count):
         code, requires_grad, ndim = words[pos:pos + 3]
+        gapped, ndim = bool(ndim & _GAPPED), ndim & ~_GAPPED
         shape = tuple(words[pos + 3:pos + 3 + ndim])
-        orders.append(tuple(words[pos + 3 + ndim:pos + 3 + 2 * ndim]))
+        layout = tuple(words[pos + 3 + ndim:pos + 3 + 2 * ndim])
+        layouts.append(Gapped(layout, words[pos + 3 + 2 * ndim]) if gapped else layout)
         if not 0 <= code < len(DTYPES) or DTYPES[code] is None:
             name = DTYPE_NAMES[code] if 0 <= code < len(DTYPE_NAMES) else f"code {code}"
             raise ValueError(f"a peer sent a tensor of dtype {name}, which this torch ({torch.__version__}) lacks: "
                              f"run the same torch version on every rank")
         parts.append((shape, DTYPES[code], bool(requires_grad)))
-        pos += 3 + 2 * ndim
-    return (is_tuple, tuple(parts), tuple(orders))
+        pos += 3 + 2 * ndim + gapped
+    return (is_tuple, tuple(parts), tuple(layouts))
 
 
 # ---- packing ---------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .comm import (HEADER_LEN, decode_meta, empty_for, encode_meta, from_wire, pack, restride, tag_of, to_wire,
-                   unpack, wire_order, wire_shape)
+from .comm import HEADER_LEN, decode_meta, empty_for, encode_meta, pack, tag_of, unpack
+from .layout import from_wire, restride, to_wire, wire_order, wire_shape
 from .failure import CommError
 
 

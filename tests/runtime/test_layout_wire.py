@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from pipesched.runtime import launch
-from pipesched.runtime.comm import decode_meta, encode_meta, from_wire, meta_of, restride, to_wire, wire_order, \
+from pipesched.runtime.comm import decode_meta, encode_meta, meta_of
+from pipesched.runtime.layout import Gapped, activation_layout, from_wire, restride, to_wire, wire_order, \
     wire_shape
 from pipesched.runtime.input_grads import input_gradients
 
@@ -38,7 +39,7 @@ def test_gradients_and_losses_are_bitwise_the_unsplit_models(ranks, case):
         assert unequal == [], (rank, unequal)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[0] != "slice"], ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_both_sides_of_each_boundary_see_the_unsplit_models_strides(ranks, case):
     for rank in (0, 1):
         ours, ref = ranks[rank][case]["probes"]
@@ -59,12 +60,11 @@ def test_channels_last_arrives_channels_last(ranks):
     assert ours == {4: [("act", 0, (512, 1, 64, 8)), ("grad", 0, (512, 1, 64, 8))]}
 
 
-def test_a_slice_arrives_dense_in_its_dims_order(ranks):
-    """A tensor with gaps (``x[..., ::2]``: strides (40, 2)) cannot keep its strides without its storage: it
-    arrives dense (20, 1); gradients stay bitwise (above)."""
+def test_a_slice_arrives_with_its_strides(ranks):
+    """A tensor with gaps (``x[..., ::2]``: strides (40, 2)) is sent row-major and copied into a region with its
+    strides on the receiver: the next stage sees (40, 2) as unsplit."""
     ours, ref = ranks[1][("slice", "1f1b", False)]["probes"]
-    assert ref == {3: [("act", 0, (40, 2)), ("grad", 0, (20, 1))]}
-    assert ours == {3: [("act", 0, (20, 1)), ("grad", 0, (20, 1))]}
+    assert ours == ref == {3: [("act", 0, (40, 2)), ("grad", 0, (20, 1))]}
 
 
 def test_a_layout_that_changes_after_the_learning_step_is_sent_in_the_learned_one(ranks):
@@ -103,6 +103,22 @@ def test_wire_orders_of_the_common_layouts():
     assert wire_order(x.contiguous(memory_format=torch.channels_last)) == (0, 2, 3, 1)
     assert wire_order(x[0, 0].t()) == (1, 0)
     assert wire_order(torch.zeros(3, 1).expand(3, 4)) == (0, 1)  # repeats: row-major, sent materialized
+
+
+def test_a_gapped_layout_round_trips_its_strides_and_the_header_carries_it():
+    base = torch.arange(60.0).reshape(3, 4, 5)
+    for t in (base[:, 1:3], base[:, ::2], base.transpose(0, 2)[1:4], base.chunk(2, -1)[0]):
+        layout = activation_layout(t)
+        assert layout == Gapped(t.stride(), t.storage_offset() % 16)  # 64-byte alignment, in float32 elements
+        wired = to_wire(t, layout).contiguous()
+        back = from_wire(wired, layout)
+        assert back.stride() == t.stride() and back.storage_offset() == layout.offset and torch.equal(back, t)
+        meta = meta_of((torch.zeros(2, 3).t(), t, torch.zeros(2, 3).t()), True)  # one after it: decode's offset
+        assert decode_meta(encode_meta(meta)) == meta and meta[2] == ((1, 0), layout, (1, 0))
+    assert activation_layout(base[2, :, 1:3]).offset == (40 + 1) % 16
+    assert activation_layout(torch.zeros(3, 1).expand(3, 4)) == (0, 1)  # repeats: dense, not Gapped
+    assert activation_layout(base[..., ::2]) == (0, 1, 2)  # (20, 5, 2): rows interleave, read as sharing: dense
+    assert activation_layout(base[:, :, :0]) == wire_order(base[:, :, :0])  # empty: nothing to rebuild
 
 
 def test_restride_copies_into_the_order():
