@@ -34,22 +34,27 @@ def wire_order(t: torch.Tensor) -> tuple[int, ...]:
     1)`` after a global pool has strides ``(C, 1, C, C)``, which torch's kernels read as ``channels_last``, and
     ``is_contiguous()`` does not tell from row-major): dims by decreasing stride, the larger first among equal
     strides. Otherwise (gaps, repeats) torch's ``Tensor.dim_order``."""
-    if t.is_contiguous() and 1 not in t.shape:
-        return tuple(range(t.dim()))
-    strides, shape = t.stride(), t.shape
-    order = tuple(sorted(range(t.dim()), key=lambda d: (-strides[d], -shape[d])))
-    if _dense_in(strides, shape, order):
-        return order
-    return tuple(t.dim_order())
+    return _order(t)[0]
 
 
 def activation_layout(t: torch.Tensor):
     """The layout a stage output crosses the wire in: :func:`wire_order`, or a :class:`Gapped` for a non-empty tensor
     with gaps and no element shared (a slice), whose strides the receiver rebuilds."""
-    order = wire_order(t)
-    if t.numel() == 0 or _dense_in(t.stride(), t.shape, order) or not _apart(t):
+    order, dense = _order(t)
+    if dense or t.numel() == 0 or not _apart(t):
         return order
     return Gapped(tuple(t.stride()), t.storage_offset() % max(1, ALIGN_BYTES // t.element_size()))
+
+
+def _order(t: torch.Tensor) -> tuple[tuple[int, ...], bool]:
+    """(:func:`wire_order`, whether ``t`` is dense in it); a row-major tensor without size-1 dims at once."""
+    if t.is_contiguous() and 1 not in t.shape:
+        return tuple(range(t.dim())), True
+    strides, shape = t.stride(), t.shape
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-strides[d], -shape[d])))
+    if _dense_in(strides, shape, order):
+        return order, True
+    return tuple(t.dim_order()), False
 
 
 def _dense_in(strides, shape, order) -> bool:
@@ -95,14 +100,17 @@ def from_wire(t: torch.Tensor, layout) -> torch.Tensor:
     are those of a dense tensor laid out in the order), or for a :class:`Gapped` layout copied into a region with
     its strides at its offset (one copy; the region holds the gaps, not the sender's other data)."""
     if isinstance(layout, Gapped):
-        extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, layout.strides))
-        return t.new_empty(layout.offset + extent).as_strided(t.shape, layout.strides, layout.offset).copy_(t)
+        return restride(t, layout)
     return t if _is_identity(layout) else t.permute(tuple(layout.index(d) for d in range(len(layout))))
 
 
-def restride(t: torch.Tensor, order) -> torch.Tensor:
-    """A copy of ``t`` laid out dense in dim ``order`` (``t`` itself when ``order`` is row-major): how a tensor that
+def restride(t: torch.Tensor, layout) -> torch.Tensor:
+    """A copy of ``t`` laid out in ``layout`` (``t`` itself when it is a row-major dim order): how a tensor that
     arrived row-major gets the layout its sender's had."""
-    if _is_identity(order):
+    if isinstance(layout, Gapped):
+        extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, layout.strides))
+        region = t.new_empty(layout.offset + extent).as_strided(t.shape, layout.strides, layout.offset)
+        return region.copy_(t)
+    if _is_identity(layout):
         return t
-    return from_wire(t.new_empty(wire_shape(t.shape, order)), order).copy_(t)
+    return from_wire(t.new_empty(wire_shape(t.shape, layout)), layout).copy_(t)

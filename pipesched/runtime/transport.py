@@ -9,8 +9,9 @@ from .failure import CommError
 
 
 class Pending:
-    """A posted receive: its work, buffer, specs (of the wire: dims in memory order), the dim order of each tensor
-    (``None``: all row-major), and the meta its header carried (``None`` when the receiver knew the meta already)."""
+    """A posted receive: its work, buffer, specs (of the wire: dims in memory order), the layout of each tensor to view
+    or copy it back in (``orders``: dim orders or :class:`~pipesched.runtime.layout.Gapped`; ``None``: all row-major),
+    and the meta its header carried (``None`` when the receiver knew the meta already)."""
 
     __slots__ = ("work", "buf", "specs", "peer", "what", "meta", "orders")
 
@@ -20,7 +21,7 @@ class Pending:
 
 
 def _wire_specs(specs) -> list:
-    """(shape, dtype, dim order) per tensor -> the (shape, dtype) of each one's wire view (:func:`to_wire`)."""
+    """(shape, dtype, layout) per tensor -> the (shape, dtype) of each one's wire view (:func:`to_wire`)."""
     return [(wire_shape(shape, order), dtype) for shape, dtype, order in specs]
 
 
