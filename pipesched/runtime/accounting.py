@@ -100,7 +100,7 @@ def stage_activation_bytes(model, microbatch, num_stages: int, balance=None, los
     layers = layers_of(model)
     stages = build_stages(layers, resolve_balance(layers, num_stages, balance), range(num_stages))
     counter = SavedBytes(p for layer in layers for p in layer.parameters())
-    inputs, is_tuple = as_tuple(microbatch, "microbatch")
+    inputs, container = as_tuple(microbatch, "microbatch")
     stash, sizes, redone = [], [], []
     devices = sorted({p.device for layer in layers for p in layer.parameters() if p.device.type == "cuda"}, key=str)
     with torch.random.fork_rng(devices=devices), scratch_buffers(torch.nn.ModuleList(layers)), torch.enable_grad():
@@ -110,18 +110,20 @@ def stage_activation_bytes(model, microbatch, num_stages: int, balance=None, los
             sizes.append(tensor_bytes(inputs))
             with torch.random.fork_rng(devices=devices):  # the same forward twice: once as F, once as R
                 with counter.track(inputs):
-                    _run_stage(stages[s], inputs, is_tuple, s == num_stages - 1, loss_fn, target)
+                    _run_stage(stages[s], inputs, container, s == num_stages - 1, loss_fn, target)
                 redone.append(sizes[-1] + counter.take())
             with counter.track():
-                out = _run_stage(stages[s], inputs, is_tuple, s == num_stages - 1, loss_fn, target)
+                out = _run_stage(stages[s], inputs, container, s == num_stages - 1, loss_fn, target)
             stash.append(counter.take())
             if s < num_stages - 1:  # the last stage's output goes to loss_fn only: it may be a dict, hold non-tensors
-                inputs, is_tuple = stage_output(out, s)
+                inputs, container = stage_output(out, s)
     return {"stash_bytes": tuple(stash), "input_bytes": tuple(sizes), "recompute_bytes": tuple(redone)}
 
 
-def _run_stage(stage, inputs, is_tuple: bool, last: bool, loss_fn, target):
-    out = stage(inputs if is_tuple else inputs[0])
+def _run_stage(stage, inputs, container: int, last: bool, loss_fn, target):
+    from .microbatch import as_value
+
+    out = stage(as_value(inputs, container))
     if last and loss_fn is not None:
         loss_fn(out, target) if target is not None else loss_fn(out)
     return out

@@ -227,13 +227,13 @@ def _new_groups(grid: Grid, timeout: float, device: torch.device):
 
 # ---- metas -----------------------------------------------------------------------------------------
 
-Meta = tuple  # (is_tuple, ((shape, dtype, requires_grad), ...), (layout, ...))
+Meta = tuple  # (container, ((shape, dtype, requires_grad), ...), (layout, ...))
 
 
-def meta_of(tensors, is_tuple: bool) -> Meta:
-    """The meta of a message: ``(is_tuple, ((shape, dtype, requires_grad), ...), (layout, ...))``, each layout a
+def meta_of(tensors, container: int) -> Meta:
+    """The meta of a message: ``(container, ((shape, dtype, requires_grad), ...), (layout, ...))``, each layout a
     dim order or a :class:`~pipesched.runtime.layout.Gapped` (:func:`~pipesched.runtime.layout.activation_layout`)."""
-    return (is_tuple, tuple((tuple(t.shape), t.dtype, bool(t.requires_grad)) for t in tensors),
+    return (container, tuple((tuple(t.shape), t.dtype, bool(t.requires_grad)) for t in tensors),
             tuple(activation_layout(t) for t in tensors))
 
 
@@ -245,7 +245,7 @@ def grad_specs(meta) -> list:
 def describe_change(what: str, now: Meta, before: Meta) -> str:
     """What differs between two metas of one message, in words: ``"{what} was a tensor, is now a tuple"``,
     ``"element 0 of {what}: requires_grad False -> True"``... (empty if they are equal)."""
-    kinds = ("a tensor", "a tuple")
+    kinds = ("a tensor", "a tuple", "a list")
     if now[0] != before[0]:
         return f"{what} was {kinds[before[0]]}, is now {kinds[now[0]]}"
     if len(now[1]) != len(before[1]):
@@ -264,8 +264,8 @@ def encode_meta(meta: Meta) -> torch.Tensor:
     Raises:
         ValueError: a dtype that cannot be sent, or a message too large to describe (too many tensors/dims).
     """
-    is_tuple, parts, layouts = meta
-    words = [int(is_tuple), len(parts)]
+    container, parts, layouts = meta
+    words = [int(container), len(parts)]
     for (shape, dtype, requires_grad), layout in zip(parts, layouts):
         if dtype not in DTYPE_CODE:
             raise ValueError(unsendable(dtype))
@@ -281,7 +281,7 @@ def encode_meta(meta: Meta) -> torch.Tensor:
 def decode_meta(header: torch.Tensor) -> Meta:
     """Inverse of :func:`encode_meta`."""
     words = header.tolist()
-    is_tuple, count, pos, parts, layouts = bool(words[0]), words[1], 2, [], []
+    container, count, pos, parts, layouts = words[0], words[1], 2, [], []
     for _ in range(count):
         code, requires_grad, ndim = words[pos:pos + 3]
         gapped, ndim = bool(ndim & _GAPPED), ndim & ~_GAPPED
@@ -294,7 +294,7 @@ def decode_meta(header: torch.Tensor) -> Meta:
                              f"run the same torch version on every rank")
         parts.append((shape, DTYPES[code], bool(requires_grad)))
         pos += 3 + 2 * ndim + gapped
-    return (is_tuple, tuple(parts), tuple(layouts))
+    return (container, tuple(parts), tuple(layouts))
 
 
 # ---- packing ---------------------------------------------------------------------------------------

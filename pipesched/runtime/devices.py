@@ -67,8 +67,8 @@ def move_to(batch, device: torch.device, name: str):
     if isinstance(batch, torch.Tensor):
         return _move(batch, device, name)
     if isinstance(batch, (tuple, list)):
-        return tuple(_move(t, device, f"{name}[{i}]") if isinstance(t, torch.Tensor) else t
-                     for i, t in enumerate(batch))
+        moved = [_move(t, device, f"{name}[{i}]") if isinstance(t, torch.Tensor) else t for i, t in enumerate(batch)]
+        return moved if isinstance(batch, list) else tuple(moved)  # a list stays a list (what the model gets)
     return batch
 
 

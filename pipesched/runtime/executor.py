@@ -14,7 +14,7 @@ from .accounting import SavedBytes, tensor_bytes
 from .grad_sum import finish_sum, start_sum
 from .input_grads import input_gradients
 from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, describe_change, grad_specs, meta_of, tag_of, unsendable
-from .microbatch import as_tuple, stage_output
+from .microbatch import as_tuple, as_value, stage_output
 from .received import loss_input_text, stage_input_text
 from .recompute import check_no_forward_hooks, keep_nothing, replay_rng, rng_state, scratch_buffers
 from .settings import SETTINGS
@@ -157,10 +157,10 @@ class Executor:
     def _stage_input(self, s, mb):
         st = self.step
         if s == 0:
-            return st.io.microbatches[mb], st.io.is_tuple
+            return st.io.microbatches[mb], st.io.container
         if s - 1 in self.local:
-            outs, is_tuple = st.fwd_out.pop((s - 1, mb))
-            return tuple(o.detach().requires_grad_(o.requires_grad) for o in outs), is_tuple
+            outs, container = st.fwd_out.pop((s - 1, mb))
+            return tuple(o.detach().requires_grad_(o.requires_grad) for o in outs), container
         tensors, meta = self.transport.wait(st.pending.pop(("act", s, mb)))
         self.waited = self.clock.mark()
         self.events[st.recv_event.pop(("act", s, mb))][2] = self.waited
@@ -173,14 +173,14 @@ class Executor:
 
     def _f(self, instr):
         s, mb, st = instr.stage, instr.microbatch, self.step
-        inputs, is_tuple = self._stage_input(s, mb)
-        module, arg = self.stages[s], (inputs if is_tuple else inputs[0])
+        inputs, container = self._stage_input(s, mb)
+        module, arg = self.stages[s], as_value(inputs, container)
         if not st.io.train:
             with torch.no_grad(), self.autocast():
                 try:
                     out = module(arg)
                 except Exception:
-                    self.failed_input = (instr, self._input_text(s, mb, inputs, is_tuple))
+                    self.failed_input = (instr, self._input_text(s, mb, inputs, container))
                     raise
             if s == self.last:
                 st.outputs[mb] = out
@@ -193,16 +193,16 @@ class Executor:
             # F's graph is thrown away: it runs on aliases (same data and version counters), so a hook its forward
             # registers on its input goes with it, and only R's (whose graph the backward runs) acts, once
             aliases = tuple(t.detach().requires_grad_(t.requires_grad) for t in inputs)
-            arg = aliases if is_tuple else aliases[0]
+            arg = as_value(aliases, container)
         with (keep_nothing() if redo else self.counter.track()), self.autocast():
             try:
                 out = call_stage(module, arg, s)
             except Exception:
-                self.failed_input = (instr, self._input_text(s, mb, inputs, is_tuple))
+                self.failed_input = (instr, self._input_text(s, mb, inputs, container))
                 raise
             loss = self._loss(out, mb) if s == self.last else None
         saved = self.counter.take()
-        st.inputs[(s, mb)] = (inputs, is_tuple)
+        st.inputs[(s, mb)] = (inputs, container)
         if loss is not None:
             st.losses[mb] = loss[0].detach()  # the replica's own loss; loss[1] the backward's (_loss)
             roots = (st.io.scale(loss[1]),)
@@ -212,9 +212,9 @@ class Executor:
             st.roots[(s, mb)] = roots
         self._hold((s, mb), tensor_bytes(inputs) if redo else saved)
 
-    def _input_text(self, s, mb, inputs, is_tuple):
+    def _input_text(self, s, mb, inputs, container):
         """What stage ``s`` received for microbatch ``mb`` (:func:`~pipesched.runtime.received.stage_input_text`)."""
-        return stage_input_text(s, mb, inputs, is_tuple, None if s == 0 else self.program.stage_to_rank[s - 1])
+        return stage_input_text(s, mb, inputs, container, None if s == 0 else self.program.stage_to_rank[s - 1])
 
     def _loss(self, out, mb):
         io = self.step.io
@@ -237,14 +237,14 @@ class Executor:
         return own, (own if gw == io.weights[mb] else value * gw)
 
     def _stash(self, s, mb, out):
-        outs, is_tuple = stage_output(out, s)
+        outs, container = stage_output(out, s)
         st = self.step
-        st.fwd_out[(s, mb)] = (outs, is_tuple)
+        st.fwd_out[(s, mb)] = (outs, container)
         if st.io.learning:
             for k, t in enumerate(outs):  # on every placement, before any message: not only where it is sent
                 if unsendable(t.dtype):
                     raise TypeError(f"element {k} of the output of stage {s}: {unsendable(t.dtype)}")
-            st.io.metas[("out", s, mb)] = meta_of(outs, is_tuple)
+            st.io.metas[("out", s, mb)] = meta_of(outs, container)
         return outs
 
     def _total_loss(self):
@@ -265,7 +265,7 @@ class Executor:
 
     def _r(self, instr):
         s, mb, st = instr.stage, instr.microbatch, self.step
-        inputs, is_tuple = st.inputs[(s, mb)]
+        inputs, container = st.inputs[(s, mb)]
         state, versions, buffers = st.rng.pop((s, mb))
         if [t._version for t in inputs] != versions:  # autograd's count of in-place writes to each tensor
             raise ValueError(f"stage {s} modified its input in place during its forward (e.g. an in-place "
@@ -277,7 +277,7 @@ class Executor:
         # buffer values are swapped in for the forward and the module's own put back after it
         with replay_rng(state, self.device), buffers.replayed(), torch.enable_grad(), self.counter.track(inputs), \
                 self.autocast():
-            out = call_stage(self.stages[s], inputs if is_tuple else inputs[0], s)
+            out = call_stage(self.stages[s], as_value(inputs, container), s)
             loss = self._loss(out, mb) if s == self.last else None
         st.roots[(s, mb)] = (st.io.scale(loss[1]),) if loss is not None else as_tuple(out)[0]
         self._hold((s, mb), self.counter.take())
@@ -367,8 +367,8 @@ class Executor:
 
     def _send_f(self, instr):
         s, mb, st = instr.stage, instr.microbatch, self.step
-        outs, is_tuple = st.fwd_out.pop((s, mb))
-        meta = meta_of(outs, is_tuple)
+        outs, container = st.fwd_out.pop((s, mb))
+        meta = meta_of(outs, container)
         learned = None if st.io.learning else st.io.metas[("out", s, mb)]
         if learned is not None and meta != learned:
             change = describe_change(f"the output of stage {s}", meta, learned)

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from .comm import DTYPE_CODE, unsendable
-from .microbatch import batch_size, split
+from .microbatch import TENSOR, as_value, batch_size, split
 from .transport import gather_rows
 
 SIG_LEN = 64  # int64 words of a step signature
@@ -177,7 +177,7 @@ class Handshake:
         message before its program.
 
         Returns:
-            ``(key, microbatches, is_tuple)``: the :class:`StepKey` (the input's description and every pipeline
+            ``(key, microbatches, container)``: the :class:`StepKey` (the input's description and every pipeline
             rank's fingerprint); ``microbatches`` is ``None`` on the other ranks.
         Raises:
             Rejected: on every rank, with the same message, checked in this order: some rank refused its own call
@@ -233,7 +233,7 @@ class Handshake:
         """What every rank of the pipeline decides alike from the opening's all-gather (see :meth:`signature`)."""
         first = self.program.stage_to_rank[0]
         m = self.program.num_microbatches
-        words, micro, is_tuple = [0] * SIG_LEN, None, False
+        words, micro, container = [0] * SIG_LEN, None, TENSOR
         if refusal is not None:  # in its signature block (stage 0's rank: in place of x's description)
             words = encode_text([OWN_REFUSAL, kind_code(type(refusal)), 0], str(refusal))
         elif self.pp_rank == first:
@@ -241,8 +241,8 @@ class Handshake:
                 if x is None:
                     raise ValueError(f"the rank of stage 0 (pipeline rank {first}) got no input x; pass the batch "
                                      f"as x there")
-                micro, is_tuple = split(to_device(x), m, "x")
-                words = encode_signature(train, m, micro, is_tuple)
+                micro, container = split(to_device(x), m, "x")
+                words = encode_signature(train, m, micro, container)
             except (TypeError, ValueError) as exc:
                 words = encode_text([1, int(train), m], str(exc))
         rows = self._gather([OPENING_MARK, settings, int(train), int(train and not torch.is_grad_enabled()),
@@ -268,7 +268,7 @@ class Handshake:
                            f"forward() for evaluation")
         if train:
             judge_target(last_verdict, words[3], self.program.stage_to_rank[-1], self.pp_rank, verdict)
-        return StepKey(tuple(words[1:]), tuple(row[0] for row in rows)), micro, is_tuple
+        return StepKey(tuple(words[1:]), tuple(row[0] for row in rows)), micro, container
 
     def _gather(self, words: list[int]) -> list[list[int]]:
         """All-gather one row of int64 ``words`` from every pipeline rank; returns the rows by rank."""
@@ -302,8 +302,8 @@ def target_microbatches(verdict: TargetVerdict | None, m: int):
     target is one); ``None`` without a target. Cannot fail once :func:`judge_target` passed."""
     if verdict is None or verdict.target is None:
         return None
-    parts, is_tuple = split(verdict.target, m, "target")
-    return [p if is_tuple else p[0] for p in parts]
+    parts, container = split(verdict.target, m, "target")
+    return [as_value(p, container) for p in parts]
 
 
 def verdict_words(verdict: TargetVerdict | None) -> list[int]:
@@ -381,8 +381,8 @@ def decode_text(words: list[int], head: int = 3) -> str:
     return data.decode(errors="replace")
 
 
-def encode_signature(train, m, micro, is_tuple) -> list[int]:
-    """The input's description: ``[0, train, m, batch, is_tuple, tensors, (dtype, dims, *shape[1:]) ...]``.
+def encode_signature(train, m, micro, container) -> list[int]:
+    """The input's description: ``[0, train, m, batch, container, tensors, (dtype, dims, *shape[1:]) ...]``.
 
     Raises:
         TypeError: a dtype that cannot cross a stage boundary.
@@ -390,7 +390,7 @@ def encode_signature(train, m, micro, is_tuple) -> list[int]:
     """
     first = micro[0]
     total = sum(mb[0].shape[0] for mb in micro)
-    words = [0, int(train), m, total, int(is_tuple), len(first)]
+    words = [0, int(train), m, total, int(container), len(first)]
     for t in first:
         if t.dtype not in DTYPE_CODE:
             raise TypeError(f"x: {unsendable(t.dtype)}")

@@ -8,8 +8,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 Batch = "torch.Tensor | tuple[torch.Tensor, ...]"
 
 
-def as_tuple(batch, name: str = "batch", hint: str = "") -> tuple[tuple[torch.Tensor, ...], bool]:
-    """``(tensors, is_tuple)``: a tensor becomes a 1-tuple; a tuple/list is checked to hold only tensors.
+#: what a batch or a stage output was, so that the next stage (or ``loss_fn``) gets the same kind back
+#: (:func:`as_value`): a bare tensor, a tuple or a list of tensors; it travels as the meta's first word
+TENSOR, TUPLE, LIST = 0, 1, 2
+
+
+def as_tuple(batch, name: str = "batch", hint: str = "") -> tuple[tuple[torch.Tensor, ...], int]:
+    """``(tensors, container)``: a tensor becomes a 1-tuple; a tuple/list is checked to hold only tensors;
+    ``container`` is :data:`TENSOR`, :data:`TUPLE` or :data:`LIST` (the only false one is :data:`TENSOR`).
 
     Args:
         name: what ``batch`` is, for the message; ``hint``: a sentence added to the message (why only tensors).
@@ -17,15 +23,20 @@ def as_tuple(batch, name: str = "batch", hint: str = "") -> tuple[tuple[torch.Te
         TypeError: ``batch`` is neither a tensor nor a tuple/list of tensors (names the bad item).
     """
     if isinstance(batch, torch.Tensor):
-        return (batch,), False
+        return (batch,), TENSOR
     hint = f" ({hint})" if hint else ""
     if isinstance(batch, (tuple, list)) and batch:
         for i, item in enumerate(batch):
             if not isinstance(item, torch.Tensor):
                 raise TypeError(f"element {i} of {name} must be a torch.Tensor, got {type(item).__name__}; {name} "
                                 f"must be a tensor or a non-empty tuple of tensors{hint}")
-        return tuple(batch), True
+        return tuple(batch), LIST if isinstance(batch, list) else TUPLE
     raise TypeError(f"{name} must be a tensor or a non-empty tuple of tensors, got {type(batch).__name__}{hint}")
+
+
+def as_value(tensors: tuple, container: int):
+    """What :func:`as_tuple` took apart, rebuilt: ``tensors[0]``, the tuple, or a list (a new one per call)."""
+    return tensors[0] if container == TENSOR else list(tensors) if container == LIST else tensors
 
 
 #: why a stage's output (other than the last stage's) must be a tensor or a tuple of tensors
@@ -80,15 +91,15 @@ def split(batch, num_microbatches: int, name: str = "batch") -> tuple[list[tuple
     """Split along dim 0 into ``num_microbatches`` views (no copies), sizes from :func:`split_sizes`.
 
     Returns:
-        ``(microbatches, is_tuple)``: each microbatch is a tuple of tensors (one per tensor of ``batch``),
+        ``(microbatches, container)``: each microbatch is a tuple of tensors (one per tensor of ``batch``),
         shapes ``(n_i, ...)`` with ``sum(n_i) == batch_size(batch)``.
     Raises:
         TypeError, ValueError: as :func:`batch_size` and :func:`split_sizes`.
     """
-    tensors, is_tuple = as_tuple(batch, name)
+    tensors, container = as_tuple(batch, name)
     sizes = split_sizes(batch_size(batch, name), num_microbatches)
     parts = [t.split(sizes, dim=0) for t in tensors]  # per tensor: m views (n_i, ...)
-    return [tuple(p[i] for p in parts) for i in range(num_microbatches)], is_tuple
+    return [tuple(p[i] for p in parts) for i in range(num_microbatches)], container
 
 
 def merge(outputs: list, what: str = "the last stage's output"):

@@ -14,7 +14,7 @@ from ..profile import LayerProfile
 from .loss import needs_target
 from .accounting import SavedBytes, tensor_bytes
 from .link_profile import Link, profile_link  # noqa: F401 - importable from here, as before
-from .microbatch import as_tuple, stage_output
+from .microbatch import as_tuple, as_value, stage_output
 from .recompute import scratch_buffers
 from .split import backward_input, backward_weight
 from .stage import layers_of
@@ -76,7 +76,7 @@ def profile_layers(model, sample_input, target=None, loss_fn=None, repeat: int =
     layers = layers_of(model)
     repeat, warmup = _run_counts(repeat, warmup)
     _check_loss_fn(loss_fn, target)
-    inputs, is_tuple = as_tuple(sample_input, "sample_input")
+    inputs, container = as_tuple(sample_input, "sample_input")
     n = int(inputs[0].shape[0])
     smaller = _smaller_sizes(sizes, n)
     params = [p for layer in layers for p in layer.parameters()]
@@ -89,9 +89,9 @@ def profile_layers(model, sample_input, target=None, loss_fn=None, repeat: int =
         for p in params:
             p.grad = None
         with torch.random.fork_rng(devices=cuda), scratch_buffers(torch.nn.ModuleList(layers)), torch.enable_grad():
-            rows, boundary_saves = _run_layers(layers, inputs, is_tuple, loss_fn, target, repeat, warmup, device)
+            rows, boundary_saves = _run_layers(layers, inputs, container, loss_fn, target, repeat, warmup, device)
             timings = {n: [row[:3] for row in rows]}
-            _time_smaller(timings, smaller, sizes, layers, inputs, is_tuple, loss_fn, target, repeat, warmup, device)
+            _time_smaller(timings, smaller, sizes, layers, inputs, container, loss_fn, target, repeat, warmup, device)
     finally:
         for p, g in zip(params, grads):
             p.grad = g
@@ -129,7 +129,7 @@ def _warn_wall_clock() -> None:
                   stacklevel=3)
 
 
-def _time_smaller(timings: dict, smaller, sizes, layers, inputs, is_tuple, loss_fn, target, repeat, warmup,
+def _time_smaller(timings: dict, smaller, sizes, layers, inputs, container, loss_fn, target, repeat, warmup,
                   device) -> None:
     """Time the first rows of the sample for each size of ``smaller`` into ``timings`` (size -> per layer: the
     three times); with ``sizes=None`` a size the model cannot run on is warned about and left out."""
@@ -139,7 +139,7 @@ def _time_smaller(timings: dict, smaller, sizes, layers, inputs, is_tuple, loss_
         cut_target = target[:size] if isinstance(target, torch.Tensor) and target.dim() \
             and target.shape[0] == n else target
         try:
-            timings[size] = [row[:3] for row in _run_layers(layers, cut, is_tuple, loss_fn, cut_target,
+            timings[size] = [row[:3] for row in _run_layers(layers, cut, container, loss_fn, cut_target,
                                                             repeat, warmup, device)[0]]
         except (RuntimeError, ValueError) as exc:
             if sizes is not None:
@@ -171,7 +171,7 @@ def _smaller_sizes(sizes, n: int) -> tuple[int, ...]:
     return tuple(sorted(set(counts) - {n}))
 
 
-def _run_layers(layers, inputs, is_tuple, loss_fn, target, repeat, warmup, device) -> tuple[list[tuple], tuple]:
+def _run_layers(layers, inputs, container, loss_fn, target, repeat, warmup, device) -> tuple[list[tuple], tuple]:
     """``(rows, boundary_saves)``: per layer, ``_measure``'s row, each layer fed the previous one's output (the
     output of its counted run, so that the tensors passed keep their addresses); and the
     :attr:`~pipesched.profile.LayerProfile.boundary_saves` of the layers: which layers save each tensor that passes
@@ -182,7 +182,7 @@ def _run_layers(layers, inputs, is_tuple, loss_fn, target, repeat, warmup, devic
     current = {t.data_ptr(): _new_group(groups, 0) for t in inputs}  # address -> group, of this layer's inputs
     for i, layer in enumerate(layers):
         last = i == len(layers) - 1
-        row, out, seen = _measure(layer, inputs, is_tuple, (loss_fn, target) if last else None, repeat, warmup,
+        row, out, seen = _measure(layer, inputs, container, (loss_fn, target) if last else None, repeat, warmup,
                                   device)
         rows.append(row)
         for ptr, group in current.items():
@@ -190,7 +190,7 @@ def _run_layers(layers, inputs, is_tuple, loss_fn, target, repeat, warmup, devic
             if ptr in seen:
                 groups[group][2][i] = seen[ptr]
         if not last:
-            inputs, is_tuple = stage_output(out, i)
+            inputs, container = stage_output(out, i)
             passed = {}
             for t in inputs:  # the same address as an input: passed on (nn.Identity, a view); else a new tensor
                 ptr = t.data_ptr()
@@ -233,12 +233,12 @@ def _intercept(points) -> float:
     return mean_y - slope * mean_x
 
 
-def _measure(layer, inputs, is_tuple, loss, repeat, warmup, device):
+def _measure(layer, inputs, container, loss, repeat, warmup, device):
     """``((forward, I, W seconds, saved, output, parameter bytes), output, {address: bytes saved})`` of one layer;
     the output and the saved bytes per address are those of the same (counted) run."""
     params = [p for p in layer.parameters() if p.requires_grad]
     counter = SavedBytes(layer.parameters())
-    arg = inputs if is_tuple else inputs[0]
+    arg = as_value(inputs, container)
 
     fresh = [False]  # a layer that works in place on its input gets a copy (see below)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from .microbatch import as_value
+
 #: the elements of a tuple (list, dict) named before "... (N tensors)"
 SHOWN = 3
 
@@ -32,14 +34,14 @@ def value_text(value, depth: int = 0) -> str:
     return type(value).__name__
 
 
-def stage_input_text(stage: int, microbatch: int, inputs, is_tuple: bool, from_rank: int | None) -> str | None:
+def stage_input_text(stage: int, microbatch: int, inputs, container: int, from_rank: int | None) -> str | None:
     """``its input (from stage 0 on pipeline rank 0): tensor (3, 16) float16``; stage 0's: ``its input (the
     step's x, microbatch 0): ...``. ``inputs``: the tuple of tensors the executor holds, passed as one tensor
-    unless ``is_tuple``. ``None`` where it cannot be described."""
+    unless ``container``. ``None`` where it cannot be described."""
     try:
         source = (f"the step's x, microbatch {microbatch}" if stage == 0
                   else f"from stage {stage - 1} on pipeline rank {from_rank}")
-        return f"its input ({source}): {value_text(tuple(inputs) if is_tuple else inputs[0])}"
+        return f"its input ({source}): {value_text(as_value(tuple(inputs), container))}"
     except Exception:  # noqa: BLE001 - describing must never hide the original error
         return None
 

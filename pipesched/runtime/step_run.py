@@ -26,7 +26,7 @@ def run(pipe, x, target, train: bool, scale=None, scaler=None, refusal=None):
     stage's per-microbatch outputs (``{microbatch: output}``; empty on other ranks). ``scale``: the loss scale
     (``None``: none); ``refusal``: this rank's own check's exception, ruled on in the opening."""
     verdict = targets_verdict(pipe, target) if train and pipe.pp_rank == pipe.program.stage_to_rank[-1] else None
-    key, micro, is_tuple = pipe._handshake.signature(x, train, lambda batch: move_to(batch, pipe.device, "x"),
+    key, micro, container = pipe._handshake.signature(x, train, lambda batch: move_to(batch, pipe.device, "x"),
                                                      fingerprint(pipe.stages, pipe.device, pipe.autocast),
                                                      pipe._norm_parts.opening_words(), verdict, refusal)
     if train:  # the step is accepted on every rank: it counts on the scaler (the same count everywhere)
@@ -38,7 +38,7 @@ def run(pipe, x, target, train: bool, scale=None, scaler=None, refusal=None):
     sizes = split_sizes(total, m)
     metas = pipe._metas.get(key)  # metas follow from the input and every rank's settings
     learning = metas is None
-    inputs = StepInputs(train, micro, is_tuple, target_microbatches(verdict, m),  # the opening proved its size x's
+    inputs = StepInputs(train, micro, container, target_microbatches(verdict, m),  # the opening proved its size x's
                         [n / total for n in sizes], {} if learning else metas, learning, scale,
                         pipe._norm_parts if pipe._norm_parts.agreed else None,
                         loss_weights(sizes, replica_batches(pipe._handshake, total)))

@@ -20,9 +20,9 @@ class StepInputs:
     ``("in_grad" | "out_grad", stage, mb)``: which of the gradients of that stage's input / output come (a
     bool per tensor that requires grad)."""
 
-    def __init__(self, train, microbatches, is_tuple, targets, weights, metas, learning, scale=None, parts=None,
+    def __init__(self, train, microbatches, container, targets, weights, metas, learning, scale=None, parts=None,
                  grad_weights=None):
-        self.train, self.microbatches, self.is_tuple = train, microbatches, is_tuple
+        self.train, self.microbatches, self.container = train, microbatches, container
         self.targets, self.weights, self.metas, self.learning = targets, weights, metas, learning
         # the loss weights in backward (step_run.loss_weights: n * dp / N_all, the whole batch's over replicas of
         # other batch sizes); ``weights`` (n / N) weigh the returned loss, the replica's own. Equal by default
