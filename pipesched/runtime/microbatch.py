@@ -29,9 +29,10 @@ def as_tuple(batch, name: str = "batch", hint: str = "") -> tuple[tuple[torch.Te
         for i, item in enumerate(batch):
             if not isinstance(item, torch.Tensor):
                 raise TypeError(f"element {i} of {name} must be a torch.Tensor, got {type(item).__name__}; {name} "
-                                f"must be a tensor or a non-empty tuple of tensors{hint}")
+                                f"must be a tensor or a non-empty tuple or list of tensors{hint}")
         return tuple(batch), LIST if isinstance(batch, list) else TUPLE
-    raise TypeError(f"{name} must be a tensor or a non-empty tuple of tensors, got {type(batch).__name__}{hint}")
+    raise TypeError(f"{name} must be a tensor or a non-empty tuple or list of tensors, got {type(batch).__name__}"
+                    f"{hint}")
 
 
 def as_value(tensors: tuple, container: int):

@@ -115,5 +115,5 @@ def test_wrong_devices_on_two_ranks_are_value_errors_on_both_and_the_pipeline_st
     target_error = x_error.replace("x", "target")
     assert last["target"] == target_error
     assert first["target"] == f"the rank of the last stage (pipeline rank 1) rejected the step's target: {target_error}"
-    assert first["x str"] == "x must be a tensor or a non-empty tuple of tensors, got str"
+    assert first["x str"] == "x must be a tensor or a non-empty tuple or list of tensors, got str"
     assert first["then"] == last["then"] and first["then"] > 0

@@ -40,8 +40,8 @@ EXPECTED = {
     "no loss_fn": (f"ValueError: pipeline rank 1 refused its step: {NO_LOSS_FN}",) * 2,
     "no target": (f"ValueError: {LAST}{NO_TARGET}", f"ValueError: {NO_TARGET}"),
     "target not a tensor": (
-        f"ValueError: {LAST}target must be a tensor or a non-empty tuple of tensors, got str",
-        "ValueError: target must be a tensor or a non-empty tuple of tensors, got str"),
+        f"ValueError: {LAST}target must be a tensor or a non-empty tuple or list of tensors, got str",
+        "ValueError: target must be a tensor or a non-empty tuple or list of tensors, got str"),
     "target batch size": (f"ValueError: {LAST}target has batch size 3 but x has 8",
                           "ValueError: target has batch size 3 but x has 8"),
     "gradients disabled": (

@@ -150,11 +150,11 @@ def test_a_0_dim_element_of_the_last_stages_output_is_explained_and_the_pipeline
 
 
 @pytest.mark.parametrize("kind, cause", [
-    ("dict", "TypeError: the output of stage 0 must be a tensor or a non-empty tuple of tensors, got dict (it is "
+    ("dict", "TypeError: the output of stage 0 must be a tensor or a non-empty tuple or list of tensors, got dict (it is "
              "sent to the next stage; only the last stage's output, which goes to loss_fn and forward() as-is, may "
              "be a dict or hold other values)"),
     ("tag", "TypeError: element 1 of the output of stage 0 must be a torch.Tensor, got str; the output of stage 0 "
-            "must be a tensor or a non-empty tuple of tensors (it is sent to the next stage; only the last stage's "
+            "must be a tensor or a non-empty tuple or list of tensors (it is sent to the next stage; only the last stage's "
             "output, which goes to loss_fn and forward() as-is, may be a dict or hold other values)"),
 ])
 def test_a_middle_stage_returning_a_dict_or_a_non_tensor_names_the_stage_and_what_is_allowed(ranks, kind, cause):

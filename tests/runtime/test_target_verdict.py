@@ -54,7 +54,7 @@ def test_accepted_targets_pass_on_every_rank_and_split_like_x():
 
 @pytest.mark.parametrize("target,missing,text", [
     (None, "step() needs target", "step() needs target"),
-    ("abc", "", "target must be a tensor or a non-empty tuple of tensors, got str"),
+    ("abc", "", "target must be a tensor or a non-empty tuple or list of tensors, got str"),
     ((torch.zeros(3), torch.zeros(4)), "", "the tensors of target have different batch sizes (dim 0): [3, 4]"),
     (torch.tensor(1.0), "", "target[0] is a scalar; every tensor needs a batch dimension 0"),
 ])
