@@ -29,6 +29,10 @@ def run_child(rank, world_size, store_at, threads, fn, args, results, grace, rel
         os.environ["MASTER_PORT"] = str(tcp.port)
         # the key space env:// rendezvous gives the default group (init_process_group wraps its store the same way)
         dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", tcp), rank=rank, world_size=world_size)
+        # every rank has finished connecting before any fn runs: one whose fn returns at once would otherwise close
+        # its connections (finally) while a slower peer is still connecting to it, which fails that peer's
+        # init_process_group ("Connection closed by peer"); this barrier ends on a rank only once all have joined it
+        dist.barrier()
         store = dist.distributed_c10d._get_default_store()  # held: a hosting rank 0 keeps the store up after teardown
         value = pickle.dumps(fn(rank, *args))
         mark_returned(store, rank)  # before its connections close: a peer left in a collective with it names it
