@@ -37,9 +37,9 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
     """Run ``fn(rank, *args)`` on ``world_size`` local processes that share a gloo default process group.
 
     Each child gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1`` and ``MASTER_PORT``,
-    sets ``torch.set_num_threads(threads)``, and calls ``fn`` after ``init_process_group("gloo")`` and a barrier. This process
-    hosts the job's c10d ``TCPStore``, as torchrun's agent does, from right after the children start until they have
-    all stopped, on a port the OS picks while binding it and passes to the children (so launches running at once on
+    sets ``torch.set_num_threads(threads)``, and calls ``fn`` after ``init_process_group("gloo")`` and a barrier.
+    This process hosts the job's c10d ``TCPStore``, as torchrun's agent does, from right after the children start
+    until they have all stopped, on a port the OS picks while binding it and passes to the children (so launches running at once on
     one machine never share a store); the store outlives every rank, so a rank that is lost or stalled (world rank 0
     included) never takes it, nor the failure records in it, from the others. Every child connects as a client
     and checks that the store holds this launch's token (a ``RuntimeError`` naming the address if not); the
