@@ -10,6 +10,7 @@ import torch.distributed as dist
 from ..checks import check_flag
 from .comm import init_default_group, make_groups, world_and_rank
 from .amp import autocast_context, checked_autocast, loss_scaling
+from .built import Built
 from .collective import peer_loss_as_comm_error
 from .agreement import agree, connected, describe, groups_failed, model_shapes, refuse
 from .construction import local_setup
@@ -172,6 +173,7 @@ class Pipeline(PipelineCollectives, PipelineMeasured):
                 setattr(self, name, getattr(setup, name))
             self.autocast = checked_autocast(autocast, self.device)  # ValueError naming autocast and valid values
             self._fuse_wgrad = check_flag(gradient_accumulation_fusion, "gradient_accumulation_fusion", "Pipeline: ")
+            self._built = Built(model, self.stages, self.first_layers, self.layer_names)  # checked at each step
         except Exception as exc:
             if dist.is_available() and dist.is_initialized():  # the other ranks must not wait for this one
                 refuse(dist.distributed_c10d._get_default_store(), dist.get_rank(), exc)
@@ -327,6 +329,7 @@ class Pipeline(PipelineCollectives, PipelineMeasured):
         try:  # this rank's own checks: a failure is ruled on in the opening, so no rank waits for this one
             if self.loss_fn is None:
                 raise ValueError("step() needs a loss_fn; pass loss_fn= to Pipeline (forward() needs none)")
+            self._check_built()
             scale = loss_scaling(scaler, self)  # None, or the scaler's scale()
         except (TypeError, ValueError) as exc:
             refusal = exc
@@ -349,7 +352,12 @@ class Pipeline(PipelineCollectives, PipelineMeasured):
                 message names the element of the last stage's output.
         """
         self._check_local(x, None)
-        outputs = self._guarded(lambda: run(self, x, None, train=False))
+        try:  # this rank's own check, ruled on in the opening as step()'s
+            self._check_built()
+            refusal = None
+        except ValueError as exc:
+            refusal = exc
+        outputs = self._guarded(lambda: run(self, x, None, train=False, refusal=refusal))
         if not outputs:
             return None
         m = self.program.num_microbatches  # merged after the step: a merge error leaves the pipeline usable
@@ -382,6 +390,13 @@ class Pipeline(PipelineCollectives, PipelineMeasured):
             raise RuntimeError("this Pipeline was closed; create a new one")
         if self._broken is not None:
             raise PipelineError(self._broken.record, self.grid.world_rank, "this Pipeline failed in an earlier step")
+
+    def _check_built(self) -> None:
+        """Raises ValueError: a layer of the model or a parameter of this rank's stages is not the one of
+        construction (:class:`~pipesched.runtime.built.Built`: names it and what to do instead)."""
+        change = self._built.changed()
+        if change is not None:
+            raise ValueError(change)
 
     def _guarded(self, run, where: str | None = None):  # where: what runs, for a failure outside any instruction
         self._running += 1  # close() refuses to run inside a call (a layer's forward, a hook, another thread)

@@ -44,6 +44,7 @@ def run(pipe, x, target, train: bool, scale=None, scaler=None, refusal=None):
                         loss_weights(sizes, replica_batches(pipe._handshake, total)))
     base = cuda_memory_base(pipe.device)
     before = snapshot(pipe._shared_buffers) if pipe._shared_buffers else None
+    pipe._executor.loss_fn = pipe.loss_fn  # a loss_fn assigned since the last step is the one this step uses
     loss, outputs, peak = pipe._executor.run(inputs)
     if before is not None:  # a buffer that stages on two ranks use must not change (shared_buffers.py)
         check_unchanged(pipe._shared_buffers, before)

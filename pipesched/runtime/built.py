@@ -1,0 +1,96 @@
+"""What a Pipeline was built from, checked at each ``step()`` to be unchanged: the model's layers and the parameters
+of this rank's stages (a rank's own check, ruled on in the opening: every rank refuses the step together, and the
+pipeline stays usable).
+
+The stages run the layers of construction, and the data-parallel all-reduce, the tied-gradient sums and the count of
+saved activation bytes hold the parameter objects of construction. A layer replaced in the model afterwards
+(``model[3] = nn.Linear(...)``) would silently not run; a parameter replaced (``layer.weight = nn.Parameter(...)``,
+``load_state_dict(..., assign=True)``), added (an adapter) or removed would be left out of those sums: the replicas'
+gradients silently not averaged, a tie's copies not summed (found by a hunt, session 14). Values copied in place
+(``p.copy_(...)`` under ``no_grad``, ``load_state_dict`` without ``assign``) keep the objects and need nothing."""
+from __future__ import annotations
+
+from .stage import layers_of
+from .state import rank_view
+
+#: what to do instead, said by every refusal
+REMEDY = ("the stages, the data-parallel all-reduce, the tied-gradient sums and the activation accounting hold what "
+          "the Pipeline was built from; copy new values in place (with torch.no_grad(): p.copy_(new), or "
+          "load_state_dict without assign=True), or build a new Pipeline")
+
+
+class Built:
+    """The model's layers and every module of this rank's stages with the parameters it held at construction (by
+    identity).
+
+    Args:
+        model: the model the Pipeline was built from (an ``nn.Sequential`` or a list of modules).
+        stages, first_layers, names: as :func:`~pipesched.runtime.state.rank_view` (``Pipeline.stages``,
+            ``Pipeline.first_layers``, ``Pipeline.layer_names``): parameters are named as in the unsplit model.
+    """
+
+    def __init__(self, model, stages: dict, first_layers, names=None) -> None:
+        self.model, self.layers, self.names = model, layers_of(model), names
+        self.view = rank_view(stages, first_layers, names)
+        self.stage_of = {key: s for s in sorted(stages) for key in _keys(self.view, stages[s])}
+        self.modules = list(self.view.modules())
+        self.held = [tuple(m._parameters.values()) for m in self.modules]
+        self.named = dict(self.view.named_parameters(remove_duplicate=False))
+
+    def changed(self) -> str | None:
+        """``None`` while nothing changed, else what did, in words: the first layer of the model replaced (added,
+        removed), or parameter of this rank replaced (added, removed), by its name in the unsplit model and its
+        stage, and what to do instead. A few microseconds per module."""
+        try:
+            layers = layers_of(self.model)
+        except (TypeError, ValueError) as exc:  # e.g. a hook registered on the container since
+            return f"the model changed after this Pipeline was built: {exc}"
+        if not _same(layers, self.layers):
+            return self._layer_text(layers)
+        modules = list(self.view.modules())
+        if _same(modules, self.modules) and all(_same(m._parameters.values(), held)
+                                                for m, held in zip(modules, self.held)):
+            return None
+        return self._parameter_text()
+
+    def _layer_text(self, layers) -> str:
+        i = next((i for i, (a, b) in enumerate(zip(layers, self.layers)) if a is not b), None)
+        if i is None:
+            return (f"the model has {len(layers)} layers, was built from {len(self.layers)}: layers were added or "
+                    f"removed after this Pipeline was built; build a new Pipeline")
+        name = str(i) if self.names is None else self.names[i]
+        return (f"layer '{name}' of the model is not the one this Pipeline was built with: it was replaced after "
+                f"construction, and the stages run the layers of construction; build a new Pipeline (or copy the "
+                f"new layer's values into the old one in place)")
+
+    def _parameter_text(self) -> str:
+        now = dict(self.view.named_parameters(remove_duplicate=False))
+        for name, p in self.named.items():
+            if name not in now:
+                return self._text(name, "was removed after this Pipeline was built")
+            if now[name] is not p:
+                return self._text(name, "is not the one this Pipeline was built with: it was replaced after "
+                                        "construction (a new nn.Parameter assigned, or load_state_dict(..., "
+                                        "assign=True))")
+        added = next((name for name in now if name not in self.named), None)
+        if added is not None:
+            return self._text(added, "was added after this Pipeline was built")
+        return (f"a module inside this rank's layers was added, removed or replaced after this Pipeline was built; "
+                f"{REMEDY}")
+
+    def _text(self, name: str, what: str) -> str:
+        stage = self.stage_of.get(name.split(".")[0])
+        where = "" if stage is None else f" (stage {stage})"
+        return f"parameter '{name}'{where} {what}; {REMEDY}"
+
+
+def _same(now, before) -> bool:
+    """The same objects in the same order (identity: ``==`` on tensors compares values)."""
+    now = tuple(now)
+    return len(now) == len(before) and all(a is b for a, b in zip(now, before))
+
+
+def _keys(view, stage_module) -> list[str]:
+    """The keys in ``view`` of the layers of ``stage_module``."""
+    layers = {id(layer) for layer in stage_module}
+    return [key for key, layer in view.named_children() if id(layer) in layers]
