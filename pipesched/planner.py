@@ -195,7 +195,7 @@ def _candidate(e: Evaluated, global_batch: int, layer_names=()) -> Candidate:
 def _reason(candidates, search: Search) -> str:
     win = candidates[0]
     line = (f"{win.describe()}: fastest predicted step ({win.step_time:.4g} s, bubble {win.bubble_fraction:.1%}, "
-            f"peak {max(win.peak_memory) / 2**30:.3g} GiB) of {search.simulated} configurations simulated "
+            f"peak {format_bytes(max(win.peak_memory))}) of {search.simulated} configurations simulated "
             f"({search.considered} bounded)")
     if len(candidates) > 1:
         line += "; " + _versus(win, candidates[1])

@@ -6,7 +6,7 @@ import pytest
 
 from pipesched.cli import main
 from pipesched.plan_cli import parse_bytes
-from pipesched.planner import plan
+from pipesched.planner import format_bytes, plan
 from pipesched.profile import LayerProfile
 
 MiB = 2**20
@@ -33,6 +33,8 @@ def test_table(profile_file, capsys):
     best = plan(profile, 4, 2**30, 32, top=3).best
     assert out[1].split()[1:6] == [best.schedule, str(best.pp), str(best.dp), str(best.num_microbatches),
                                    str(best.virtual_stages)]
+    # the winner's peak in the table's unit (was "peak 0.000514 GiB" under a table in KiB: a new user's trial, s14)
+    assert f"peak {format_bytes(max(best.peak_memory))})" in out[-1]
 
 
 def test_json_is_the_plan(profile_file, capsys):

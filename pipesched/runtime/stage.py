@@ -80,7 +80,8 @@ def resolve_balance(layers: Sequence[nn.Module], num_stages: int, balance=None, 
     Args:
         layers: the model's layers, in order.
         num_stages: stages to cut into (pipeline ranks x virtual stages).
-        balance: ``None`` (even by layer count, larger stages first), ``"params"`` (contiguous split that
+        balance: ``None`` or ``"layers"`` (even by layer count, larger stages first; the demo's word for it),
+            ``"params"`` (contiguous split that
             minimises the largest stage's parameter count), ``"time"`` (the split that minimises the slowest
             rank's forward + backward seconds in ``profile``, then its activation bytes:
             :func:`pipesched.partition.balance_by_time`) or a sequence of ``num_stages`` positive ints summing
@@ -105,15 +106,15 @@ def resolve_balance(layers: Sequence[nn.Module], num_stages: int, balance=None, 
     if profile is not None and not (isinstance(balance, str) and balance == "time"):  # (a numpy array: no ==)
         raise ValueError(f"profile= is used only with balance='time' (the cut it decides), got balance={balance!r}: "
                          f"pass balance='time', or drop profile=")
-    if balance is None:
+    if balance is None or (isinstance(balance, str) and balance == "layers"):
         base, extra = divmod(n, num_stages)
         return tuple(base + 1 if i < extra else base for i in range(num_stages))
     if isinstance(balance, str):
         if balance == "time":
             return _balance_by_time(layers, num_stages, profile, stage_to_rank)
         if balance != "params":
-            raise ValueError(f"balance={balance!r}: valid values are None, 'params' or a list of layer counts "
-                             f"(or 'time' with profile=)")
+            raise ValueError(f"balance={balance!r}: valid values are None (or 'layers'), 'params' or a list of layer "
+                             f"counts (or 'time' with profile=)")
         costs = [sum(p.numel() for p in layer.parameters()) for layer in layers]
         return min_max_partition(costs, num_stages)
     # a list, tuple or 1-d numpy array of integers (numpy integers accepted; plain ints from here on)

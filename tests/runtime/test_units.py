@@ -1,4 +1,6 @@
 """Single-process pieces: microbatch splitting, stage balance, wire metas and packing, argument checks."""
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -53,6 +55,7 @@ def test_balance_even_list_and_params():
     assert resolve_balance(layers, 2, [1, 4]) == (1, 4)
     layers = [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 40)]  # 20, 20, 200 parameters
     assert resolve_balance(layers, 2, "params") == (2, 1)  # 40 | 200, not 20 | 220
+    assert resolve_balance(layers, 2, "layers") == resolve_balance(layers, 2, None) == (2, 1)  # the demo's word
     assert min_max_partition([1, 1, 1, 10, 1, 1], 3) == (3, 1, 2)
 
 
@@ -60,10 +63,10 @@ def test_balance_even_list_and_params():
     ([2, 2], "balance=[2, 2] sums to 4 but the model has 5 layers"),
     ([5], "balance has 1 entries but the pipeline has 2 stages"),
     ([0, 5], "every stage needs at least one layer"),
-    ("flops", "valid values are None, 'params' or a list of layer counts"),
+    ("flops", "valid values are None (or 'layers'), 'params' or a list of layer counts"),
 ])
 def test_bad_balance_names_the_numbers(balance, message):
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         resolve_balance(list(mlp(num_layers=5)), 2, balance)
 
 
