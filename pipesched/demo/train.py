@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..planner import PlanError
-from ..runtime import Pipeline, latest_checkpoint, launch, load_checkpoint, save_checkpoint
+from ..runtime import Pipeline, PipelineError, latest_checkpoint, launch, load_checkpoint, save_checkpoint
 from .corpus import load_text
 from .data import batch_at, batches
 from .model import generate, lm_loss, make_gpt
@@ -37,7 +37,16 @@ def main(argv=None, prog: str | None = None) -> None:
             except PlanError as exc:  # nothing fits --memory: exit 1, as `pipesched plan` does
                 print(f"error: {exc}", file=sys.stderr, flush=True)
                 raise SystemExit(1) from None
-        launch(train, args.ranks * args.dp, args, timeout=24 * 3600.0)
+        try:
+            launch(train, args.ranks * args.dp, args, timeout=24 * 3600.0)
+        except RuntimeError as exc:  # a rank failed, was lost or killed: said without the launcher's traceback
+            if not isinstance(exc, PipelineError) and not str(exc).startswith("launch: rank"):
+                raise  # anything else is a bug: its traceback helps
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            if args.checkpoint_dir is not None:
+                print(f"continue from the newest checkpoint in {args.checkpoint_dir} with the same command and "
+                      f"--resume", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
 
 
 def train(rank: int, args: argparse.Namespace) -> None:

@@ -4,8 +4,10 @@ import importlib.util
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,6 +92,36 @@ def test_the_demo_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path):
     done = demo("--steps", "8", "--checkpoint-dir", str(tmp_path / "b"), "--resume")  # at step 10 already
     assert done == (f"resumed from {tmp_path / 'b' / 'step-000010'} (step 10)\nnothing to do: the checkpoint is at "
                     f"step 10 and --steps is 8 (raise --steps to train further)\n")
+
+
+def test_a_killed_rank_ends_the_demo_with_one_error_line_and_the_resume_hint(tmp_path):
+    # README: stop it at any point (Ctrl-C or a killed rank), --resume continues. A SIGKILLed rank ended the demo with
+    # the launcher's whole traceback (a new user's trial, s14); now one line naming the rank, then the hint, exit 1
+    folder = tmp_path / "ck"
+    demo = subprocess.Popen([sys.executable, "-m", "pipesched", "demo", "--ranks", "2", "--width", "32", "--depth", "2",
+                             "--heads", "2", "--context", "16", "--batch", "4", "--corpus-bytes", "100000",
+                             "--steps", "2000", "--checkpoint-every", "2", "--checkpoint-dir", str(folder),
+                             "--out", str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # its own group: the finally can stop every rank
+    try:
+        deadline = time.monotonic() + 240
+        while not (folder / "step-000002").is_dir() and demo.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        children = subprocess.run(["pgrep", "-P", str(demo.pid)], capture_output=True, text=True).stdout.split()
+        ranks = [pid for pid in children if not any(  # the rank processes, not multiprocessing's helpers
+            helper in Path(f"/proc/{pid}/cmdline").read_bytes() for helper in (b"resource_tracker", b"forkserver"))]
+        assert (folder / "step-000002").is_dir() and len(ranks) == 2, (children, ranks, demo.poll())
+        os.kill(int(ranks[-1]), signal.SIGKILL)
+        out, err = demo.communicate(timeout=120)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
+    assert demo.returncode == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert re.search(r"error: launch: rank \d exited with code -9 without reporting \(killed by signal 9\)", err), err
+    assert err.rstrip().endswith(f"continue from the newest checkpoint in {folder} with the same command and "
+                                 f"--resume"), err[-3000:]
 
 
 def test_train_gpt_is_the_demo_as_a_script():
