@@ -10,6 +10,8 @@ gradients silently not averaged, a tie's copies not summed (found by a hunt, ses
 (``p.copy_(...)`` under ``no_grad``, ``load_state_dict`` without ``assign``) keep the objects and need nothing."""
 from __future__ import annotations
 
+import operator
+
 from .stage import layers_of
 from .state import rank_view
 
@@ -33,8 +35,9 @@ class Built:
         self.model, self.layers, self.names = model, layers_of(model), names
         self.view = rank_view(stages, first_layers, names)
         self.stage_of = {key: s for s in sorted(stages) for key in _keys(self.view, stages[s])}
-        self.modules = list(self.view.modules())
-        self.held = [tuple(m._parameters.values()) for m in self.modules]
+        #: every module with the parameters and children it held (one flat pass: the tree is unchanged iff each
+        #: module still holds the same children and parameters)
+        self.held = [(m, tuple(m._parameters.items()), tuple(m._modules.items())) for m in self.view.modules()]
         self.named = dict(self.view.named_parameters(remove_duplicate=False))
 
     def changed(self) -> str | None:
@@ -47,9 +50,7 @@ class Built:
             return f"the model changed after this Pipeline was built: {exc}"
         if not _same(layers, self.layers):
             return self._layer_text(layers)
-        modules = list(self.view.modules())
-        if _same(modules, self.modules) and all(_same(m._parameters.values(), held)
-                                                for m, held in zip(modules, self.held)):
+        if all(_holds(m._parameters, params) and _holds(m._modules, children) for m, params, children in self.held):
             return None
         return self._parameter_text()
 
@@ -86,8 +87,12 @@ class Built:
 
 def _same(now, before) -> bool:
     """The same objects in the same order (identity: ``==`` on tensors compares values)."""
-    now = tuple(now)
-    return len(now) == len(before) and all(a is b for a, b in zip(now, before))
+    return len(now) == len(before) and all(map(operator.is_, now, before))
+
+
+def _holds(now: dict, before: tuple) -> bool:
+    """``now`` holds the same objects under the same keys as ``before`` (its items then), in any order."""
+    return len(now) == len(before) and all(now.get(key, _holds) is value for key, value in before)
 
 
 def _keys(view, stage_module) -> list[str]:

@@ -71,3 +71,42 @@ def test_a_loss_fn_reassigned_between_steps_is_the_one_used():
         assert len(grads) == 2  # this rank's weight and bias
         for name, (got, ref) in grads.items():
             assert torch.equal(got, ref), (rank, name, got, ref)
+
+
+def _built():
+    from torch import nn
+
+    from pipesched.runtime.built import Built
+    from pipesched.runtime.stage import build_stages, layers_of
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 4))
+    stages = build_stages(layers_of(model), [2, 1], range(2))
+    return model, Built(model, stages, [0, 2, 3])
+
+
+def test_built_names_each_kind_of_change_and_is_quiet_once_restored():
+    from torch import nn
+    from torch.nn.utils import parametrize
+
+    model, built = _built()
+    assert built.changed() is None
+    old = model[1][0].weight
+    model[1][0].weight = nn.Parameter(old.detach().clone())
+    assert built.changed().startswith(f"parameter '1.0.weight' (stage 0) {REPLACED}")
+    model[1][0].weight = old
+    assert built.changed() is None
+    model[1].add_module("adapter", nn.Linear(4, 4))  # a new layer inside a layer (e.g. a LoRA adapter)
+    assert built.changed().startswith("parameter '1.adapter.weight' (stage 0) was added after this Pipeline")
+    del model[1].adapter
+    assert built.changed() is None
+    parametrize.register_parametrization(model[2], "weight", nn.Identity())  # weight moves into a ModuleDict
+    assert built.changed().startswith("parameter '2.weight' (stage 1) was removed after this Pipeline was built")
+    parametrize.remove_parametrizations(model[2], "weight")  # the original Parameter back (after the bias now)
+    assert built.changed() is None  # the same objects under the same names: their order does not matter
+    model, built = _built()
+    kept = model[2]
+    model[2] = nn.Linear(4, 4)
+    assert built.changed().startswith("layer '2' of the model is not the one this Pipeline was built with")
+    model[2] = kept
+    model.append(nn.ReLU())
+    assert built.changed().startswith("the model has 4 layers, was built from 3")
