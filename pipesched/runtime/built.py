@@ -10,8 +10,6 @@ gradients silently not averaged, a tie's copies not summed (found by a hunt, ses
 (``p.copy_(...)`` under ``no_grad``, ``load_state_dict`` without ``assign``) keep the objects and need nothing."""
 from __future__ import annotations
 
-import operator
-
 from .stage import layers_of
 from .state import rank_view
 
@@ -33,6 +31,9 @@ class Built:
 
     def __init__(self, model, stages: dict, first_layers, names=None) -> None:
         self.model, self.layers, self.names = model, layers_of(model), names
+        #: the indices of this rank's layers: only those are checked (a rank may drop the others, e.g. replace them
+        #: by nn.Identity() to free their memory; the rank holding one checks it)
+        self.mine = [i for s in sorted(stages) for i in range(first_layers[s], first_layers[s + 1])]
         self.view = rank_view(stages, first_layers, names)
         self.stage_of = {key: s for s in sorted(stages) for key in _keys(self.view, stages[s])}
         #: every module with the parameters and children it held (one flat pass: the tree is unchanged iff each
@@ -48,21 +49,22 @@ class Built:
             layers = layers_of(self.model)
         except (TypeError, ValueError) as exc:  # e.g. a hook registered on the container since
             return f"the model changed after this Pipeline was built: {exc}"
-        if not _same(layers, self.layers):
+        if len(layers) != len(self.layers) or any(layers[i] is not self.layers[i] for i in self.mine):
             return self._layer_text(layers)
         if all(_holds(m._parameters, params) and _holds(m._modules, children) for m, params, children in self.held):
             return None
         return self._parameter_text()
 
     def _layer_text(self, layers) -> str:
-        i = next((i for i, (a, b) in enumerate(zip(layers, self.layers)) if a is not b), None)
-        if i is None:
+        if len(layers) != len(self.layers):
             return (f"the model has {len(layers)} layers, was built from {len(self.layers)}: layers were added or "
                     f"removed after this Pipeline was built; build a new Pipeline")
+        i = next(i for i in self.mine if layers[i] is not self.layers[i])
         name = str(i) if self.names is None else self.names[i]
-        return (f"layer '{name}' of the model is not the one this Pipeline was built with: it was replaced after "
-                f"construction, and the stages run the layers of construction; build a new Pipeline (or copy the "
-                f"new layer's values into the old one in place)")
+        where = f" (stage {self.stage_of[name]})" if name in self.stage_of else ""
+        return (f"layer '{name}'{where} of the model is not the one this Pipeline was built with: it was replaced "
+                f"after construction, and the stages run the layers of construction; build a new Pipeline (or copy "
+                f"the new layer's values into the old one in place)")
 
     def _parameter_text(self) -> str:
         now = dict(self.view.named_parameters(remove_duplicate=False))
@@ -83,11 +85,6 @@ class Built:
         stage = self.stage_of.get(name.split(".")[0])
         where = "" if stage is None else f" (stage {stage})"
         return f"parameter '{name}'{where} {what}; {REMEDY}"
-
-
-def _same(now, before) -> bool:
-    """The same objects in the same order (identity: ``==`` on tensors compares values)."""
-    return len(now) == len(before) and all(map(operator.is_, now, before))
 
 
 def _holds(now: dict, before: tuple) -> bool:

@@ -59,8 +59,8 @@ def test_a_tie_remade_with_a_new_parameter_is_refused_and_a_restore_sums_its_cop
 
 def test_a_layer_replaced_in_the_model_is_refused_on_every_rank():
     for rank, (text, same_loss) in enumerate(launch(S.layer_replaced, 2, timeout=240)):
-        assert text is not None and "layer '1' of the model is not the one this Pipeline was built with" in text, \
-            (rank, text)
+        assert text is not None, rank
+        assert "layer '1' (stage 1) of the model is not the one this Pipeline was built with" in text, (rank, text)
         assert same_loss, rank  # the layer of construction back (new values copied in): the unsplit model's loss
 
 
@@ -103,10 +103,17 @@ def test_built_names_each_kind_of_change_and_is_quiet_once_restored():
     assert built.changed().startswith("parameter '2.weight' (stage 1) was removed after this Pipeline was built")
     parametrize.remove_parametrizations(model[2], "weight")  # the original Parameter back (after the bias now)
     assert built.changed() is None  # the same objects under the same names: their order does not matter
+    from pipesched.runtime.built import Built
+    from pipesched.runtime.stage import build_stages, layers_of
+
+    model, built = _built()
+    mine = Built(model, {0: build_stages(layers_of(model), [1, 2], [0])[0]}, [0, 1, 3])  # a rank holding layer 0
+    model[1] = nn.Identity()  # a rank may drop layers it does not hold (to free their memory): only theirs refuse
+    assert mine.changed() is None and built.changed().startswith("layer '1' (stage 0) of the model")
     model, built = _built()
     kept = model[2]
     model[2] = nn.Linear(4, 4)
-    assert built.changed().startswith("layer '2' of the model is not the one this Pipeline was built with")
+    assert built.changed().startswith("layer '2' (stage 1) of the model is not the one this Pipeline was built with")
     model[2] = kept
     model.append(nn.ReLU())
     assert built.changed().startswith("the model has 4 layers, was built from 3")
