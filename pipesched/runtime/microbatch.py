@@ -40,6 +40,17 @@ def as_value(tensors: tuple, container: int):
     return tensors[0] if container == TENSOR else list(tensors) if container == LIST else tensors
 
 
+def cloned(value):
+    """A copy of a stage's or layer's argument that is not a leaf (what an in-place first layer may change): a tensor
+    cloned, or a tuple or list (kept a tuple or list) with each tensor cloned."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        copies = [t.clone() if isinstance(t, torch.Tensor) else t for t in value]
+        return copies if isinstance(value, list) else tuple(copies)
+    return value
+
+
 #: why a stage's output (other than the last stage's) must be a tensor or a tuple of tensors
 SENT_HINT = ("it is sent to the next stage; only the last stage's output, which goes to loss_fn and forward() "
              "as-is, may be a dict or hold other values")

@@ -14,7 +14,7 @@ from ..profile import LayerProfile
 from .loss import needs_target
 from .accounting import SavedBytes, tensor_bytes
 from .link_profile import Link, profile_link  # noqa: F401 - importable from here, as before
-from .microbatch import as_tuple, as_value, stage_output
+from .microbatch import as_tuple, as_value, cloned, stage_output
 from .recompute import scratch_buffers
 from .split import backward_input, backward_weight
 from .stage import layers_of
@@ -243,7 +243,7 @@ def _measure(layer, inputs, container, loss, repeat, warmup, device):
     fresh = [False]  # a layer that works in place on its input gets a copy (see below)
 
     def forward():
-        out = layer(_copied(arg) if fresh[0] else arg)
+        out = layer(cloned(arg) if fresh[0] else arg)
         root = out
         if loss is not None and loss[0] is not None:
             root = loss[0](out, loss[1]) if loss[1] is not None else loss[0](out)
@@ -280,13 +280,6 @@ def _measure(layer, inputs, container, loss, repeat, warmup, device):
     output_bytes = tensor_bytes(t for t in outputs if isinstance(t, torch.Tensor))
     return (statistics.median(f_times), statistics.median(i_times), statistics.median(w_times) if params else 0.0,
             float(saved), float(output_bytes), float(tensor_bytes(layer.parameters()))), counted, by_address
-
-
-def _copied(arg):
-    """A copy of a layer's argument (each tensor of a tuple) that is not a leaf: what an in-place layer may change."""
-    if isinstance(arg, tuple):
-        return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in arg)
-    return arg.clone()
 
 
 def _timed(fn, device):

@@ -9,6 +9,7 @@ from torch import nn
 from ..checks import as_int
 from ..partition import balance_by_time
 from ..profile import LayerProfile
+from .microbatch import cloned
 from .torch_errors import inplace_on_leaf
 
 
@@ -187,11 +188,7 @@ class ClonedInputStage(nn.Sequential):
     one copy of the input per forward. Same layers, indices and ``state_dict`` keys as ``nn.Sequential``."""
 
     def forward(self, input):
-        if isinstance(input, torch.Tensor):
-            input = input.clone()
-        elif isinstance(input, tuple):
-            input = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in input)
-        return super().forward(input)
+        return super().forward(cloned(input))
 
 
 def stage_device(stages, device) -> torch.device:

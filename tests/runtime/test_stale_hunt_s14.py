@@ -100,9 +100,16 @@ def test_built_names_each_kind_of_change_and_is_quiet_once_restored():
     del model[1].adapter
     assert built.changed() is None
     parametrize.register_parametrization(model[2], "weight", nn.Identity())  # weight moves into a ModuleDict
-    assert built.changed().startswith("parameter '2.weight' (stage 1) was removed after this Pipeline was built")
+    assert "2.parametrizations.weight.original" in dict(model.named_parameters())
+    assert built.changed() is None  # the same Parameter object under another name: the sums hold it still
     parametrize.remove_parametrizations(model[2], "weight")  # the original Parameter back (after the bias now)
     assert built.changed() is None  # the same objects under the same names: their order does not matter
+    model[1].add_module("act", nn.Tanh())  # a parameter-free child: nothing the Pipeline holds changes
+    assert built.changed() is None
+    model[1].act = nn.Tanh()
+    assert built.changed() is None
+    del model[2].bias
+    assert built.changed().startswith("parameter '2.bias' (stage 1) was removed after this Pipeline was built")
     from pipesched.runtime.built import Built
     from pipesched.runtime.stage import build_stages, layers_of
 
