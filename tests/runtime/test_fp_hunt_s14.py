@@ -7,10 +7,10 @@
    the step succeeds and the gradients equal the unsplit model's bitwise.
 
 2. A layer that creates a parameter-free child module in its first forward (``self.act = nn.Tanh()`` on first call, a
-   lazy-building pattern), or a parameter-free child swapped between steps (``block.act = nn.Tanh()``), is refused
-   was refused by the next step ("a module inside this rank's layers was added, removed or replaced"), although no
-   parameter changed and nothing the Pipeline holds is stale (fixed: ``Built`` compares parameter objects) (README "What must stay as built" lists a layer of the model and
-   parameters only). Expected: step 2 runs and its gradients equal the unsplit model's bitwise.
+   lazy-building pattern), or a parameter-free child swapped between steps (``block.act = nn.Tanh()``), was refused
+   by the next step ("a module inside this rank's layers was added, removed or replaced"), although no parameter
+   changed and nothing the Pipeline holds is stale. Fixed: ``Built`` compares parameter objects. Expected: step 2
+   runs and its gradients equal the unsplit model's bitwise.
 """
 import torch
 import torch.nn.functional as F
