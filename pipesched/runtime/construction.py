@@ -76,6 +76,7 @@ def local_setup(model, schedule, num_microbatches, loss_fn, virtual_stages, bala
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     layers, names = layers_of(model), tuple(layer_names(model))
+    refuse_lazy(layers, names)
     world, rank = world_and_rank()
     dp_size = dp_size_for(schedule, dp_size)  # a Program's own dp_size (pipesched.user_programs)
     grid = make_grid(rank, world, dp_size)
@@ -103,3 +104,17 @@ def local_setup(model, schedule, num_microbatches, loss_fn, virtual_stages, bala
     warn_if_unlaunched()  # plain `python train.py`: one rank, nothing split (SingleProcessWarning)
     return LocalSetup(layers, state_spec(layers, names), grid, plan, programs.train, programs, costs, balance, ties,
                       first_layers, stages, device, checked_on(shared, grid.pp_rank, num_microbatches), names)
+
+
+def refuse_lazy(layers, names) -> None:
+    """Raises ValueError: a layer holds a lazy module's parameter or buffer that has no shape yet (``nn.LazyLinear``
+    before its first forward): the split, the ties and the checkpoint's model description need every shape; names
+    the first one and what to do."""
+    for key, layer in zip(names, layers):
+        for kind, named in (("parameter", layer.named_parameters()), ("buffer", layer.named_buffers())):
+            for name, tensor in named:
+                if isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin):
+                    raise ValueError(f"{kind} '{key}.{name}' is uninitialized (a lazy module such as "
+                                     f"{type(layer.get_submodule(name.rpartition('.')[0])).__name__} before its first "
+                                     f"forward): run the model once on a sample batch (model(x)) before building the "
+                                     f"Pipeline, so that it takes its shapes")
