@@ -14,6 +14,7 @@ from torch import nn
 
 from ..planner import PlanError
 from ..runtime import Pipeline, PipelineError, latest_checkpoint, launch, load_checkpoint, save_checkpoint
+from ..runtime.launch import RankDied
 from .corpus import load_text
 from .data import batch_at, batches
 from .model import generate, lm_loss, make_gpt
@@ -39,9 +40,7 @@ def main(argv=None, prog: str | None = None) -> None:
                 raise SystemExit(1) from None
         try:
             launch(train, args.ranks * args.dp, args, timeout=24 * 3600.0)
-        except RuntimeError as exc:  # a rank failed, was lost or killed: said without the launcher's traceback
-            if not isinstance(exc, PipelineError) and not str(exc).startswith("launch: rank"):
-                raise  # anything else is a bug: its traceback helps
+        except (PipelineError, RankDied) as exc:  # a rank failed, was lost or killed: said without a traceback
             print(f"error: {exc}", file=sys.stderr, flush=True)
             if args.checkpoint_dir is not None:
                 print(f"continue from the newest checkpoint in {args.checkpoint_dir} with the same command and "

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from .microbatch import as_tuple, as_value, stage_output
+
 
 class SavedBytes:
     """Counts the distinct tensors autograd saves inside :meth:`track` (parameters excluded).
@@ -90,7 +92,6 @@ def stage_activation_bytes(model, microbatch, num_stages: int, balance=None, los
         TypeError, ValueError: as :func:`~pipesched.runtime.stage.resolve_balance`; ``ScheduleArgumentError`` (a
             ValueError): ``num_stages`` not an integer >= 1.
     """
-    from .microbatch import as_tuple, stage_output
     from .recompute import scratch_buffers
     from .stage import build_stages, layers_of, resolve_balance
 
@@ -121,8 +122,6 @@ def stage_activation_bytes(model, microbatch, num_stages: int, balance=None, los
 
 
 def _run_stage(stage, inputs, container: int, last: bool, loss_fn, target):
-    from .microbatch import as_value
-
     out = stage(as_value(inputs, container))
     if last and loss_fn is not None:
         loss_fn(out, target) if target is not None else loss_fn(out)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from .stage import layers_of
 from .state import rank_view
 
+_MISSING = object()  # no key: never a module's child or parameter
+
 #: what to do instead, said by every refusal
 REMEDY = ("the stages, the data-parallel all-reduce, the tied-gradient sums and the activation accounting hold what "
           "the Pipeline was built from; copy new values in place (with torch.no_grad(): p.copy_(new), or "
@@ -78,9 +80,9 @@ class Built:
     def _parameter_text(self) -> str | None:
         """What differs between the parameter objects now and at construction (by identity; names only say it)."""
         now = dict(self.view.named_parameters(remove_duplicate=False))
-        held = {id(p) for p in now.values()}
+        alive = {id(p) for p in now.values()}
         for name, p in self.named.items():
-            if id(p) not in held:
+            if id(p) not in alive:
                 return self._text(name, "is not the one this Pipeline was built with: it was replaced after "
                                         "construction (a new nn.Parameter assigned, or load_state_dict(..., "
                                         "assign=True))" if name in now else "was removed after this Pipeline was built")
@@ -95,7 +97,7 @@ class Built:
 
 def _holds(now: dict, before: tuple) -> bool:
     """``now`` holds the same objects under the same keys as ``before`` (its items then), in any order."""
-    return len(now) == len(before) and all(now.get(key, _holds) is value for key, value in before)
+    return len(now) == len(before) and all(now.get(key, _MISSING) is value for key, value in before)
 
 
 def _keys(view, stage_module) -> list[str]:

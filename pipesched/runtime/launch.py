@@ -257,13 +257,18 @@ def _collect(procs, results, timeout: float, grace: float, logs: _Stderr) -> lis
             if rank not in outcome and proc.exitcode is not None:
                 time.sleep(0.2)  # its report may still be in the pipe
                 if not _drain(results, outcome, errors) and rank not in outcome:  # killed: the others get grace
-                    died = RuntimeError(_unreported(rank, proc.exitcode, logs.tail(rank)))
+                    died = RankDied(_unreported(rank, proc.exitcode, logs.tail(rank)))
                     outcome[rank] = ("err", None)
                     errors.append((rank, pickle.dumps(died), None))
                     deadline = min(deadline, time.monotonic() + grace)
     if errors:
         _reraise(errors)
     return [pickle.loads(outcome[r][1]) for r in range(len(procs))]
+
+
+class RankDied(RuntimeError):
+    """A child of :func:`launch` ended without reporting a result or an exception (killed, or crashed outside
+    Python): its exit code and the end of its stderr are in the message."""
 
 
 def _unreported(rank: int, code: int, tail: str) -> str:
