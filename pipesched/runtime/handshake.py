@@ -27,6 +27,7 @@ from .microbatch import TENSOR, as_value, batch_size, split
 from .transport import gather_rows
 
 SIG_LEN = 64  # int64 words of a step signature
+REQUIRES_GRAD = 1 << 16  # added to an input tensor's dtype code in the signature where it requires grad
 HEAD = 7  # int64 words of a row before the signature
 VERDICT_LEN = SIG_LEN  # int64 words of the verdict on the target (the room for its text it had as a message)
 ROW_LEN = HEAD + SIG_LEN + VERDICT_LEN  # int64 words of each rank's row in the opening all-gather (and clip's)
@@ -382,7 +383,9 @@ def decode_text(words: list[int], head: int = 3) -> str:
 
 
 def encode_signature(train, m, micro, container) -> list[int]:
-    """The input's description: ``[0, train, m, batch, container, tensors, (dtype, dims, *shape[1:]) ...]``.
+    """The input's description: ``[0, train, m, batch, container, tensors, (dtype, dims, *shape[1:]) ...]``, each
+    ``dtype`` word its :data:`DTYPE_CODE` plus :data:`REQUIRES_GRAD` where the tensor requires grad (a stage's
+    outputs require grad where its input does, so the message metas follow from that too).
 
     Raises:
         TypeError: a dtype that cannot cross a stage boundary.
@@ -394,7 +397,7 @@ def encode_signature(train, m, micro, container) -> list[int]:
     for t in first:
         if t.dtype not in DTYPE_CODE:
             raise TypeError(f"x: {unsendable(t.dtype)}")
-        words += [DTYPE_CODE[t.dtype], t.dim() - 1, *t.shape[1:]]
+        words += [DTYPE_CODE[t.dtype] + REQUIRES_GRAD * t.requires_grad, t.dim() - 1, *t.shape[1:]]
     if len(words) > SIG_LEN:
         raise ValueError(f"x has too many tensors or dimensions to describe ({len(words)} > {SIG_LEN} words)")
     return words + [0] * (SIG_LEN - len(words))

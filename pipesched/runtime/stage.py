@@ -204,8 +204,11 @@ def stage_device(stages, device) -> torch.device:
 def call_stage(module, arg, stage: int):
     """``module(arg)``, explaining the one failure a pipeline adds: a stage's input is a leaf tensor that needs
     a gradient, so an in-place write to it is refused by autograd although the same layer works inside the
-    unsplit model. A first layer with ``inplace=True`` is not such a case (:class:`ClonedInputStage`); any other
-    in-place write to the input (``x.relu_()`` in a custom layer's forward) is."""
+    unsplit model. A first layer with ``inplace=True`` is not such a case (:class:`ClonedInputStage`, or a copy
+    made here where ``inplace`` was set after construction); any other in-place write to the input (``x.relu_()``
+    in a custom layer's forward) is."""
+    if stage > 0 and not isinstance(module, ClonedInputStage) and inplace_first(module):
+        arg = cloned(arg)
     try:
         return module(arg)
     except RuntimeError as exc:
