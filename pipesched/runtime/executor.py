@@ -13,6 +13,7 @@ from ..ir import Op
 from .accounting import SavedBytes, tensor_bytes
 from .grad_sum import finish_sum, start_sum
 from .input_grads import input_gradients
+from .loss import checked_loss, step_total, weighted
 from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, describe_change, grad_specs, meta_of, tag_of, unsendable
 from .microbatch import as_tuple, as_value, stage_output
 from .received import loss_input_text, stage_input_text
@@ -147,7 +148,7 @@ class Executor:
         if not st.io.train:
             return None
         if self.last in self.local:
-            return self._total_loss()
+            return step_total(st.losses, self.program.num_microbatches)
         tensors, _ = self.transport.wait(st.loss_recv)
         value, code = tensors[0].tolist()
         return torch.tensor(value, dtype=DTYPES[int(code)], device=self.device)
@@ -224,17 +225,7 @@ class Executor:
         except Exception:
             self.failed_input = (self.current, loss_input_text(out, target))
             raise
-        if not isinstance(value, torch.Tensor) or value.numel() != 1:
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"loss_fn must return a scalar tensor (one element: shape (), (1,), ...), got {shape}")
-        floats = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # sent exactly as a float64 value
-        if value.dtype not in floats:
-            raise ValueError(f"loss_fn must return a floating-point tensor ({', '.join(map(str, floats))}), "
-                             f"got {value.dtype}")
-        own = value * io.weights[mb]  # the returned loss's term (n / N); backward's: n * dp / N_all (the same
-        # tensor where every replica got the same batch size), so the data-parallel average is the whole batch's
-        gw = io.grad_weights[mb]
-        return own, (own if gw == io.weights[mb] else value * gw)
+        return weighted(checked_loss(value), io.weights[mb], io.grad_weights[mb])
 
     def _stash(self, s, mb, out):
         outs, container = stage_output(out, s)
@@ -247,17 +238,8 @@ class Executor:
             st.io.metas[("out", s, mb)] = meta_of(outs, container)
         return outs
 
-    def _total_loss(self):
-        """The step loss, 0-dim (whatever one-element shape ``loss_fn`` returned) of the loss dtype: summed in
-        microbatch order, as the other ranks receive it."""
-        losses = self.step.losses
-        total = losses[0]
-        for mb in range(1, self.program.num_microbatches):
-            total = total + losses[mb]
-        return total.reshape(())
-
     def _send_loss(self):
-        total = self._total_loss()
+        total = step_total(self.step.losses, self.program.num_microbatches)
         msg = torch.tensor([float(total), float(DTYPE_CODE[total.dtype])], dtype=torch.float64, device=self.device)
         for peer in range(self.program.num_ranks):
             if peer != self.pp_rank:
