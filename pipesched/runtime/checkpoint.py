@@ -117,7 +117,7 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
     except Exception as exc:  # noqa: BLE001 - every rank must learn it
         verdict = Verdict(error=exc)
     try:
-        oks = vote("save_checkpoint", "arguments", verdict, _timeout_of(pipe))
+        oks = vote("save_checkpoint", "arguments", verdict, _timeout_of(pipe), pipe)
         for field in ("path", "step", "pipeline"):
             check_same(oks, field, "save_checkpoint")
         _check_same_extra(oks)
@@ -131,14 +131,14 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
     group = checkpoint_group(pipe)  # after the vote, on every rank alike: DCP waits at most pipe.timeout on it
     with failures_named(target, "writing"), lost_peer_named(pipe, target, "writing"):  # lost or stalled: named
         dcp.save(state, checkpoint_id=temp, process_group=group)
-    vote("save_checkpoint", "written", Verdict(ok=True), pipe.timeout)  # every rank has finished writing
+    vote("save_checkpoint", "written", Verdict(ok=True), pipe.timeout, pipe)  # every rank has finished writing
     error = None
     if rank == 0:
         try:
             commit(temp, target)
         except Exception as exc:  # noqa: BLE001 - every rank must learn it
             error = exc
-    vote("save_checkpoint", "commit", Verdict(ok=True, error=error), pipe.timeout)
+    vote("save_checkpoint", "commit", Verdict(ok=True, error=error), pipe.timeout, pipe)
     return target
 
 
@@ -197,7 +197,7 @@ def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
         verdict = Verdict(ok={"problem": problem})
     except Exception as exc:  # noqa: BLE001 - every rank must learn it
         verdict = Verdict(error=exc)
-    oks = vote("load_checkpoint", "checkpoint", verdict, pipe.timeout)
+    oks = vote("load_checkpoint", "checkpoint", verdict, pipe.timeout, pipe)
     problems = [ok["problem"] for ok in oks if ok["problem"]]
     if problems:
         raise ValueError(min(problems)[1])  # the same on every rank: missing names by model position, then the rest
@@ -218,7 +218,7 @@ def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
         verdict = Verdict(ok=True)
     except Exception as exc:  # noqa: BLE001 - every rank must learn it (it would meet the others' next step)
         verdict = Verdict(error=exc)
-    vote("load_checkpoint", "loaded", verdict, pipe.timeout)
+    vote("load_checkpoint", "loaded", verdict, pipe.timeout, pipe)
     return CheckpointInfo(meta.get("step"), extra_of(meta, staging), bool(rng))
 
 
@@ -337,7 +337,7 @@ def _agree_load_arguments(path, pipe, optimizer) -> None:
         verdict = Verdict(ok={"path": as_path(path), "pipeline": _which(pipe), **_optimizer_given(pipe, optimizer)})
     except Exception as exc:  # noqa: BLE001 - every rank must learn it
         verdict = Verdict(error=exc)
-    oks = vote("load_checkpoint", "arguments", verdict, _timeout_of(pipe))
+    oks = vote("load_checkpoint", "arguments", verdict, _timeout_of(pipe), pipe)
     check_same(oks, "path", "load_checkpoint")
     check_same(oks, "pipeline", "load_checkpoint")
     check_optimizers(oks, "load_checkpoint")

@@ -45,14 +45,16 @@ def publish(store, sequence: str, world_rank: int, entry) -> str:
 
 
 def read_all(store, key: str, world_rank: int, world_size: int, timeout: float, late: str,
-             watch: str | None = None) -> list:
+             watch=None, where: str | None = None) -> list:
     """Every world rank's entry in round ``key`` (from :func:`publish`), by rank, once the round is settled
     ``complete`` (see the module's docstring).
 
     Args:
         late: what a missing rank did not do, with ``{timeout}`` (e.g. ``"reach X within {timeout} s; ..."``).
-        watch: a store key where a :class:`~pipesched.runtime.failure.FailureRecord` may be published (a
-            :class:`~pipesched.runtime.failure.FailureChannel` key): it ends the wait at once, as the job's failure.
+        watch: a store key, or a list of them, where a :class:`~pipesched.runtime.failure.FailureRecord` may be
+            published (:class:`~pipesched.runtime.failure.FailureChannel` keys): one ends the wait at once, as the
+            job's failure (e.g. a peer's ``closed``/``exited`` record: it left and will never file its entry).
+        where: what this rank was doing, for that ``PipelineError`` (default: waiting for the round's entries).
     Raises:
         TimeoutError: some ranks filed nothing within ``timeout`` seconds: ``"world ranks [..] did not
             {late}"``, naming them; or this rank reached a round the others had already given up on:
@@ -69,7 +71,7 @@ def read_all(store, key: str, world_rank: int, world_size: int, timeout: float, 
     except Exception as exc:  # noqa: BLE001 - the store reports a timeout as one of several types
         _timed_out(store, key, keys, world_rank, timeout, late, exc)
     if failed is not None:
-        raise PipelineError(failed, world_rank, f"while waiting for every rank's entry in {key}")
+        raise PipelineError(failed, world_rank, where or f"while waiting for every rank's entry in {key}")
     else:
         ruling = _rule(store, key, _COMPLETE)
         if ruling != _COMPLETE:
@@ -81,14 +83,14 @@ def read_all(store, key: str, world_rank: int, world_size: int, timeout: float, 
     return [json.loads(store.get(k)) for k in keys]
 
 
-def _wait(store, keys: list, timeout: float, watch: str | None = None):
+def _wait(store, keys: list, timeout: float, watch=None):
     """Wait until every key of ``keys`` is set, at most ``timeout`` seconds (raises as the store's ``wait`` does), or
     until a launch ``fn`` published its failure or a record appeared under ``watch`` (returns that record; ``None``
     once the keys are set)."""
     deadline = time.monotonic() + timeout
     pause = 0.001
     while not store.check(keys):
-        failed = job_failure(store) or _watched(store, watch)
+        failed = job_failure(store) or _watched(store, watch, keys)
         if failed is not None:
             return failed
         if time.monotonic() >= deadline:  # one last look; the store's own timeout error if still missing
@@ -103,13 +105,21 @@ def _wait(store, keys: list, timeout: float, watch: str | None = None):
     return None
 
 
-def _watched(store, watch: str | None) -> FailureRecord | None:
-    """The record under ``watch``, ``None`` if none (or no key, or the store does not answer: as job_failure)."""
-    try:
-        if watch is not None and store.check([watch]):
-            return FailureRecord.from_json(store.get(watch).decode())
-    except Exception:  # noqa: BLE001 - a store that is gone holds nothing
-        pass
+def _watched(store, watch, keys: list) -> FailureRecord | None:
+    """The first record under ``watch`` (a key or a list of keys) that ends a wait for ``keys`` (the round's entries,
+    by world rank): a failure or an exit of a rank that has not filed its entry (one that has is no longer awaited,
+    and a ``closed`` record is not final: a rank that closed its Pipeline may still make the call). ``None`` if none
+    (or the store does not answer: as job_failure)."""
+    for key in [watch] if isinstance(watch, str) else watch or ():
+        try:
+            if not store.check([key]):
+                continue
+            record = FailureRecord.from_json(store.get(key).decode())
+            voted = record.rank is not None and 0 <= record.rank < len(keys) and store.check([keys[record.rank]])
+            if record.ended != "closed" and not voted:
+                return record
+        except Exception:  # noqa: BLE001 - a store that is gone holds nothing
+            return None
     return None
 
 

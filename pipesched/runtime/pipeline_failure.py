@@ -13,6 +13,7 @@ from .departure import forget
 from .failure import CommError, FailureRecord, PipelineError
 from .lost_rank import adoptable, lost_record, store_host
 from .stalled import STEP, answer_roll_call, silent_members, stall_note
+from .vote import votes_note, waiting_in_votes
 
 _ORIGIN_GRACE_S = 30.0  # at most this the origin's (and the store host's) process lingers at exit for its peers
 
@@ -32,6 +33,9 @@ def fail(pipe, exc: BaseException, where: str | None = None) -> PipelineError:
             record = adoptable(lost_record(exc, grid, pipe._failures, (pipe._pp_group, pipe._dp_group), pipe.device,
                                            away_s=getattr(pipe, "_away_s", 0.0), timeout=pipe.timeout), me)
     origin = record is None
+    votes = votes_note(waiting_in_votes(pipe._failures.store, me, grid.world_size)) if isinstance(exc, CommError) else ""
+    if votes and not origin:
+        note += votes  # e.g. rank 0 timed out in `if rank == 0: save_checkpoint(...)` and exited: say where it was
     if origin:
         failed = pipe._executor.failed_input  # (instr, text) where a forward or loss_fn raised (executor._f)
         received = failed[1] if failed is not None and instr is not None and failed[0] is instr else None
@@ -41,7 +45,7 @@ def fail(pipe, exc: BaseException, where: str | None = None) -> PipelineError:
             members |= set(getattr(exc, "members", ()))  # a wait on a wider group (DCP's: every world rank)
             silent = silent_members(pipe._failures, me, members)
             during = getattr(exc, "during", None) or (STEP if where is None else "this call")  # what was waited in
-            note = stall_note(silent, grid.pp_size, pipe.timeout, during)
+            note = stall_note(silent, grid.pp_size, pipe.timeout, during) + votes
             record = dataclasses.replace(record, cause=record.cause + note, stalled=tuple(silent)) if note else record
     if not record.lost:
         pipe._failures.publish(record)  # the origin's record, or passed on to this rank's other group (DP)

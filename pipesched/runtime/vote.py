@@ -13,9 +13,12 @@ rank that reaches it later raises ``TimeoutError`` naming the ranks that gave up
 """
 from __future__ import annotations
 
+import json
+
 import torch.distributed as dist
 
 from .exchange import publish, read_all
+from .failure import FailureRecord, PipelineError
 
 _PREFIX = "pipesched/vote"  # one sequence for every checkpoint vote
 #: seconds a vote waits when the caller has no timeout to give (``pipe`` is not a Pipeline: the Pipeline's default)
@@ -29,7 +32,8 @@ STAGES = {"arguments": ("the vote on its arguments", "refused its arguments"),
           "commit": ("the vote on renaming the checkpoint into place", "failed to rename the checkpoint into place"),
           "checkpoint": ("the vote on the checkpoint it reads", "refused the checkpoint"),
           "loaded": ("the vote after copying in", "failed while copying in")}
-_ORDER = "every rank must make the same checkpoint calls (save_checkpoint, load_checkpoint) in the same order"
+_ORDER = ("every rank must make the same checkpoint calls (save_checkpoint, load_checkpoint) in the same order "
+          "(they are collective: on every rank, not only under `if rank == 0`)")
 
 
 class Verdict:
@@ -41,7 +45,7 @@ class Verdict:
         self.ok, self.error = ok, error
 
 
-def vote(call: str, stage: str, verdict: Verdict, timeout: float | None) -> list:
+def vote(call: str, stage: str, verdict: Verdict, timeout: float | None, pipe=None) -> list:
     """Publish this rank's ``verdict`` on ``call``'s ``stage`` and return every world rank's ``ok`` value, by rank.
 
     Args:
@@ -49,6 +53,10 @@ def vote(call: str, stage: str, verdict: Verdict, timeout: float | None) -> list
         stage: which of its votes, a key of :data:`STAGES`.
         verdict: this rank's; ``verdict.ok`` must be JSON-serialisable.
         timeout: seconds to wait for the other ranks' verdicts; ``None``: :data:`FALLBACK_TIMEOUT`.
+        pipe: the Pipeline the call is for, if it is one: the vote watches its failure keys while waiting
+            (:func:`watched_keys`), so a record appearing there (a rank closed its Pipeline, its launch ``fn`` ended,
+            it failed) ends the wait at once, and passes that record on to this rank's other groups (as a failing
+            step does), so that the ranks waiting in those learn it too.
     Raises:
         ValueError: the ranks are in different calls or stages (``"the ranks are in different checkpoint calls:
             world rank 0 is in save_checkpoint (...), world rank 1 in load_checkpoint (...); ..."``, the same on
@@ -61,6 +69,8 @@ def vote(call: str, stage: str, verdict: Verdict, timeout: float | None) -> list
             ``NotADirectoryError``, ``KeyError``, ``RuntimeError`` travel as ``ValueError``.
         TimeoutError: some ranks did not vote within ``timeout`` seconds (names them); or this rank reached a
             round the others had given up on (names them; see :mod:`~pipesched.runtime.exchange`).
+        PipelineError: a record appeared under ``pipe``'s failure keys while waiting (names the rank and what it
+            did), or another rank's launch ``fn`` raised outside any Pipeline call.
     """
     if not (dist.is_available() and dist.is_initialized()):
         if verdict.error is not None:
@@ -70,7 +80,18 @@ def vote(call: str, stage: str, verdict: Verdict, timeout: float | None) -> list
     store, rank, world = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
     key = publish(store, _PREFIX, rank, {"call": call, "stage": stage, **_entry(verdict)})
     late = f"reach {_place(call, stage)} within {{timeout}} s; {_ORDER}"
-    entries = read_all(store, key, rank, world, timeout, late)
+    try:
+        entries = read_all(store, key, rank, world, timeout, late, watched_keys(pipe),
+                           f"while waiting in {_place(call, stage)}")
+    except PipelineError as exc:
+        if pipe is not None and exc.record.rank != rank:
+            pipe._failures.publish(exc.record)  # to this rank's other groups' keys (a key holding one keeps it)
+        raise
+    except TimeoutError as exc:
+        closed = _closed_by_others(pipe, rank)
+        if closed:
+            raise TimeoutError(f"{exc}; {closed}") from None
+        raise
     _check_same_call(entries)
     for r, entry in enumerate(entries):
         if "error" in entry:
@@ -82,6 +103,70 @@ def vote(call: str, stage: str, verdict: Verdict, timeout: float | None) -> list
                 message = f"{named}{STAGES[stage][1]}: {message}"
             raise _TYPES.get(kind, ValueError)(message)
     return [entry["ok"] for entry in entries]
+
+
+def watched_keys(pipe) -> list | None:
+    """The failure keys of ``pipe``'s groups that a vote watches (``None``: ``pipe`` is not a Pipeline): a peer that
+    leaves or fails while this rank waits publishes its record there and ends the wait at once. A key already holding
+    a rank's departure (``closed``/``exited``: it will never vote) is watched too; one holding a failure from before
+    the vote is not, so a call after a failure (e.g. an emergency save by ranks that all caught the PipelineError)
+    is not ended by it."""
+    from .pipeline import Pipeline  # the pipeline's modules are imported after this one
+
+    if not isinstance(pipe, Pipeline):
+        return None
+    store = pipe._failures.store
+    try:
+        return [key for key in pipe._failures.keys if not store.check([key])
+                or FailureRecord.from_json(store.get(key).decode()).ended]
+    except Exception:  # noqa: BLE001 - a store that is gone: nothing to watch (the vote's wait fails on it)
+        return None
+
+
+def waiting_in_votes(store, world_rank: int, world_size: int) -> dict:
+    """``{world rank: "save_checkpoint (the vote on its arguments)"}``: the other ranks whose latest checkpoint vote
+    is one this rank never joined and that did not complete (still waited in, or given up after its timeout): said
+    by a rank whose own wait timed out, since those ranks were in a checkpoint call while it was elsewhere (e.g.
+    ``if rank == 0: save_checkpoint(...)``). ``{}`` where the store does not answer."""
+    found = {}
+    try:
+        for r in range(world_size):
+            count = store.add(f"{_PREFIX}/count/{r}", 0)
+            key = f"{_PREFIX}/{count}"
+            if r == world_rank or count == 0 or store.check([f"{key}/{world_rank}"]) or not store.check([f"{key}/{r}"]):
+                continue
+            if store.check([f"{key}/state"]) and store.get(f"{key}/state").decode() == "complete":
+                continue
+            entry = json.loads(store.get(f"{key}/{r}"))
+            found[r] = _place(entry.get("call"), entry.get("stage"))
+    except Exception:  # noqa: BLE001 - a store that is gone: nothing can be said
+        return {}
+    return found
+
+
+def votes_note(votes: dict) -> str:
+    """The sentence a timed-out rank's failure adds for :func:`waiting_in_votes`'s answer (``""`` for none)."""
+    if not votes:
+        return ""
+    named = ", ".join(f"world rank {r} was in {place}" for r, place in sorted(votes.items()))
+    return (f"; meanwhile {named}, a checkpoint call this rank did not make: save_checkpoint and load_checkpoint are "
+            f"collective (call them on every rank, not only under `if rank == 0`)")
+
+
+def _closed_by_others(pipe, rank: int) -> str:
+    """``"world rank R closed its Pipeline (pipe.close()) before this call"`` where a ``closed`` record of another
+    rank is under ``pipe``'s failure keys (a likely reason it never voted), else ``""``."""
+    for key in watched_keys(pipe) or ():
+        try:  # (check first: the store's get waits for a key that is not there)
+            store = pipe._failures.store
+            if not store.check([key]):
+                continue
+            record = FailureRecord.from_json(store.get(key).decode())
+        except Exception:  # noqa: BLE001 - no store: nothing to add
+            continue
+        if record.ended == "closed" and record.rank != rank:
+            return f"world rank {record.rank} had closed its Pipeline (pipe.close())"
+    return ""
 
 
 def _place(call: str, stage: str) -> str:

@@ -3,12 +3,15 @@ that the step's own bookkeeping must follow, checked against the unsplit model b
 from __future__ import annotations
 
 import copy
+import datetime
+import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipesched.runtime import Pipeline
+from pipesched.runtime import Pipeline, save_checkpoint
 
 from rt_cases import reference_step
 from rt_workers import _data
@@ -74,6 +77,36 @@ def inplace_set_later(rank, schedule, recompute=False):
     return out
 
 
+class NoisyLinear(nn.Module):
+    """A Linear whose output is masked by numbers drawn from the layer's own generator (not torch's global one)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def forward(self, x):
+        return self.lin(x) * (torch.rand(x.shape[0], 8, generator=self.gen) > 0.3)
+
+
+def own_generator_recomputed(rank, schedule):
+    """recompute=True on layers drawing from their own generators: loss and gradients bitwise the unsplit
+    model's over two steps (the re-run replays each generator's state at F, and puts back the later one)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[NoisyLinear(seed) for seed in range(4)])
+    ref = copy.deepcopy(model)  # deepcopy copies each generator in its state
+    pipe = Pipeline(model, schedule=schedule, num_microbatches=4, loss_fn=F.mse_loss, recompute=True, timeout=60)
+    out = []
+    for step in range(2):
+        x, y = _data(step)
+        loss = pipe.step(x, target=y)
+        ref_loss = reference_step(ref, x, y, 4)
+        out.append((bool(torch.equal(loss, ref_loss)), *_grads(pipe, model, ref)))
+        model.zero_grad(), ref.zero_grad()
+    pipe.close()
+    return out
+
+
 def suite(rank):
     out = {}
     for schedule in ("1f1b", "zbv"):
@@ -81,4 +114,60 @@ def suite(rank):
         out[f"input-grad-frozen-{schedule}"] = input_grad_between_steps(rank, schedule, frozen=True)
         out[f"inplace-later-{schedule}"] = inplace_set_later(rank, schedule)
     out["inplace-later-recompute"] = inplace_set_later(rank, "gpipe", recompute=True)
+    for schedule in ("1f1b", "zbv"):
+        out[f"own-generator-{schedule}"] = own_generator_recomputed(rank, schedule)
     return out
+
+
+# ---- ranks that diverge around a checkpoint (each case its own launch: they end Pipelines) --------------------
+
+
+def _pipe(timeout):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+    pipe = Pipeline(model, num_microbatches=2, loss_fn=F.mse_loss, timeout=timeout)
+    pipe.step(torch.randn(8, 4), target=torch.randn(8, 4))
+    return pipe
+
+
+def _outcome(call):
+    """(exception type name or "ok", its text, seconds the call took)."""
+    start = time.monotonic()
+    try:
+        call()
+        return "ok", "", time.monotonic() - start
+    except Exception as exc:  # noqa: BLE001 - the outcome is the result
+        return type(exc).__name__, str(exc), time.monotonic() - start
+
+
+def save_while_peer_exits(rank, folder):
+    """World rank 1's launch fn returns after a step (its Pipeline dropped unclosed) while rank 0 saves: rank 0's
+    vote sees rank 1's departure at once (timeout 60 s)."""
+    pipe = _pipe(timeout=60)
+    if rank == 1:
+        return "left"
+    time.sleep(0.5)  # rank 1's fn has returned by now
+    return _outcome(lambda: save_checkpoint(f"{folder}/ck", pipe, step=1))
+
+
+def save_after_close(rank, folder):
+    """Every rank closes its Pipeline, then saves: the save still works (a closed record is no departure)."""
+    pipe = _pipe(timeout=30)
+    pipe.close()
+    return _outcome(lambda: save_checkpoint(f"{folder}/ck", pipe, step=1))
+
+
+def save_on_rank_0_only(rank, folder, stay):
+    """``if rank == 0: save_checkpoint(...)`` while rank 1 opens its next step (timeout 3 s): both calls end after
+    the timeout, each naming the other's call. ``stay``: rank 0 stays until rank 1's step has ended (else its launch
+    fn returns at once, and rank 1 may see it gone first)."""
+    pipe = _pipe(timeout=3)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    if rank == 0:
+        got = _outcome(lambda: save_checkpoint(f"{folder}/ck", pipe, step=1))
+        if stay:  # until rank 1's step has ended: it then sees rank 0 alive, not gone
+            dist.distributed_c10d._get_default_store().wait(["s15/step-ended"], datetime.timedelta(seconds=60))
+        return got
+    got = _outcome(lambda: pipe.step(x, target=y))
+    dist.distributed_c10d._get_default_store().set("s15/step-ended", "1")
+    return got

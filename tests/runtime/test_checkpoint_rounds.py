@@ -15,7 +15,8 @@ from memory_store import MemoryStore
 
 pytestmark = pytest.mark.multiprocess
 
-ORDER = "every rank must make the same checkpoint calls (save_checkpoint, load_checkpoint) in the same order"
+ORDER = ("every rank must make the same checkpoint calls (save_checkpoint, load_checkpoint) in the same order "
+         "(they are collective: on every rank, not only under `if rank == 0`)")
 SAVE_LATE = f"reach save_checkpoint (the vote on its arguments) within 5 s; {ORDER}"
 BUILD_LATE = "construct their Pipeline within 5 s; every rank must construct the same Pipelines in the same order"
 PIPE = "pipe must be a pipesched.runtime.Pipeline, got {}"

@@ -8,11 +8,20 @@ follow a setting changed later. 2 spawned gloo ranks (tests/runtime/rt_s15_hunt.
 2. ``inplace=True`` set on a stage's first layer after construction (``model[2].inplace = True``) failed with
    autograd's in-place-on-a-leaf error, although the same layer at construction is supported (the stage gets a
    copy of its input): the copy is now decided at each forward.
+3. (a hunt of ranks that diverge) ``save_checkpoint``'s vote waited the whole timeout for a rank whose launch fn had
+   ended; it now watches the Pipeline's failure keys.
+4. (same) ``if rank == 0: save_checkpoint(...)``: rank 1's step timed out blaming itself with gloo's raw text; it
+   now names the checkpoint call rank 0 was in, and rank 0's ``TimeoutError`` says the calls are collective.
+5. (a silent-wrong hunt) ``recompute=True`` on a layer drawing from its own ``torch.Generator``: ``R`` drew other
+   numbers than ``F`` (wrong loss and gradients); module-held generators are now replayed (and kept by
+   ``profile_layers``).
 """
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from pipesched.runtime import launch
+from pipesched.runtime import launch, profile_layers
 from pipesched.runtime.handshake import REQUIRES_GRAD, encode_signature
 from pipesched.runtime.comm import DTYPE_CODE
 
@@ -42,6 +51,24 @@ def test_inplace_set_after_construction(results, name):
         assert res[name] == [(True, counts[rank], True)] * 2, (rank, res[name])
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_recompute_replays_a_layer_s_own_generator(results, schedule):
+    """5. (silenthunt) recompute=True on a layer drawing from its own torch.Generator: R drew another mask than F,
+    so loss and gradients were wrong; every generator held as a module attribute is now replayed."""
+    counts = [4, 4]  # two NoisyLinear layers (weight, bias) per rank
+    for rank, res in enumerate(results):
+        assert res[f"own-generator-{schedule}"] == [(True, counts[rank], True)] * 2, (rank, res)
+
+
+@pytest.mark.filterwarnings("ignore:profile_layers")  # its wall-clock warning: times are not looked at here
+def test_profiling_leaves_a_layer_s_own_generator_as_it_was():
+    layers = nn.Sequential(rt_s15_hunt.NoisyLinear(1), rt_s15_hunt.NoisyLinear(2))
+    before = [layer.gen.get_state() for layer in layers]
+    profile_layers(layers, torch.randn(4, 8), target=torch.randn(4, 8), loss_fn=F.mse_loss, repeat=2, warmup=1)
+    assert all(torch.equal(layer.gen.get_state(), state) for layer, state in zip(layers, before))
+
+
 def test_signature_says_whether_x_requires_grad():
     x = torch.zeros(4, 3)
     plain = encode_signature(True, 2, [(x[:2],), (x[2:],)], 0)
@@ -49,3 +76,35 @@ def test_signature_says_whether_x_requires_grad():
     wanting = encode_signature(True, 2, [(x[:2],), (x[2:],)], 0)
     assert plain[6] == DTYPE_CODE[torch.float32] and wanting[6] == DTYPE_CODE[torch.float32] + REQUIRES_GRAD
     assert plain[:6] + plain[7:] == wanting[:6] + wanting[7:]
+
+
+@pytest.mark.multiprocess
+def test_a_save_ends_at_once_when_a_peer_has_left(tmp_path):
+    """3. (divergehunt) save_checkpoint's vote waited the whole timeout for a rank whose launch fn had ended; it now
+    watches the Pipeline's failure keys and names the departure at once."""
+    kind, text, seconds = launch(rt_s15_hunt.save_while_peer_exits, 2, str(tmp_path), timeout=120)[0]
+    assert kind == "PipelineError" and seconds < 10, (kind, text, seconds)
+    assert "world rank 1 (pipeline rank 1) ended without closing its Pipeline" in text, text
+    assert "while waiting in save_checkpoint (the vote on its arguments)" in text, text
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.multiprocess
+def test_a_save_after_close_on_every_rank_still_works(tmp_path):
+    assert [r[0] for r in launch(rt_s15_hunt.save_after_close, 2, str(tmp_path), timeout=120)] == ["ok", "ok"]
+    assert (tmp_path / "ck" / ".metadata").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stay", [True, False])
+def test_save_on_rank_0_only_names_the_checkpoint_on_both_ranks(tmp_path, stay):
+    """4. (divergehunt) rank 1's step blamed itself with gloo's raw timeout; it now says rank 0 was in
+    save_checkpoint and that checkpoint calls are collective, whether rank 0 is still there (its own timeout's
+    failure) or has gone (rank 0's departure); rank 0's TimeoutError says so too."""
+    (kind0, text0, _), (kind1, text1, _) = launch(rt_s15_hunt.save_on_rank_0_only, 2, str(tmp_path), stay,
+                                                  timeout=120)
+    assert kind0 == "TimeoutError" and "world ranks [1] did not reach save_checkpoint" in text0, text0
+    assert "(they are collective: on every rank, not only under `if rank == 0`)" in text0, text0
+    assert kind1 == "PipelineError", (kind1, text1)
+    assert ("meanwhile world rank 0 was in save_checkpoint (the vote on its arguments), a checkpoint call this rank "
+            "did not make: save_checkpoint and load_checkpoint are collective") in text1, text1
