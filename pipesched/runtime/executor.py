@@ -190,7 +190,7 @@ class Executor:
             return
         redo = self.recompute[s]
         if redo:  # what R must replay: the RNG, the buffers; and the input's versions, to check them
-            st.rng[(s, mb)] = (rng_state(self.device), [t._version for t in inputs], st.buffers.snapshot(module))
+            st.rng[(s, mb)] = (rng_state(self.device, module), [t._version for t in inputs], st.buffers.snapshot(module))
             # F's graph is thrown away: it runs on aliases (same data and version counters), so a hook its forward
             # registers on its input goes with it, and only R's (whose graph the backward runs) acts, once
             aliases = tuple(t.detach().requires_grad_(t.requires_grad) for t in inputs)

@@ -15,7 +15,7 @@ from .loss import needs_target
 from .accounting import SavedBytes, tensor_bytes
 from .link_profile import Link, profile_link  # noqa: F401 - importable from here, as before
 from .microbatch import as_tuple, as_value, cloned, stage_output
-from .recompute import scratch_buffers
+from .recompute import own_generators, scratch_buffers, states_kept
 from .split import backward_input, backward_weight
 from .stage import layers_of
 
@@ -42,8 +42,8 @@ def profile_layers(model, sample_input, target=None, loss_fn=None, repeat: int =
 
     Leaves no trace: parameters' ``.grad`` are as before (``None`` stays ``None``), buffers (BatchNorm's running
     statistics, ``num_batches_tracked``) are untouched (the layers run on scratch copies), and the torch RNG
-    states (CPU and the CUDA devices of the parameters) are restored, so what runs after is bitwise what would
-    have run without profiling.
+    states (CPU and the CUDA devices of the parameters, and any ``torch.Generator`` a layer holds as an attribute)
+    are restored, so what runs after is bitwise what would have run without profiling.
 
     Args:
         model: an ``nn.Sequential`` (or list of modules), on the device to measure.
@@ -88,7 +88,8 @@ def profile_layers(model, sample_input, target=None, loss_fn=None, repeat: int =
     try:
         for p in params:
             p.grad = None
-        with torch.random.fork_rng(devices=cuda), scratch_buffers(torch.nn.ModuleList(layers)), torch.enable_grad():
+        with torch.random.fork_rng(devices=cuda), states_kept(own_generators(torch.nn.ModuleList(layers))), \
+                scratch_buffers(torch.nn.ModuleList(layers)), torch.enable_grad():
             rows, boundary_saves = _run_layers(layers, inputs, container, loss_fn, target, repeat, warmup, device)
             timings = {n: [row[:3] for row in rows]}
             _time_smaller(timings, smaller, sizes, layers, inputs, container, loss_fn, target, repeat, warmup, device)

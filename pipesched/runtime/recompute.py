@@ -26,23 +26,50 @@ from torch import nn
 from .shared_buffers import byte_span, overlapping
 
 
-def rng_state(device: torch.device) -> tuple:
-    """``(cpu_state, cuda_state or None)``: what the forward of a recomputed stage must replay."""
+def rng_state(device: torch.device, module: nn.Module | None = None) -> tuple:
+    """``(cpu_state, cuda_state or None, generators)``: what the forward of a recomputed stage must replay;
+    ``generators``: ``[(generator, its state)]`` for each ``torch.Generator`` held as an attribute of a module of
+    ``module`` (a layer that draws from its own generator, ``torch.rand(..., generator=self.gen)``), each once."""
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
+    return torch.get_rng_state(), cuda, [(g, g.get_state()) for g in own_generators(module)]
+
+
+def own_generators(module: nn.Module | None) -> list:
+    """The ``torch.Generator`` objects held as attributes of ``module``'s modules, each once, in module order."""
+    found: dict = {}
+    for owner in module.modules() if module is not None else ():
+        for value in vars(owner).values():
+            if isinstance(value, torch.Generator):
+                found.setdefault(id(value), value)
+    return list(found.values())
 
 
 @contextlib.contextmanager
 def replay_rng(state: tuple, device: torch.device):
-    """Run the block with the RNG state ``state`` (from :func:`rng_state`); restore the caller's RNG after,
-    so a recompute does not shift the random numbers of later forwards."""
-    cpu, cuda = state
+    """Run the block with the RNG state ``state`` (from :func:`rng_state`): the global CPU (and CUDA) generator's
+    and each module-held generator's; restore the caller's after, so a recompute does not shift the random numbers
+    of later forwards."""
+    cpu, cuda, generators = state
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), states_kept([g for g, _ in generators]):
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, device)
+        for g, then in generators:
+            g.set_state(then)
         yield
+
+
+@contextlib.contextmanager
+def states_kept(generators):
+    """Run the block, then put each of ``generators`` back in the state it had before (e.g. :func:`own_generators`
+    of layers that a profiler runs)."""
+    saved = [(g, g.get_state()) for g in generators]
+    try:
+        yield
+    finally:
+        for g, state in saved:
+            g.set_state(state)
 
 
 def _refuse(_):
