@@ -262,12 +262,22 @@ def latest_checkpoint(directory) -> str | None:
     finishing in between, or a folder not shared); :func:`load_checkpoint` refuses different paths on every rank.
 
     Raises:
-        TypeError: ``directory`` is not a ``str`` or ``os.PathLike`` (names it and the value)."""
+        TypeError: ``directory`` is not a ``str`` or ``os.PathLike`` (names it and the value).
+        NotADirectoryError: ``directory`` is a file.
+        ValueError: ``directory`` is itself a checkpoint (it holds a ``.metadata``): pass the folder that holds the
+            checkpoints, or load this one directly (a typo here would otherwise start a job again from step 0)."""
     if isinstance(directory, bytes) or not isinstance(directory, (str, os.PathLike)):
         raise TypeError(f"latest_checkpoint: directory must be a str or os.PathLike, got {described(directory)}")
     directory = os.fspath(directory)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise NotADirectoryError(f"latest_checkpoint: directory {directory!r} is a file, not the folder that holds "
+                                 f"the checkpoints")
     if not os.path.isdir(directory):
         return None
+    if os.path.isfile(os.path.join(directory, ".metadata")):
+        raise ValueError(f"latest_checkpoint: directory {directory!r} is a checkpoint itself; pass the folder that "
+                         f"holds the checkpoints ({os.path.dirname(os.path.abspath(directory))!r}), or "
+                         f"load_checkpoint({directory!r}, ...) directly")
     found = []
     for name in os.listdir(directory):
         if name.startswith("."):

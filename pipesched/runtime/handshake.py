@@ -256,7 +256,8 @@ class Handshake:
         words = rows[first][3:]
         if words[0]:
             raise Rejected(decode_text(words) if self.pp_rank == first else
-                           f"the rank of stage 0 (pipeline rank {first}) rejected the step input: {decode_text(words)}")
+                           f"the rank of stage 0 (pipeline rank {first}) rejected the "
+                           f"{'step' if train else 'forward()'} input: {decode_text(words)}")
         calls = ("forward()", "step()")
         made = [row[1] for row in rows]
         if len(set(made)) > 1:

@@ -28,6 +28,7 @@ from .microbatch import merge
 from .pipeline_collectives import PipelineCollectives
 from .pipeline_failure import fail, teardown
 from .pipeline_measured import PipelineMeasured
+from .sealed import Sealed
 from .stage import layers_of
 from .state import load_rank_state_dict, rank_state_dict
 from .step_run import run
@@ -35,7 +36,7 @@ from .ties import counted_parameters, start_ties
 from .transport import Transport
 
 
-class Pipeline(PipelineCollectives, PipelineMeasured):
+class Pipeline(PipelineCollectives, PipelineMeasured, Sealed):
     """Train an ``nn.Sequential`` with a pipeline schedule; construct it on every rank of the job.
 
     Rank layout: world size = pipeline ranks ``p`` x ``dp_size``; world rank ``g`` is pipeline rank
@@ -157,6 +158,8 @@ class Pipeline(PipelineCollectives, PipelineMeasured):
             ``env://`` (torchrun), the other ``WORLD_SIZE - 1`` ranks did not join within it (says how to start them).
     """
 
+    _SETTABLE = ("loss_fn", "anticipate_clip")  # what a user may set after construction (runtime/sealed.py)
+
     def __init__(self, model, schedule: str = "1f1b", num_microbatches: int = 1, loss_fn=None,
                  virtual_stages: int | None = None, balance=None, dp_size: int = 1, recompute=False,
                  split_backward=False, device=None, timeout: float = 300.0,
@@ -223,6 +226,7 @@ class Pipeline(PipelineCollectives, PipelineMeasured):
         if self._dp_group is not None:  # as DDP: every replica starts from replica 0's values (replica_init.py)
             self._guarded(lambda: peer_loss_as_comm_error(
                 lambda: copy_replica_zero(self.stages, self._dp_group, grid, self.device), COPY_WHAT), where=COPY_WHERE)
+        self._seal()  # a public attribute it does not have is refused from here on (runtime/sealed.py)
 
     @classmethod
     def from_plan(cls, model, plan, loss_fn=None, **kwargs) -> "Pipeline":

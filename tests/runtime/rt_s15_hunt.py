@@ -107,6 +107,14 @@ def own_generator_recomputed(rank, schedule):
     return out
 
 
+def forward_small_batch(rank):
+    """``forward()`` of a batch smaller than m (a last evaluation batch): refused on every rank, naming the call."""
+    pipe = Pipeline(_model(), num_microbatches=2, loss_fn=F.mse_loss, timeout=60)
+    got = _outcome(lambda: pipe.forward(torch.randn(1, 8)))[:2]
+    pipe.close()
+    return got
+
+
 def suite(rank):
     out = {}
     for schedule in ("1f1b", "zbv"):
@@ -116,6 +124,7 @@ def suite(rank):
     out["inplace-later-recompute"] = inplace_set_later(rank, "gpipe", recompute=True)
     for schedule in ("1f1b", "zbv"):
         out[f"own-generator-{schedule}"] = own_generator_recomputed(rank, schedule)
+    out["forward-small-batch"] = forward_small_batch(rank)
     return out
 
 

@@ -15,13 +15,16 @@ follow a setting changed later. 2 spawned gloo ranks (tests/runtime/rt_s15_hunt.
 5. (a silent-wrong hunt) ``recompute=True`` on a layer drawing from its own ``torch.Generator``: ``R`` drew other
    numbers than ``F`` (wrong loss and gradients); module-held generators are now replayed (and kept by
    ``profile_layers``).
+6. (a new user's trial) a misspelled attribute set on a Pipeline was accepted and ignored: refused now.
+7. (same) ``latest_checkpoint`` of a file or of a checkpoint itself answered None: refused now.
+8. (same) a ``forward()`` input refused by stage 0's rank was called "the step input" on the other ranks.
 """
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipesched.runtime import launch, profile_layers
+from pipesched.runtime import Pipeline, latest_checkpoint, launch, profile_layers
 from pipesched.runtime.handshake import REQUIRES_GRAD, encode_signature
 from pipesched.runtime.comm import DTYPE_CODE
 
@@ -59,6 +62,15 @@ def test_recompute_replays_a_layer_s_own_generator(results, schedule):
     counts = [4, 4]  # two NoisyLinear layers (weight, bias) per rank
     for rank, res in enumerate(results):
         assert res[f"own-generator-{schedule}"] == [(True, counts[rank], True)] * 2, (rank, res)
+
+
+@pytest.mark.multiprocess
+def test_a_forward_input_refused_says_forward(results):
+    """8. (a new user's trial) a forward() of a batch smaller than m was refused as "the step input"."""
+    refusal = "batch size 1 is smaller than num_microbatches=2; every microbatch needs at least one sample"
+    (kind0, text0), (kind1, text1) = (res["forward-small-batch"] for res in results)
+    assert kind0 == kind1 == "ValueError" and text0.startswith(refusal), (text0, text1)
+    assert text1.startswith(f"the rank of stage 0 (pipeline rank 0) rejected the forward() input: {refusal}"), text1
 
 
 @pytest.mark.filterwarnings("ignore:profile_layers")  # its wall-clock warning: times are not looked at here
@@ -108,3 +120,35 @@ def test_save_on_rank_0_only_names_the_checkpoint_on_both_ranks(tmp_path, stay):
     assert kind1 == "PipelineError", (kind1, text1)
     assert ("meanwhile world rank 0 was in save_checkpoint (the vote on its arguments), a checkpoint call this rank "
             "did not make: save_checkpoint and load_checkpoint are collective") in text1, text1
+
+
+@pytest.mark.filterwarnings("ignore::pipesched.runtime.SingleProcessWarning")
+def test_an_attribute_the_pipeline_does_not_have_is_refused(no_launcher):
+    """6. (a new user's trial) ``pipe.anticipate_clips = True`` (a typo) and ``pipe.num_microbatches = 8`` were
+    accepted and ignored; the settable attributes still are settable."""
+    pipe = Pipeline(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), num_microbatches=2, loss_fn=F.mse_loss)
+    for name in ("anticipate_clips", "num_microbatches"):
+        with pytest.raises(AttributeError, match=rf"^Pipeline has no attribute '{name}' to set; the settable ones are "
+                                                 r"loss_fn, anticipate_clip \(the rest is fixed at construction: build "
+                                                 r"a new Pipeline to change it\)$"):
+            setattr(pipe, name, 8)
+        assert not hasattr(pipe, name)
+    pipe.loss_fn, pipe.anticipate_clip = F.l1_loss, True
+    assert pipe.loss_fn is F.l1_loss and pipe.anticipate_clip is True
+    pipe.close()
+
+
+def test_latest_checkpoint_refuses_a_file_and_a_checkpoint(tmp_path):
+    """7. (a new user's trial) ``latest_checkpoint`` answered None for a file and for a checkpoint's own path, so
+    ``if path: load_checkpoint(...)`` silently started again from step 0; a folder that does not exist (yet: a
+    first run) still answers None."""
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(NotADirectoryError, match=r"^latest_checkpoint: directory '.*notes.txt' is a file, not the "
+                                                 r"folder that holds the checkpoints$"):
+        latest_checkpoint(tmp_path / "notes.txt")
+    (tmp_path / "step-000001").mkdir()
+    (tmp_path / "step-000001" / ".metadata").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"is a checkpoint itself; pass the folder that holds the checkpoints "
+                                         rf"\('{tmp_path}'\), or load_checkpoint\("):
+        latest_checkpoint(tmp_path / "step-000001")
+    assert latest_checkpoint(tmp_path / "missing") is None
