@@ -222,3 +222,17 @@ def test_demo_refuses_a_model_that_does_not_fit_before_any_rank_starts(argv, mes
         _demo_options(argv)
     assert info.value.code == 2
     assert f"pipesched demo: error: {message}" in capsys.readouterr().err
+
+
+def test_the_readmes_launch_example_runs_as_written(tmp_path):
+    """The README's ``launch(fn, N)`` script, copied from the README into a file and run with ``python``: two ranks,
+    zbv, the same loss returned by both (a spawned rank imports that file, so this also checks its ``__main__``
+    guard)."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```python\n", text.index("Or without torchrun, from a script or a notebook")) + len("```python\n")
+    script = tmp_path / "launch_example.py"
+    script.write_text(text[start:text.index("```", start)])
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    losses = [float(v) for v in re.fullmatch(r"\[([-0-9.e]+), ([-0-9.e]+)\]\n", done.stdout).groups()]
+    assert losses[0] == losses[1] and 0 < losses[0] < 2, done.stdout
