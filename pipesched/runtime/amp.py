@@ -17,6 +17,7 @@ from .scaler_vote import INTERVAL, SCALE, vote
 
 #: what ``Pipeline(autocast=...)`` accepts besides ``None``
 AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+SCALER_CALL = "GradScaler's unscale_/step/update"  # the public calls its collectives run in, for failures
 
 
 def checked_autocast(autocast, device: torch.device):
@@ -157,7 +158,7 @@ class GradScaler(torch.amp.GradScaler):
         """
         if self.is_enabled() and new_scale is None and not any(
                 state["found_inf_per_device"] for state in self._per_optimizer_states.values()):
-            fail_every_rank(self.pipe, ValueError(
+            fail_every_rank(self.pipe, SCALER_CALL, ValueError(
                 f"scaler: update() on pipeline rank {self.pipe.grid.pp_rank} without unscale_ or step since the last "
                 f"update(); they are collective (every rank votes on an overflow): call scaler.step(opt) (and "
                 f"scaler.unscale_(opt) before clipping) on every rank, with opt=None on a rank without parameters"))
@@ -184,7 +185,7 @@ class GradScaler(torch.amp.GradScaler):
         except Exception as exc:  # noqa: BLE001 - every failure of this rank must reach the other ranks
             if self._agreed_checks or not self.is_enabled():
                 raise
-            fail_every_rank(self.pipe, exc)  # raises a PipelineError from exc
+            fail_every_rank(self.pipe, SCALER_CALL, exc)  # raises a PipelineError from exc
             raise
         finally:
             self._in_call = self._agreed_checks = False
@@ -198,8 +199,8 @@ class GradScaler(torch.amp.GradScaler):
             ValueError (on every rank): the scalers of some ranks are enabled (:func:`_judge`).
             PipelineError: as :meth:`_unscale_grads_`.
         """
-        error, _found = self.pipe.run_collective(lambda pp_group, dp_group: self._vote(0.0, pp_group, dp_group),
-                                                   meet=False)
+        error, _found = self.pipe._collective(lambda pp_group, dp_group: self._vote(0.0, pp_group, dp_group),
+                                                False, SCALER_CALL)
         self._agreed_checks = True
         if error:
             raise ValueError(error)
@@ -239,7 +240,7 @@ class GradScaler(torch.amp.GradScaler):
             local = sum(float(t) for t in per_device.values())  # one flag per device holding gradients (CPU: one)
             return per_device, self._vote(local, pp_group, dp_group)
 
-        per_device, (error, found) = self.pipe.run_collective(agree, meet=False)  # the vote's rows meet
+        per_device, (error, found) = self.pipe._collective(agree, False, SCALER_CALL)  # the vote's rows meet
         self._agreed_checks = True  # every rank has the same verdict: what it raises below, every rank raises
         if error:
             raise ValueError(error)

@@ -192,7 +192,7 @@ def refuse(pipe, error: ValueError) -> None:
         store.set(refusal_key(pp_group, parts.calls, pipe.grid.world_rank), str(error))
         collect(pipe, [], math.nan, math.nan, False, None, pp_group, dp_group, parts.calls)
 
-    pipe.run_collective(work, meet=False)  # clip's rows meet the others'
+    pipe._collective(work, False, "clip_grad_norm_")  # clip's rows meet the others'
 
 
 def collect(pipe, params, max_norm: float, norm_type: float, error_if_nonfinite: bool, foreach, pp_group,
@@ -219,10 +219,10 @@ def clip_grad_norm_(pipe, max_norm, norm_type=2.0, error_if_nonfinite=False, for
     with torch.no_grad():
         rows = parts.take(value, norm_type, foreach)  # counts the call
         if rows is None:
-            rows, replicas = pipe.run_collective(
+            rows, replicas = pipe._collective(
                 lambda pp_group, dp_group: collect(pipe, list(pipe.owned_parameters()), value, norm_type,
                                                    error_if_nonfinite, foreach, pp_group, dp_group, parts.calls,
-                                                   parts.fell_back), meet=False)
+                                                   parts.fell_back), False, "clip_grad_norm_")
             # outside run_collective: a ValueError, the pipeline stays usable
             if replicas is None:
                 check_refusals(pipe, rows, parts.calls)  # before check_same: a refusal row carries no arguments

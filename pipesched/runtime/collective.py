@@ -31,12 +31,14 @@ def peer_loss_as_comm_error(run, what: str):
         raise
 
 
-def fail_every_rank(pipe, exc: BaseException):
+def fail_every_rank(pipe, call: str, exc: BaseException):
     """Raise ``exc`` -- this rank's own failure in a collective call (a bad argument, a misuse torch refuses, an error
     before this rank joined the collective the other ranks wait in) -- as every rank learns a failed step: this rank
     publishes its failure record and tears its groups down (:meth:`Pipeline.run_collective
     <pipesched.runtime.Pipeline.run_collective>`), so the other ranks, blocked in that collective or the next one,
     end at once with a ``PipelineError`` naming this rank and ``exc`` instead of waiting until the timeout.
+    ``call``: the public call that failed, named in that error (``failed in a collective call outside any step
+    (<call>)``).
 
     Raises:
         PipelineError: always, from ``exc``, on a pipeline of several ranks (the pipeline is unusable afterwards).
@@ -48,5 +50,5 @@ def fail_every_rank(pipe, exc: BaseException):
     def work(_pp_group, _dp_group):
         raise exc
 
-    pipe.run_collective(work, meet=False)  # the others are in the call's own collective, not in a meeting
+    pipe._collective(work, False, call)  # the others are in the call's own collective, not in a meeting
     raise AssertionError("run_collective returned from a failing work")  # unreachable: work always raises

@@ -36,6 +36,11 @@ class PipelineCollectives:
         ``TypeError`` before ``work`` runs (its own where every rank refused, else ``run_collective: pipeline rank R
         refused its call: ...``), and the pipeline stays usable. With ``meet=False`` there is no row to carry it: a
         non-callable ``work`` fails every rank as ``work``'s own exception would."""
+        return self._collective(work, meet, "run_collective")
+
+    def _collective(self, work, meet: bool, call: str):
+        """:meth:`run_collective` for ``call``, the public call running it (``"clip_grad_norm_"``, ...), named where
+        it fails: ``failed in a collective call outside any step (<call>)``."""
         self._check_local(None, None)
         refusal = None
         if not callable(work):
@@ -52,8 +57,8 @@ class PipelineCollectives:
                 raise refusal
             return work(self._pp_group, self._dp_group)
 
-        return self._guarded(lambda: peer_loss_as_comm_error(run, "the collective of run_collective"),
-                             where="in a collective call outside any step (run_collective)")
+        return self._guarded(lambda: peer_loss_as_comm_error(run, f"the collective of {call}"),
+                             where=f"in a collective call outside any step ({call})")
 
     @property
     def anticipate_clip(self) -> bool:

@@ -51,8 +51,9 @@ class PipelineMeasured:
                 raise RuntimeError(f"gather_timeline(kind={kind!r}) needs a finished {kind}()")
         except (TypeError, ValueError, RuntimeError) as exc:  # ruled on in the meeting row: no rank waits
             record, refusal = None, exc
-        return self.run_collective(lambda pp_group, _: gather_timeline(record, self.program, self.pp_rank, pp_group,
-                                                                       self.device, kind, refusal), meet=False)
+        return self._collective(lambda pp_group, _: gather_timeline(record, self.program, self.pp_rank, pp_group,
+                                                                    self.device, kind, refusal), False,
+                                "gather_timeline")
 
     @property
     def learned_steps(self) -> int:

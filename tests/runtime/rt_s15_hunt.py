@@ -180,3 +180,11 @@ def save_on_rank_0_only(rank, folder, stay):
     got = _outcome(lambda: pipe.step(x, target=y))
     dist.distributed_c10d._get_default_store().set("s15/step-ended", "1")
     return got
+
+
+def clip_on_one_rank(rank):
+    """Rank 1 calls clip_grad_norm_ while rank 0 opens its next step: each raises its own PipelineError (both found
+    the calls differ), rank 1's naming the public call it failed in."""
+    pipe = _pipe(timeout=30)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    return _outcome(lambda: pipe.clip_grad_norm_(1.0) if rank == 1 else pipe.step(x, target=y))[:2]

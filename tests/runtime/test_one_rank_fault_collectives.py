@@ -41,7 +41,7 @@ def test_one_ranks_error_in_a_collective_call_is_a_pipeline_error_naming_it_on_e
         assert got["type"] == "PipelineError", (case, rank, got)
         assert (got["rank"], got["cause"], got["lost"]) == (origin, cause, False), (case, rank, got)
         assert (f"pipeline rank failure: world rank {origin} (pipeline rank {origin}) failed in a collective call "
-                f"outside any step (run_collective): {cause}") in got["message"], (case, rank, got)
+                f"outside any step (GradScaler's unscale_/step/update): {cause}") in got["message"], (case, rank, got)
         if rank == origin:
             assert got["cause_type"] == cause.split(":")[0], (case, got)  # the original exception, chained
             assert got["others_ended"] is True, (case, got)  # the other rank raised while this one still waited

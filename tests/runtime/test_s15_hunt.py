@@ -18,6 +18,7 @@ follow a setting changed later. 2 spawned gloo ranks (tests/runtime/rt_s15_hunt.
 6. (a new user's trial) a misspelled attribute set on a Pipeline was accepted and ignored: refused now.
 7. (same) ``latest_checkpoint`` of a file or of a checkpoint itself answered None: refused now.
 8. (same) a ``forward()`` input refused by stage 0's rank was called "the step input" on the other ranks.
+9. (the divergent-call hunt) a failure in ``clip_grad_norm_`` or the GradScaler's vote said "(run_collective)".
 """
 import pytest
 import torch
@@ -152,3 +153,16 @@ def test_latest_checkpoint_refuses_a_file_and_a_checkpoint(tmp_path):
                                          rf"\('{tmp_path}'\), or load_checkpoint\("):
         latest_checkpoint(tmp_path / "step-000001")
     assert latest_checkpoint(tmp_path / "missing") is None
+
+
+@pytest.mark.multiprocess
+def test_a_failed_clip_names_clip_not_run_collective():
+    """9. (the divergent-call hunt) clip_grad_norm_'s and the GradScaler's failures said "(run_collective)", a call
+    the user never made: each names its public call now."""
+    (kind0, text0), (kind1, text1) = launch(rt_s15_hunt.clip_on_one_rank, 2, timeout=120)
+    assert kind0 == kind1 == "PipelineError", (text0, text1)
+    assert text0.startswith("pipeline rank failure: world rank 0 (pipeline rank 0) failed outside any instruction "
+                            "(while preparing or finishing the step): RuntimeError: clip_grad_norm_: "), text0
+    assert text1.startswith("pipeline rank failure: world rank 1 (pipeline rank 1) failed in a collective call "
+                            "outside any step (clip_grad_norm_): RuntimeError: clip_grad_norm_: pipeline ranks [1] "
+                            "are in clip_grad_norm_'s collective while ranks [0] opened the next step"), text1
