@@ -161,7 +161,6 @@ def lost_peer_named(pipe, target: str, doing: str):
 
         def again():  # as peer_loss_as_comm_error, for a timeout too
             error = CommError(what, caught)
-            error.members = range(pipe.grid.world_size)  # DCP's group: every world rank answers the roll call
             error.during = "the checkpoint save" if doing == "writing" else "the checkpoint load"  # the roll call's
             raise error from None
         pipe._guarded(again, where=f"while {doing} checkpoint {target!r} (DCP's collectives)")

@@ -206,10 +206,13 @@ class FailureChannel:
     """Error records in the store, one key per process group (keys named after the groups, so every
     member of a group agrees on them). The first record written to a key wins."""
 
-    def __init__(self, store, group_names) -> None:
+    def __init__(self, store, group_names, job_key: str | None = None) -> None:
         self.store = store
         self.unreachable = False  # a store operation failed: its host process has probably exited
         self.keys = [f"pipesched/{name}/error" for name in group_names]
+        #: a key every rank of the job shares for this channel's owner (a Pipeline's construction round), under which
+        #: the stalled-rank roll call is answered too, so every rank can hear every other (``runtime/stalled.py``)
+        self.job_key = job_key
         self.read_keys = [JOB_KEY, *self.keys]  # a launch fn's own failure (publish_job_failure) is read first
 
     def publish(self, record: FailureRecord) -> None:

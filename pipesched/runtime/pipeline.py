@@ -205,7 +205,8 @@ class Pipeline(PipelineCollectives, PipelineMeasured, Sealed):
         connected(dist.distributed_c10d._get_default_store(), grid.world_rank, grid.world_size, self.timeout)
         names = [self._pp_group.group_name] + ([self._dp_group.group_name] if self._dp_group else [])
         names += [group.group_name for group in self._tie_groups.values()]
-        self._failures = FailureChannel(dist.distributed_c10d._get_default_store(), names)
+        self._failures = FailureChannel(dist.distributed_c10d._get_default_store(), names,
+                                        f"pipesched/pipeline-{self._construction}")
         work = RankWork(self.stages, self.loss_fn, self.device, self.first_layers,
                         autocast_context(self.device, self.autocast), self._fuse_wgrad)
         links = Links(Transport(self._pp_group, self.program.num_stages, self.device), self._dp_group, ties)

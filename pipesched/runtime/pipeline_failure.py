@@ -41,8 +41,9 @@ def fail(pipe, exc: BaseException, where: str | None = None) -> PipelineError:
         received = failed[1] if failed is not None and instr is not None and failed[0] is instr else None
         record = FailureRecord.local(me, instr, exc, grid.pp_rank, where=where, received=received)
         if isinstance(exc, CommError) and not exc.connection_lost:  # timed out: name who did not (stalled.py)
-            members = set(grid.pipeline_ranks(grid.dp_rank)) | set(grid.dp_ranks(grid.pp_rank))
-            members |= set(getattr(exc, "members", ()))  # a wait on a wider group (DCP's: every world rank)
+            # every world rank: with data parallelism the stalled rank may be in none of this rank's groups (this
+            # rank timed out waiting for a replica that itself waits for it); all answer under the job key
+            members = set(range(grid.world_size))
             silent = silent_members(pipe._failures, me, members)
             during = getattr(exc, "during", None) or (STEP if where is None else "this call")  # what was waited in
             note = stall_note(silent, grid.pp_size, pipe.timeout, during) + votes

@@ -19,8 +19,10 @@ ROLL_CALL_S = 1.0  #: seconds a timed-out rank waits for the other timed-out ran
 
 
 def roll_call_keys(failures: FailureChannel, world_rank: int) -> list[str]:
-    """The roll-call key of ``world_rank`` under each of the channel's group keys."""
-    return [f"{key}/timed-out/{world_rank}" for key in failures.keys]
+    """The roll-call key of ``world_rank`` under each of the channel's group keys, and under its job key (shared by
+    every rank of the job) if it has one."""
+    keys = [*failures.keys, *([failures.job_key] if getattr(failures, "job_key", None) else [])]
+    return [f"{key}/timed-out/{world_rank}" for key in keys]
 
 
 def answer_roll_call(failures: FailureChannel, world_rank: int) -> bool:

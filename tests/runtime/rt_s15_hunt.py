@@ -188,3 +188,19 @@ def clip_on_one_rank(rank):
     pipe = _pipe(timeout=30)
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     return _outcome(lambda: pipe.clip_grad_norm_(1.0) if rank == 1 else pipe.step(x, target=y))[:2]
+
+
+def stall_with_replicas(rank):
+    """DP 2 x PP 2: world rank 1 pauses past the timeout (4 s) between steps: (err.stalled, seconds) on each rank."""
+    torch.manual_seed(0)
+    pipe = Pipeline(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)), num_microbatches=2,
+                    loss_fn=F.mse_loss, dp_size=2, timeout=4)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    pipe.step(x, target=y)
+    if rank == 1:
+        time.sleep(8)
+    try:
+        pipe.step(x, target=y)
+        return "ok"
+    except Exception as exc:  # noqa: BLE001 - the outcome is the result
+        return type(exc).__name__, getattr(exc, "stalled", None)

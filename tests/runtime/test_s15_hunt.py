@@ -19,6 +19,7 @@ follow a setting changed later. 2 spawned gloo ranks (tests/runtime/rt_s15_hunt.
 7. (same) ``latest_checkpoint`` of a file or of a checkpoint itself answered None: refused now.
 8. (same) a ``forward()`` input refused by stage 0's rank was called "the step input" on the other ranks.
 9. (the divergent-call hunt) a failure in ``clip_grad_norm_`` or the GradScaler's vote said "(run_collective)".
+10. (same) with data parallelism a rank that shares no group with a stalled rank did not name it.
 """
 import pytest
 import torch
@@ -166,3 +167,11 @@ def test_a_failed_clip_names_clip_not_run_collective():
     assert text1.startswith("pipeline rank failure: world rank 1 (pipeline rank 1) failed in a collective call "
                             "outside any step (clip_grad_norm_): RuntimeError: clip_grad_norm_: pipeline ranks [1] "
                             "are in clip_grad_norm_'s collective while ranks [0] opened the next step"), text1
+
+
+@pytest.mark.multiprocess
+def test_a_stalled_rank_is_named_by_every_rank_with_replicas():
+    """10. (the divergent-call hunt) DP 2 x PP 2, world rank 1 stalls: world rank 2, which waited for a replica (world
+    rank 0) and shares no group with rank 1, named nobody (the roll call was heard in this rank's groups only); every
+    rank answers under a key of the whole job now, so every rank names world rank 1."""
+    assert launch(rt_s15_hunt.stall_with_replicas, 4, timeout=120) == [("PipelineError", (1,))] * 4
