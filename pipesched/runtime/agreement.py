@@ -20,6 +20,7 @@ from .comm import groups_error_key
 from .exchange import publish, read_all
 from .failure import FailureRecord, PipelineError
 from .failure import describe as describe_error
+from .model_difference import difference, publish_spec
 
 _PREFIX = "pipesched/construct"
 _POLL_S = 0.05  # groups_failed's pause between two looks at its round's entries
@@ -58,14 +59,15 @@ def model_shapes(state_spec: dict) -> str:
     return f"{len(state_spec)} tensors, names and shapes digest {digest}"
 
 
-def agree(store, world_rank: int, world_size: int, description: dict, timeout: float) -> int:
+def agree(store, world_rank: int, world_size: int, description: dict, timeout: float, spec: dict | None = None) -> int:
     """Publish this rank's ``description`` (JSON-ready) and check every rank published the same one. Returns the
     round's number (1 for the job's first Pipeline construction, refused ones counted): the same on every rank for
     one Pipeline, and another for each other Pipeline (the checkpoint votes compare it).
 
     Raises:
         ValueError: a rank refused its arguments (names it and quotes its error), or a rank described another
-            pipeline (names the first differing field, both ranks and both values).
+            pipeline (names the first differing field, both ranks and both values; for ``model``, also the first
+            tensor whose name or shape differs, from each rank's ``spec``: {name: shape}, read on this path only).
         TimeoutError: some ranks published nothing within ``timeout`` seconds (names them); or this rank came
             to its round after the others had timed out and given up on it (names them; it does not go on alone
             into the process groups' creation: :mod:`~pipesched.runtime.exchange`).
@@ -75,13 +77,17 @@ def agree(store, world_rank: int, world_size: int, description: dict, timeout: f
     for rank, entry in enumerate(entries):
         if "error" in entry:
             raise ValueError(f"world rank {rank} refused its Pipeline arguments: {entry['error']}")
+    models = {entry["description"].get("model") for entry in entries}
+    if spec is not None and len(models) > 1:  # every rank sees it: each files its tensors for the error's detail
+        publish_spec(store, key, world_rank, spec)
     for rank, entry in enumerate(entries):
         theirs = entry["description"]
         for field, mine in description.items():
             if theirs.get(field) != mine:
+                detail = difference(store, key, world_rank, rank, spec, timeout) if field == "model" and spec else ""
                 raise ValueError(f"world rank {rank} built its Pipeline with {field}={theirs.get(field)!r} but world "
-                                 f"rank {world_rank} with {field}={mine!r}; every rank must construct Pipeline with "
-                                 f"the same arguments (and the same model)")
+                                 f"rank {world_rank} with {field}={mine!r}{detail}; every rank must construct "
+                                 f"Pipeline with the same arguments (and the same model)")
     return int(key.rsplit("/", 1)[1])
 
 

@@ -192,7 +192,7 @@ class Pipeline(PipelineCollectives, PipelineMeasured, Sealed):
                    **describe(self.program, self.balance, len(layers), self.grid.world_size,
                               self.programs.early_receives),
                    autocast=str(self.autocast), model=model_shapes(self.state_spec),
-                   timeout=self.timeout), self.timeout)  # one timeout: the lost-rank roll call assumes it
+                   timeout=self.timeout), self.timeout, self.state_spec)  # one timeout: the roll call assumes it
         grid = self.grid
         self._tie_groups, ties = start_ties(layers, self.ties, self.program, grid, self.timeout, self.device,
                                             self.layer_names)

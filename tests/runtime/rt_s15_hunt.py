@@ -204,3 +204,13 @@ def stall_with_replicas(rank):
         return "ok"
     except Exception as exc:  # noqa: BLE001 - the outcome is the result
         return type(exc).__name__, getattr(exc, "stalled", None)
+
+
+def other_width_on_rank_1(rank):
+    """Rank 1 builds its model 16 wide where rank 0 builds it 8 wide: the refusal's text on each rank."""
+    width = 8 if rank == 0 else 16
+    try:
+        Pipeline(nn.Sequential(*[nn.Linear(width, width) for _ in range(4)]), num_microbatches=4, loss_fn=F.mse_loss)
+    except ValueError as exc:
+        return str(exc)
+    return "built"

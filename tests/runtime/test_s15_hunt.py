@@ -20,6 +20,7 @@ follow a setting changed later. 2 spawned gloo ranks (tests/runtime/rt_s15_hunt.
 8. (same) a ``forward()`` input refused by stage 0's rank was called "the step input" on the other ranks.
 9. (the divergent-call hunt) a failure in ``clip_grad_norm_`` or the GradScaler's vote said "(run_collective)".
 10. (same) with data parallelism a rank that shares no group with a stalled rank did not name it.
+11. (a new user's trial) ranks built from models of other shapes were refused naming two digests only.
 """
 import pytest
 import torch
@@ -29,6 +30,7 @@ from torch import nn
 from pipesched.runtime import Pipeline, latest_checkpoint, launch, profile_layers
 from pipesched.runtime.handshake import REQUIRES_GRAD, encode_signature
 from pipesched.runtime.comm import DTYPE_CODE
+from pipesched.runtime.model_difference import first_difference
 
 import rt_s15_hunt
 
@@ -175,3 +177,23 @@ def test_a_stalled_rank_is_named_by_every_rank_with_replicas():
     rank 0) and shares no group with rank 1, named nobody (the roll call was heard in this rank's groups only); every
     rank answers under a key of the whole job now, so every rank names world rank 1."""
     assert launch(rt_s15_hunt.stall_with_replicas, 4, timeout=120) == [("PipelineError", (1,))] * 4
+
+
+@pytest.mark.multiprocess
+def test_a_model_of_other_shapes_is_refused_naming_the_first_tensor_that_differs():
+    """11. (a new user's trial) the refusal named two digests only; it names the first differing tensor now."""
+    texts = launch(rt_s15_hunt.other_width_on_rank_1, 2, timeout=120)
+    assert "; the first difference: '0.weight' has shape (16, 16) on world rank 1 but (8, 8) on world rank 0; " \
+           "every rank must construct Pipeline with the same arguments (and the same model)" in texts[0], texts[0]
+    assert "; the first difference: '0.weight' has shape (8, 8) on world rank 0 but (16, 16) on world rank 1; " \
+           in texts[1], texts[1]
+
+
+def test_first_difference_says_what_differs_or_is_missing():
+    mine = {"0.weight": (8, 8), "0.bias": (8,)}
+    assert first_difference(mine, dict(mine), "A", "B") == ""
+    assert first_difference(mine, {"0.weight": (8, 8)}, "A", "B") == "'0.bias' (shape (8,)) is in the model on A but not on B"
+    assert first_difference(mine, {**mine, "1.weight": (2, 2)}, "A", "B") == \
+        "'1.weight' (shape (2, 2)) is in the model on B but not on A"
+    assert first_difference(mine, {"0.weight": (8, 4), "0.bias": (8,)}, "A", "B") == \
+        "'0.weight' has shape (8, 4) on B but (8, 8) on A"
