@@ -220,8 +220,9 @@ class Handshake:
                            "the replicas' agreement on the step")
         calls = ("forward()", "step()")
         if len({row[1] for row in rows}) > 1:
+            p = self.program.num_ranks  # replica k's rank at this pipeline position: world rank k * p + pp_rank
             raise Rejected("every replica must make the same call; " + ", ".join(
-                f"replica {k} called {calls[row[1]]}" for k, row in enumerate(rows)))
+                f"replica {k} (world rank {k * p + self.pp_rank}) called {calls[row[1]]}" for k, row in enumerate(rows)))
         refused = [k for k, row in enumerate(rows) if row[2]]
         if refused and refusal is None:
             row = rows[refused[0]]

@@ -27,7 +27,7 @@ def refusals(rank):
     ref = copy.deepcopy(model)
     pipe = Pipeline(model, schedule="1f1b", num_microbatches=M, loss_fn=F.mse_loss, dp_size=2, timeout=30)
     replica = pipe.grid.dp_rank
-    out = {"replica": replica, "errors": {}}
+    out = {"replica": replica, "pp_rank": pipe.pp_rank, "errors": {}}
     pipe.step(*_batch(10 + replica))
     cases = {"small batch": lambda: pipe.step(*(_batch(20, rows=2) if replica == 1 else _batch(20))),
              "bad target": lambda: pipe.step(_batch(30)[0], _batch(30)[1][:3] if replica == 1 else _batch(30)[1]),

@@ -22,8 +22,9 @@ def test_every_replica_refuses_what_one_refuses(got):
                            ("bad target", "target has batch size 3 but x has 8")):
             assert errors[case].startswith(prefix) and text in errors[case], (case, errors[case])
             assert out["replica"] == 0 or not errors[case].startswith("replica")  # its own message
-        assert errors["forward"] == ("every replica must make the same call; replica 0 called step(), "
-                                     "replica 1 called forward()"), errors
+        pp_rank = out["pp_rank"]  # the call is compared in this pipeline position's data-parallel group (2 ranks)
+        assert errors["forward"] == (f"every replica must make the same call; replica 0 (world rank {pp_rank}) "
+                                     f"called step(), replica 1 (world rank {2 + pp_rank}) called forward()"), errors
 
 
 def test_the_next_step_averages_the_same_step_on_every_replica(got):
