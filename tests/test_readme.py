@@ -1,4 +1,5 @@
-"""The README's install and test commands are true for a user on any machine, and `.ci/run` runs its test command."""
+"""The README's install and test commands are true for a user on any machine, `.ci/run` runs its test command, and its
+contents link to its headings."""
 import re
 from pathlib import Path
 
@@ -30,3 +31,16 @@ def test_the_user_commands_pin_no_torch_build_and_name_the_accepted_range():
     assert f"`{torch}`" in QUICKSTART and f"pip install '{torch}' --index-url https://download.pytorch.org/whl/cpu" \
         in commands
     assert "https://pytorch.org/get-started/locally/" in QUICKSTART
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation other than '-' and '_' dropped, spaces as '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_of_the_contents_goes_to_a_heading():
+    text = README
+    anchors = {_slug(h) for h in re.findall(r"^#{2,4} (.+)$", text, flags=re.M)}
+    contents = text[text.index("## Contents"):text.index("## Quickstart")]
+    links = re.findall(r"\]\(#([^)]+)\)", contents)
+    assert len(links) >= 20 and set(links) <= anchors, sorted(set(links) - anchors)
