@@ -264,11 +264,15 @@ def latest_checkpoint(directory) -> str | None:
     Raises:
         TypeError: ``directory`` is not a ``str`` or ``os.PathLike`` (names it and the value).
         NotADirectoryError: ``directory`` is a file.
+        ValueError: ``directory`` is ``""``.
         ValueError: ``directory`` is itself a checkpoint (it holds a ``.metadata``): pass the folder that holds the
             checkpoints, or load this one directly (a typo here would otherwise start a job again from step 0)."""
     if isinstance(directory, bytes) or not isinstance(directory, (str, os.PathLike)):
         raise TypeError(f"latest_checkpoint: directory must be a str or os.PathLike, got {described(directory)}")
     directory = os.fspath(directory)
+    if not directory:
+        raise ValueError("latest_checkpoint: directory is '' (an unset setting?); pass the folder that holds the "
+                         "checkpoints ('.' for the current one)")
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise NotADirectoryError(f"latest_checkpoint: directory {directory!r} is a file, not the folder that holds "
                                  f"the checkpoints")

@@ -133,7 +133,8 @@ def _timed_out(store, key: str, keys: list, world_rank: int, timeout: float, lat
             ruling = _rule(store, key, _COMPLETE)
         else:
             store.set(f"{key}/gave-up/{world_rank}", "1")
-            ruling = _rule(store, key, json.dumps({"by": world_rank, "missing": missing, "late": late}))
+            ruling = _rule(store, key, json.dumps({"by": world_rank, "missing": missing, "late": late,
+                                                   "at": time.time()}))
     except Exception:  # noqa: BLE001 - the store itself failed: what this rank knows is its timeout
         missing, ruling = [rank for rank in range(len(keys)) if rank != world_rank], None
     if ruling == _COMPLETE:

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from .comm import DTYPE_CODE, unsendable
-from .microbatch import TENSOR, as_value, batch_size, split
+from .microbatch import TENSOR, TooFewSamples, as_value, batch_size, split
 from .transport import gather_rows
 
 SIG_LEN = 64  # int64 words of a step signature
@@ -39,6 +39,9 @@ SCALER_MARK = 0x5343_4C52  # the first word of a GradScaler's row in its overflo
 #: the first word of a row's signature block: stage 0's rank's description of x (0) or refusal of it (1), or any
 #: rank's refusal of its own call (its own checks before the opening failed: ``[OWN_REFUSAL, kind, 0, *text]``)
 OWN_REFUSAL = 2
+#: added to a forward()'s refusal of a batch smaller than m: what to do with an evaluation set's last batch
+EVAL_TAIL = ("; for the last, smaller batch of an evaluation set: pad it to num_microbatches samples (repeat a "
+             "row) and drop the padded rows' outputs")
 #: the exception a refusal raises on every rank, by the code its row carries (``kind``; 0: no refusal)
 REFUSAL_KINDS = {1: ValueError, 2: TypeError}
 #: the call each mark stands for, in errors about ranks in different calls
@@ -246,7 +249,8 @@ class Handshake:
                 micro, container = split(to_device(x), m, "x")
                 words = encode_signature(train, m, micro, container)
             except (TypeError, ValueError) as exc:
-                words = encode_text([1, int(train), m], str(exc))
+                text = str(exc) + (EVAL_TAIL if isinstance(exc, TooFewSamples) and not train else "")
+                words = encode_text([1, int(train), m], text)
         rows = self._gather([OPENING_MARK, settings, int(train), int(train and not torch.is_grad_enabled()),
                              *clip] + words + verdict_words(verdict if train else None))
         check_rows_meet([row[:1] + row[4:5] for row in rows], OPENING_MARK)

@@ -82,16 +82,22 @@ def batch_size(batch, name: str = "batch") -> int:
     return sizes[0]
 
 
+class TooFewSamples(ValueError):
+    """A batch smaller than the microbatch count: a microbatch would be empty (``ValueError``'s subclass, so a step
+    or forward can add advice of its own)."""
+
+
 def split_sizes(total: int, num_microbatches: int) -> list[int]:
     """Microbatch sizes for ``total`` samples: as even as possible, larger ones first (10, 4 -> 3, 3, 2, 2).
 
     Raises:
-        ValueError: ``total < num_microbatches`` (a microbatch would be empty) or ``num_microbatches < 1``.
+        TooFewSamples: ``total < num_microbatches`` (a microbatch would be empty).
+        ValueError: ``num_microbatches < 1``.
     """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     if total < num_microbatches:
-        raise ValueError(
+        raise TooFewSamples(
             f"batch size {total} is smaller than num_microbatches={num_microbatches}; "
             f"every microbatch needs at least one sample (use a batch of >= {num_microbatches})"
         )

@@ -227,7 +227,7 @@ class Pipeline(PipelineCollectives, PipelineMeasured, Sealed):
         if self._dp_group is not None:  # as DDP: every replica starts from replica 0's values (replica_init.py)
             self._guarded(lambda: peer_loss_as_comm_error(
                 lambda: copy_replica_zero(self.stages, self._dp_group, grid, self.device), COPY_WHAT), where=COPY_WHERE)
-        self._seal()  # a public attribute it does not have is refused from here on (runtime/sealed.py)
+        self._seal(strict=type(self) is Pipeline)  # public attributes are fixed from here on (runtime/sealed.py)
 
     @classmethod
     def from_plan(cls, model, plan, loss_fn=None, **kwargs) -> "Pipeline":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import time
 import traceback
 
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from .lost_rank import adoptable, lost_record, store_host
 from .stalled import STEP, answer_roll_call, silent_members, stall_note
 from .vote import votes_note, waiting_in_votes
 
+_VOTE_SLACK_S = 5.0  # a checkpoint round given up on at most this long before this rank's wait began still counts
 _ORIGIN_GRACE_S = 30.0  # at most this the origin's (and the store host's) process lingers at exit for its peers
 
 
@@ -33,7 +35,8 @@ def fail(pipe, exc: BaseException, where: str | None = None) -> PipelineError:
             record = adoptable(lost_record(exc, grid, pipe._failures, (pipe._pp_group, pipe._dp_group), pipe.device,
                                            away_s=getattr(pipe, "_away_s", 0.0), timeout=pipe.timeout), me)
     origin = record is None
-    votes = votes_note(waiting_in_votes(pipe._failures.store, me, grid.world_size)) if isinstance(exc, CommError) else ""
+    votes = votes_note(waiting_in_votes(pipe._failures.store, me, grid.world_size,  # rounds given up on since
+                                        time.time() - pipe.timeout - _VOTE_SLACK_S)) if isinstance(exc, CommError) else ""
     if votes and not origin:
         note += votes  # e.g. rank 0 timed out in `if rank == 0: save_checkpoint(...)` and exited: say where it was
     if origin:

@@ -35,12 +35,17 @@ def rng_state(device: torch.device, module: nn.Module | None = None) -> tuple:
 
 
 def own_generators(module: nn.Module | None) -> list:
-    """The ``torch.Generator`` objects held as attributes of ``module``'s modules, each once, in module order."""
+    """The ``torch.Generator`` objects ``module``'s modules hold, each once, in module order: as an attribute of the
+    module or of its class (``gen = torch.Generator()`` in the class body), or as an item of a list, tuple or dict
+    held so. One held elsewhere (a global, an object of another class) is not found."""
     found: dict = {}
     for owner in module.modules() if module is not None else ():
-        for value in vars(owner).values():
-            if isinstance(value, torch.Generator):
-                found.setdefault(id(value), value)
+        for holder in (owner, *type(owner).__mro__):
+            for value in vars(holder).values():
+                items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+                for item in items:
+                    if isinstance(item, torch.Generator):
+                        found.setdefault(id(item), item)
     return list(found.values())
 
 

@@ -14,6 +14,7 @@ from .loss import needs_target
 from .measured import StepRecord
 from .measured_costs import measure_and_compile
 from .microbatch import split_sizes
+from .sealed import update
 from .settings import fingerprint
 from .shared_buffers import check_unchanged, snapshot
 from .step_state import StepInputs
@@ -77,10 +78,11 @@ def loss_weights(sizes: list[int], replicas: list[int]) -> list[float]:
 def adopt_measured_costs(pipe) -> None:
     """Agree on the costs the first step measured, compile zb-auto from them and run it from now on
     (collective; :func:`~pipesched.runtime.measured_costs.measure_and_compile`)."""
-    pipe.costs, pipe.programs, pipe._executor = measure_and_compile(
+    costs, programs, pipe._executor = measure_and_compile(
         pipe._plan, pipe._records["step"], pipe._executor, (pipe._pp_group, pipe._dp_group), pipe.ties,
         backend_for(pipe.device))
-    pipe.program, pipe._plan = pipe.programs.train, None
+    update(pipe, costs=costs, programs=programs, program=programs.train)  # fixed for users (runtime/sealed.py)
+    pipe._plan = None
 
 
 def targets_verdict(pipe, target) -> TargetVerdict:

@@ -117,16 +117,23 @@ def watched_keys(pipe) -> list | None:
         return None
     store = pipe._failures.store
     try:
-        return [key for key in pipe._failures.keys if not store.check([key])
-                or FailureRecord.from_json(store.get(key).decode()).ended]
+        return [key for key in pipe._failures.keys if not store.check([key]) or _gone(store.get(key).decode())]
     except Exception:  # noqa: BLE001 - a store that is gone: nothing to watch (the vote's wait fails on it)
         return None
 
 
-def waiting_in_votes(store, world_rank: int, world_size: int) -> dict:
+def _gone(payload: str) -> bool:
+    """Whether the record ``payload`` says its rank left (``closed``/``exited``) or was lost (its process ended):
+    such a rank never votes, so a vote watches for it even where it was published before the vote."""
+    record = FailureRecord.from_json(payload)
+    return bool(record.ended or record.lost)
+
+
+def waiting_in_votes(store, world_rank: int, world_size: int, since: float = 0.0) -> dict:
     """``{world rank: "save_checkpoint (the vote on its arguments)"}``: the other ranks whose latest checkpoint vote
-    is one this rank never joined and that did not complete (still waited in, or given up after its timeout): said
-    by a rank whose own wait timed out, since those ranks were in a checkpoint call while it was elsewhere (e.g.
+    is one this rank never joined and that did not complete (still waited in, or given up after its timeout at
+    ``time.time() >= since``: a round given up on before this rank's own wait began is an old one): said by a rank
+    whose own wait timed out, since those ranks were in a checkpoint call while it was elsewhere (e.g.
     ``if rank == 0: save_checkpoint(...)``). ``{}`` where the store does not answer."""
     found = {}
     try:
@@ -135,8 +142,10 @@ def waiting_in_votes(store, world_rank: int, world_size: int) -> dict:
             key = f"{_PREFIX}/{count}"
             if r == world_rank or count == 0 or store.check([f"{key}/{world_rank}"]) or not store.check([f"{key}/{r}"]):
                 continue
-            if store.check([f"{key}/state"]) and store.get(f"{key}/state").decode() == "complete":
-                continue
+            if store.check([f"{key}/state"]):
+                ruling = store.get(f"{key}/state").decode()
+                if ruling == "complete" or json.loads(ruling).get("at", 0.0) < since:
+                    continue
             entry = json.loads(store.get(f"{key}/{r}"))
             found[r] = _place(entry.get("call"), entry.get("stage"))
     except Exception:  # noqa: BLE001 - a store that is gone: nothing can be said

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
+import os
 import time
 
 import torch
@@ -86,15 +88,32 @@ class NoisyLinear(nn.Module):
         self.gen = torch.Generator().manual_seed(seed)
 
     def forward(self, x):
-        return self.lin(x) * (torch.rand(x.shape[0], 8, generator=self.gen) > 0.3)
+        gen = self.gens[0] if "gens" in self.__dict__ else self.gen
+        return self.lin(x) * (torch.rand(x.shape[0], 8, generator=gen) > 0.3)
 
 
-def own_generator_recomputed(rank, schedule):
+def _noisy_model(holder: str):
+    """4 NoisyLinear layers whose generators are held as ``holder`` says: ``"attr"`` (self.gen), ``"list"``
+    (self.gens = [gen]) or ``"class"`` (in the class body; new classes per model, so that the reference has its
+    own)."""
+    torch.manual_seed(0)
+    if holder == "class":  # a class per layer: one generator shared by layers on two ranks cannot draw as unsplit
+        layers = [type(f"ClassNoisy{k}", (NoisyLinear,), {"gen": torch.Generator().manual_seed(k)})(0)
+                  for k in range(4)]
+        for layer in layers:
+            del layer.gen  # the class's from now on
+        return nn.Sequential(*layers)
+    layers = [NoisyLinear(seed) for seed in range(4)]
+    if holder == "list":
+        for layer in layers:
+            layer.gens = [layer.__dict__.pop("gen")]
+    return nn.Sequential(*layers)
+
+
+def own_generator_recomputed(rank, schedule, holder="attr"):
     """recompute=True on layers drawing from their own generators: loss and gradients bitwise the unsplit
     model's over two steps (the re-run replays each generator's state at F, and puts back the later one)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[NoisyLinear(seed) for seed in range(4)])
-    ref = copy.deepcopy(model)  # deepcopy copies each generator in its state
+    model, ref = _noisy_model(holder), _noisy_model(holder)  # same weights and generator seeds
     pipe = Pipeline(model, schedule=schedule, num_microbatches=4, loss_fn=F.mse_loss, recompute=True, timeout=60)
     out = []
     for step in range(2):
@@ -124,6 +143,8 @@ def suite(rank):
     out["inplace-later-recompute"] = inplace_set_later(rank, "gpipe", recompute=True)
     for schedule in ("1f1b", "zbv"):
         out[f"own-generator-{schedule}"] = own_generator_recomputed(rank, schedule)
+    for holder in ("class", "list"):
+        out[f"own-generator-{holder}"] = own_generator_recomputed(rank, "1f1b", holder)
     out["forward-small-batch"] = forward_small_batch(rank)
     return out
 
@@ -214,3 +235,35 @@ def other_width_on_rank_1(rank):
     except ValueError as exc:
         return str(exc)
     return "built"
+
+
+def save_after_a_peer_was_lost(rank, folder):
+    """World rank 1's process ends (os._exit) between steps; rank 0's step names it lost; rank 0's emergency save
+    then ends at once naming it too (timeout 60 s). Rank 0's outcomes go to a file: launch raises for rank 1."""
+    pipe = _pipe(timeout=60)
+    if rank == 1:
+        os._exit(3)
+    time.sleep(0.5)
+    got = [_outcome(lambda: pipe.step(torch.randn(8, 4), target=torch.randn(8, 4))),
+           _outcome(lambda: save_checkpoint(f"{folder}/ck", pipe, step=1))]
+    with open(f"{folder}/rank0.json", "w") as out:
+        json.dump(got, out)
+    return got
+
+
+def old_vote_not_named(rank, folder):
+    """Rank 0 alone calls save_checkpoint (timeout 2 s) and catches its TimeoutError; 8 s later both ranks step;
+    then rank 0 pauses 7 s: rank 1's step times out, and its error must not name that old vote."""
+    pipe = _pipe(timeout=2)
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        _outcome(lambda: save_checkpoint(f"{folder}/ck", pipe, step=1))
+        store.set("s15/saved", "1")
+    else:
+        store.wait(["s15/saved"], datetime.timedelta(seconds=60))
+    time.sleep(8)  # more than the 5 s of slack a round given up on keeps (pipeline_failure._VOTE_SLACK_S)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    first = _outcome(lambda: pipe.step(x, target=y))[0]
+    if rank == 0:
+        time.sleep(7)
+    return first, _outcome(lambda: pipe.step(x, target=y))[:2]

@@ -21,7 +21,11 @@ follow a setting changed later. 2 spawned gloo ranks (tests/runtime/rt_s15_hunt.
 9. (the divergent-call hunt) a failure in ``clip_grad_norm_`` or the GradScaler's vote said "(run_collective)".
 10. (same) with data parallelism a rank that shares no group with a stalled rank did not name it.
 11. (a new user's trial) ranks built from models of other shapes were refused naming two digests only.
+12-14. (a hunt of this session's changes) a generator in the class body or a list; an emergency save after a peer
+   was lost waited the whole timeout; a step's timeout named a checkpoint vote given up on long before.
 """
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -69,9 +73,21 @@ def test_recompute_replays_a_layer_s_own_generator(results, schedule):
 
 
 @pytest.mark.multiprocess
+def test_recompute_replays_a_generator_held_by_the_class_or_in_a_list(results):
+    """12. (the hunt of this session's changes) a generator in the class body (``gen = torch.Generator()``) or in a
+    list attribute was not replayed: wrong loss and gradients."""
+    for holder in ("class", "list"):
+        for rank, res in enumerate(results):
+            assert res[f"own-generator-{holder}"] == [(True, 4, True)] * 2, (holder, rank, res[f"own-generator-{holder}"])
+
+
+@pytest.mark.multiprocess
 def test_a_forward_input_refused_says_forward(results):
-    """8. (a new user's trial) a forward() of a batch smaller than m was refused as "the step input"."""
-    refusal = "batch size 1 is smaller than num_microbatches=2; every microbatch needs at least one sample"
+    """8. (a new user's trial) a forward() of a batch smaller than m was refused as "the step input"; it also says
+    what to do with an evaluation set's last batch."""
+    refusal = ("batch size 1 is smaller than num_microbatches=2; every microbatch needs at least one sample (use a "
+               "batch of >= 2); for the last, smaller batch of an evaluation set: pad it to num_microbatches samples "
+               "(repeat a row) and drop the padded rows' outputs")
     (kind0, text0), (kind1, text1) = (res["forward-small-batch"] for res in results)
     assert kind0 == kind1 == "ValueError" and text0.startswith(refusal), (text0, text1)
     assert text1.startswith(f"the rank of stage 0 (pipeline rank 0) rejected the forward() input: {refusal}"), text1
@@ -134,11 +150,38 @@ def test_an_attribute_the_pipeline_does_not_have_is_refused(no_launcher):
     for name in ("anticipate_clips", "num_microbatches"):
         with pytest.raises(AttributeError, match=rf"^Pipeline has no attribute '{name}' to set; the settable ones are "
                                                  r"loss_fn, anticipate_clip \(the rest is fixed at construction: build "
-                                                 r"a new Pipeline to change it\)$"):
+                                                 r"a new Pipeline to change it; to keep your own data on it, subclass "
+                                                 r"Pipeline\)$"):
             setattr(pipe, name, 8)
         assert not hasattr(pipe, name)
+    for name in ("autocast", "balance", "timeout", "program"):  # set at construction: a new value would be ignored
+        before = getattr(pipe, name)
+        with pytest.raises(AttributeError, match=rf"^Pipeline.{name} is fixed at construction \(the Pipeline was "
+                                                 r"built with it\): build a new Pipeline to change it; the settable "
+                                                 r"attributes are loss_fn, anticipate_clip$"):
+            setattr(pipe, name, None)
+        assert getattr(pipe, name) is before
     pipe.loss_fn, pipe.anticipate_clip = F.l1_loss, True
     assert pipe.loss_fn is F.l1_loss and pipe.anticipate_clip is True
+    del pipe.loss_fn  # a settable one stays settable
+    pipe.loss_fn = F.mse_loss
+    pipe.close()
+
+
+class _Counting(Pipeline):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps_done = 0  # a subclass keeps its own state on the object
+
+
+@pytest.mark.filterwarnings("ignore::pipesched.runtime.SingleProcessWarning")
+def test_a_subclass_keeps_its_own_attributes_but_not_the_fixed_ones(no_launcher):
+    pipe = _Counting(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), num_microbatches=2, loss_fn=F.mse_loss)
+    pipe.steps_done += 1
+    pipe.note = "mine"
+    assert (pipe.steps_done, pipe.note) == (1, "mine")
+    with pytest.raises(AttributeError, match=r"^_Counting.autocast is fixed at construction"):
+        pipe.autocast = torch.bfloat16
     pipe.close()
 
 
@@ -156,6 +199,8 @@ def test_latest_checkpoint_refuses_a_file_and_a_checkpoint(tmp_path):
                                          rf"\('{tmp_path}'\), or load_checkpoint\("):
         latest_checkpoint(tmp_path / "step-000001")
     assert latest_checkpoint(tmp_path / "missing") is None
+    with pytest.raises(ValueError, match=r"^latest_checkpoint: directory is '' \(an unset setting\?\); pass the "):
+        latest_checkpoint("")  # e.g. os.environ.get("CKPT_DIR", "")
 
 
 @pytest.mark.multiprocess
@@ -197,3 +242,25 @@ def test_first_difference_says_what_differs_or_is_missing():
         "'1.weight' (shape (2, 2)) is in the model on B but not on A"
     assert first_difference(mine, {"0.weight": (8, 4), "0.bias": (8,)}, "A", "B") == \
         "'0.weight' has shape (8, 4) on B but (8, 8) on A"
+
+
+@pytest.mark.multiprocess
+def test_an_emergency_save_after_a_peer_was_lost_ends_at_once(tmp_path):
+    """13. (same) rank 0 caught the PipelineError naming rank 1 lost, then saved: the vote waited the whole timeout
+    for the lost rank (its record was there before the vote); a lost rank never votes, so it ends at once now."""
+    with pytest.raises(RuntimeError, match="rank 1"):
+        launch(rt_s15_hunt.save_after_a_peer_was_lost, 2, str(tmp_path), timeout=120, grace=60)
+    (step_kind, step_text, _), (save_kind, save_text, seconds) = json.loads((tmp_path / "rank0.json").read_text())
+    assert step_kind == "PipelineError" and "world rank 1 (pipeline rank 1) was lost" in step_text, step_text
+    assert save_kind == "PipelineError" and seconds < 10, (save_kind, save_text, seconds)
+    assert "world rank 1 (pipeline rank 1) was lost" in save_text, save_text
+    assert "while waiting in save_checkpoint (the vote on its arguments)" in save_text, save_text
+
+
+@pytest.mark.multiprocess
+def test_an_old_vote_is_not_named_by_a_later_timeout(tmp_path):
+    """14. (same) a step's timeout named a checkpoint vote rank 0 had given up on long before (and stepped since)."""
+    (first0, (kind0, _)), (first1, (kind1, text1)) = launch(rt_s15_hunt.old_vote_not_named, 2, str(tmp_path),
+                                                            timeout=120)
+    assert (first0, first1, kind1) == ("ok", "ok", "PipelineError"), (first0, first1, kind1, text1)
+    assert "did not time out within 1 s of this rank" in text1 and "save_checkpoint" not in text1, text1
