@@ -65,10 +65,11 @@ def test_other_widths_on_one_rank_are_refused_at_construction_on_every_rank():
     narrow, wide = _shapes(8), _shapes(16)
     assert narrow.startswith("4 tensors, names and shapes digest ") and narrow != wide
     tail = "; every rank must construct Pipeline with the same arguments (and the same model)"
+    first = "; the first difference: '0.weight' has shape {} on world rank {} but {} on world rank {}"
     assert results[0]["widths"] == (f"ValueError: world rank 1 built its Pipeline with model={wide!r} but world rank "
-                                    f"0 with model={narrow!r}{tail}")
+                                    f"0 with model={narrow!r}{first.format((16, 8), 1, (8, 8), 0)}{tail}")
     assert results[1]["widths"] == (f"ValueError: world rank 0 built its Pipeline with model={narrow!r} but world rank "
-                                    f"1 with model={wide!r}{tail}")
+                                    f"1 with model={wide!r}{first.format((8, 8), 0, (16, 8), 1)}{tail}")
     same = "; every rank of the group must pass the same"
     assert [r["link repeat"] for r in results] == [
         f"ValueError: profile_link: rank 1 passed nbytes=[1024, 4096], repeat=3 but rank 0 nbytes=[1024, 4096], "

@@ -69,9 +69,11 @@ def test_a_slice_arrives_with_its_strides(ranks):
 
 def test_a_layout_that_changes_after_the_learning_step_is_sent_in_the_learned_one(ranks):
     """Step 1 learns a row-major boundary; step 2's output is column-major: no error, the values arrive (stage 1
-    is elementwise, so both steps are bitwise the unsplit model's)."""
+    is elementwise, so gradients are bitwise the unsplit model's; step 2's loss to float rounding: its mean runs
+    over the row-major tensor where the unsplit model's runs over the column-major one, which a vectorised sum
+    (AVX-512 here) adds in another order)."""
     (l1, r1), eq1, (l2, r2), eq2 = ranks[0]["layout_change"]
-    assert (l1, eq1, l2, eq2) == (r1, True, r2, True)
+    assert (l1, eq1, eq2) == (r1, True, True) and abs(l2 - r2) <= 1e-6 * abs(r2), (l1, r1, l2, r2, eq1, eq2)
     assert ranks[1]["layout_change"] == [(l1, r1), (l2, r2)]
 
 
