@@ -112,9 +112,9 @@ def _watched(store, watch, keys: list) -> FailureRecord | None:
     (or the store does not answer: as job_failure)."""
     for key in [watch] if isinstance(watch, str) else watch or ():
         try:
-            if not store.check([key]):
+            record = record_at(store, key)
+            if record is None:
                 continue
-            record = FailureRecord.from_json(store.get(key).decode())
             voted = record.rank is not None and 0 <= record.rank < len(keys) and store.check([keys[record.rank]])
             if record.ended != "closed" and not voted:
                 return record
@@ -140,6 +140,33 @@ def _timed_out(store, key: str, keys: list, world_rank: int, timeout: float, lat
     if ruling == _COMPLETE:
         return
     raise TimeoutError(f"world ranks {missing} did not {late} ({exc})") from None
+
+
+def unjoined_rounds(store, sequence: str, world_rank: int, world_size: int, since: float = 0.0) -> dict:
+    """``{world rank: its entry}`` for each other rank whose latest round on ``sequence`` this rank never filed an
+    entry in and that did not complete: still waited in, or abandoned at ``time.time() >= since`` (one abandoned
+    earlier is an old one). ``{}`` where the store does not answer."""
+    found = {}
+    try:
+        for r in range(world_size):
+            count = store.add(f"{sequence}/count/{r}", 0)
+            key = f"{sequence}/{count}"
+            if r == world_rank or count == 0 or store.check([f"{key}/{world_rank}"]) or not store.check([f"{key}/{r}"]):
+                continue
+            if store.check([f"{key}/state"]):
+                ruling = store.get(f"{key}/state").decode()
+                if ruling == _COMPLETE or json.loads(ruling).get("at", 0.0) < since:
+                    continue
+            found[r] = json.loads(store.get(f"{key}/{r}"))
+    except Exception:  # noqa: BLE001 - a store that is gone: nothing can be said
+        return {}
+    return found
+
+
+def record_at(store, key: str) -> FailureRecord | None:
+    """The :class:`~pipesched.runtime.failure.FailureRecord` under ``key``, ``None`` if none (checked first: the
+    store's ``get`` waits for a key that is not there)."""
+    return FailureRecord.from_json(store.get(key).decode()) if store.check([key]) else None
 
 
 def _rule(store, key: str, ruling: str) -> str:

@@ -13,11 +13,9 @@ rank that reaches it later raises ``TimeoutError`` naming the ranks that gave up
 """
 from __future__ import annotations
 
-import json
-
 import torch.distributed as dist
 
-from .exchange import publish, read_all
+from .exchange import publish, read_all, record_at, unjoined_rounds
 from .failure import FailureRecord, PipelineError
 
 _PREFIX = "pipesched/vote"  # one sequence for every checkpoint vote
@@ -117,40 +115,24 @@ def watched_keys(pipe) -> list | None:
         return None
     store = pipe._failures.store
     try:
-        return [key for key in pipe._failures.keys if not store.check([key]) or _gone(store.get(key).decode())]
+        return [key for key in pipe._failures.keys if _gone(record_at(store, key))]
     except Exception:  # noqa: BLE001 - a store that is gone: nothing to watch (the vote's wait fails on it)
         return None
 
 
-def _gone(payload: str) -> bool:
-    """Whether the record ``payload`` says its rank left (``closed``/``exited``) or was lost (its process ended):
-    such a rank never votes, so a vote watches for it even where it was published before the vote."""
-    record = FailureRecord.from_json(payload)
-    return bool(record.ended or record.lost)
+def _gone(record: FailureRecord | None) -> bool:
+    """Whether a key holding ``record`` is watched: it holds none yet, or its rank left (``closed``/``exited``) or
+    was lost (its process ended): such a rank never votes, even where its record came before the vote."""
+    return record is None or bool(record.ended or record.lost)
 
 
 def waiting_in_votes(store, world_rank: int, world_size: int, since: float = 0.0) -> dict:
     """``{world rank: "save_checkpoint (the vote on its arguments)"}``: the other ranks whose latest checkpoint vote
-    is one this rank never joined and that did not complete (still waited in, or given up after its timeout at
-    ``time.time() >= since``: a round given up on before this rank's own wait began is an old one): said by a rank
-    whose own wait timed out, since those ranks were in a checkpoint call while it was elsewhere (e.g.
-    ``if rank == 0: save_checkpoint(...)``). ``{}`` where the store does not answer."""
-    found = {}
-    try:
-        for r in range(world_size):
-            count = store.add(f"{_PREFIX}/count/{r}", 0)
-            key = f"{_PREFIX}/{count}"
-            if r == world_rank or count == 0 or store.check([f"{key}/{world_rank}"]) or not store.check([f"{key}/{r}"]):
-                continue
-            if store.check([f"{key}/state"]):
-                ruling = store.get(f"{key}/state").decode()
-                if ruling == "complete" or json.loads(ruling).get("at", 0.0) < since:
-                    continue
-            entry = json.loads(store.get(f"{key}/{r}"))
-            found[r] = _place(entry.get("call"), entry.get("stage"))
-    except Exception:  # noqa: BLE001 - a store that is gone: nothing can be said
-        return {}
-    return found
+    is one this rank never joined and that did not complete (:func:`~pipesched.runtime.exchange.unjoined_rounds`,
+    ``since`` as there): said by a rank whose own wait timed out, since those ranks were in a checkpoint call while
+    it was elsewhere (e.g. ``if rank == 0: save_checkpoint(...)``)."""
+    return {r: _place(entry.get("call"), entry.get("stage"))
+            for r, entry in unjoined_rounds(store, _PREFIX, world_rank, world_size, since).items()}
 
 
 def votes_note(votes: dict) -> str:
@@ -163,17 +145,14 @@ def votes_note(votes: dict) -> str:
 
 
 def _closed_by_others(pipe, rank: int) -> str:
-    """``"world rank R closed its Pipeline (pipe.close()) before this call"`` where a ``closed`` record of another
+    """``"world rank R had closed its Pipeline (pipe.close())"`` where a ``closed`` record of another
     rank is under ``pipe``'s failure keys (a likely reason it never voted), else ``""``."""
     for key in watched_keys(pipe) or ():
-        try:  # (check first: the store's get waits for a key that is not there)
-            store = pipe._failures.store
-            if not store.check([key]):
-                continue
-            record = FailureRecord.from_json(store.get(key).decode())
+        try:
+            record = record_at(pipe._failures.store, key)
         except Exception:  # noqa: BLE001 - no store: nothing to add
             continue
-        if record.ended == "closed" and record.rank != rank:
+        if record is not None and record.ended == "closed" and record.rank != rank:
             return f"world rank {record.rank} had closed its Pipeline (pipe.close())"
     return ""
 
