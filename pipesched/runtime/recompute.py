@@ -37,16 +37,29 @@ def rng_state(device: torch.device, module: nn.Module | None = None) -> tuple:
 def own_generators(module: nn.Module | None) -> list:
     """The ``torch.Generator`` objects ``module``'s modules hold, each once, in module order: as an attribute of the
     module or of its class (``gen = torch.Generator()`` in the class body), or as an item of a list, tuple or dict
-    held so. One held elsewhere (a global, an object of another class) is not found."""
+    held so. One held elsewhere (a global, an object of another class) is not found. Runs at each ``F`` of a
+    recomputed stage, so it reads only what can hold one: not ``nn.Module``'s own bookkeeping (parameters,
+    buffers, submodules, hooks) nor the bodies of torch's own classes (``nn.Module``'s alone has ~200 entries)."""
     found: dict = {}
     for owner in module.modules() if module is not None else ():
-        for holder in (owner, *type(owner).__mro__):
-            for value in vars(holder).values():
+        for holder in (owner, *_user_classes(type(owner))):
+            for name, value in vars(holder).items():
+                if name in _MODULE_STATE:
+                    continue
                 items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
                 for item in items:
                     if isinstance(item, torch.Generator):
                         found.setdefault(id(item), item)
     return list(found.values())
+
+
+def _user_classes(cls: type) -> list[type]:
+    """``cls``'s MRO without torch's classes and ``object`` (their bodies hold no generator)."""
+    return [c for c in cls.__mro__ if c is not object and not c.__module__.startswith("torch.")]
+
+
+# nn.Module's own per-instance bookkeeping (OrderedDicts of parameters, buffers, submodules and hooks): no generator
+_MODULE_STATE = frozenset(vars(nn.Module()))
 
 
 @contextlib.contextmanager

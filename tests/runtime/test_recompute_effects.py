@@ -196,3 +196,26 @@ def test_check_no_forward_hooks_names_a_submodule():
                                          r"recompute=\[True, True, False\]"):
         check_no_forward_hooks(stage, 2, 7, [True, True, True])
     check_no_forward_hooks(nn.Sequential(nn.ReLU()), 0, 0, [True])  # no hook: nothing raised
+
+
+def test_own_generators_finds_each_place_a_layer_holds_one_and_skips_torch_s_bookkeeping():
+    """The generators recompute replays: an attribute (also a private one), a list/tuple/dict item, a user class
+    body (also one derived from torch's Dropout), each once in module order; torch's own classes and nn.Module's
+    parameter/buffer/hook dicts are not read (they hold none: reading them cost ~14 ms per F on 12 encoder layers)."""
+    from pipesched.runtime.recompute import own_generators
+
+    shared, a, b, c, d = (torch.Generator() for _ in range(5))
+
+    class Noisy(nn.Dropout):
+        body = shared
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self._gen, self.gens, self.named = a, [b, a], {"c": c}
+
+    model = nn.Sequential(Holder(), Noisy(), nn.Sequential(Noisy()), nn.Linear(2, 2))
+    model[3].tup = (d,)
+    assert [id(g) for g in own_generators(model)] == [id(g) for g in (a, b, c, shared, d)]
+    assert own_generators(nn.TransformerEncoderLayer(8, 2, 16)) == []
+    assert own_generators(None) == []
