@@ -11,14 +11,14 @@ import torch
 
 from ..ir import Op
 from .accounting import SavedBytes, tensor_bytes
-from .grad_sum import finish_sum, start_sum
+from .grad_sum import finish_sum
 from .input_grads import input_gradients
 from .loss import checked_loss, step_total, weighted
-from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, describe_change, grad_specs, meta_of, tag_of, unsendable
+from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, meta_of, unsendable
+from .messages import MessageHandlers
 from .microbatch import as_tuple, as_value, stage_output
 from .received import loss_input_text, stage_input_text
 from .recompute import check_no_forward_hooks, keep_nothing, replay_rng, rng_state, scratch_buffers
-from .settings import SETTINGS
 from .split import SplitPlans, backward_input, backward_weight
 from .stage import call_stage
 from .clock import clock_for
@@ -29,7 +29,7 @@ from .step_state import Links, RankWork, StepInputs, StepState
 from .transport import wait
 
 
-class Executor:
+class Executor(MessageHandlers):
     """Runs pipeline rank ``pp_rank``'s stream of one of ``programs`` per step on its stages.
 
     Args:
@@ -344,78 +344,3 @@ class Executor:
         st.live -= st.held.pop((s, mb), 0)
         for work, _ in st.act_sends.pop((s, mb), ()):  # landed: its gradient has come back
             wait(work, f"the send of the output of stage {s}, microbatch {mb}")
-
-    # ---- communication ------------------------------------------------------------------------------
-
-    def _send_f(self, instr):
-        s, mb, st = instr.stage, instr.microbatch, self.step
-        outs, container = st.fwd_out.pop((s, mb))
-        meta = meta_of(outs, container)
-        learned = None if st.io.learning else st.io.metas[("out", s, mb)]
-        if learned is not None and meta != learned:
-            change = describe_change(f"the output of stage {s}", meta, learned)
-            if change:
-                raise RuntimeError(f"microbatch {mb}: {change}, with the same input signature and settings "
-                                   f"({SETTINGS}); a stage's output shapes, dtypes and requires_grad must follow "
-                                   f"from those (data-dependent ones are not supported)")
-            meta = learned  # only the layout differs: sent in the learned dim order, which the receiver expects
-        sends = self.transport.send_act(outs, meta, instr.peer, s, mb, st.io.learning)
-        self.sent[instr] = tensor_bytes(buf for _, buf in sends)
-        if st.io.train:
-            st.act_sends[(s, mb)] = sends
-        else:
-            st.other_sends.extend(sends)
-
-    def _recv_f(self, instr):
-        s, mb, st = instr.stage, instr.microbatch, self.step
-        meta = None if st.io.learning else st.io.metas[("in", s, mb)]
-        what = f"RECV_F{s}.{mb} from pipeline rank {instr.peer}"
-        st.pending[("act", s, mb)] = self.transport.post_act(meta, instr.peer, s - 1, mb, what)
-        st.recv_event[("act", s, mb)] = len(self.events)
-
-    def _send_b(self, instr):
-        s, mb, st = instr.stage, instr.microbatch, self.step
-        grads = st.input_grads.pop((s, mb))
-        if not grads:
-            return
-        mask = tuple(g is not None for g in grads)
-        if st.io.learning:
-            st.io.metas[("in_grad", s, mb)] = mask
-        elif mask != st.io.metas[("in_grad", s, mb)]:
-            raise RuntimeError(f"microbatch {mb}: the input gradients of stage {s} present "
-                               f"{list(mask)} (True: a gradient, False: none), "
-                               f"{list(st.io.metas[('in_grad', s, mb)])} before, with the same input signature "
-                               f"and settings ({SETTINGS}); which inputs get a gradient must follow from those")
-        tag = tag_of("grad", s, mb, self.program.num_stages)
-        specs, key = grad_specs(st.io.metas[("in", s, mb)]), ("in_grad_order", s, mb)
-        orders = None if st.io.learning else st.io.metas[key]  # None: learn each gradient's layout, send it along
-        sends, st.io.metas[key] = self.transport.send_grads(grads, specs, instr.peer, tag, orders)
-        st.other_sends.extend(sends)
-        self.sent[instr] = tensor_bytes(buf for _, buf in sends)
-
-    def _recv_b(self, instr):
-        s, mb, st = instr.stage, instr.microbatch, self.step
-        specs = grad_specs(st.io.metas[("out", s, mb)])
-        if not specs:
-            return
-        mask = None if st.io.learning else st.io.metas[("out_grad", s, mb)]
-        orders = None if st.io.learning else st.io.metas[("out_grad_order", s, mb)]
-        what = f"RECV_B{s}.{mb} from pipeline rank {instr.peer}"
-        tag = tag_of("grad", s + 1, mb, self.program.num_stages)
-        pending = self.transport.post_grads(specs, mask, instr.peer, tag, what, orders)
-        if pending is not None:
-            st.pending[("grad", s, mb)] = pending
-            st.recv_event[("grad", s, mb)] = len(self.events)
-
-    def _all_reduce(self, instr):
-        # every trainable parameter, with or without a gradient on this replica (grad_sum: presence flags), so the
-        # replicas sum the same elements even when one replica's data left a parameter unused
-        params = [p for p in self.reduced[instr.stage] if p.requires_grad or p.grad is not None]
-        if params and self.dp_group is not None:
-            self.step.reductions.append((len(self.events),  # this instruction's event: its end set in _finish
-                                         start_sum(self.dp_group, params,
-                                                   f"the data-parallel all-reduce of stage {instr.stage}")))
-
-    def _tie_reduce(self, _instr):
-        self.ties.start()
-        self.step.tie_event = len(self.events)  # this instruction's event: its end set in _finish
