@@ -31,6 +31,7 @@ from .state import first_mismatch, parameter_names, pipe_read_plan, read_plan, s
 from .checkpoint_read import (SAVING, as_path, copy_in, empty_for, extra_of, firsts, hidden, optimizer_keys,
                               read_checkpoint, read_locally, shape_of, staging_for)
 from .vote import Verdict, check_optimizers, check_same, vote
+from .replica_drift import check_replicas_agree, parameter_digests
 from .checkpoint_group import checkpoint_group
 from .checkpoint_write import (check_save, commit, extra_summary, failures_named, lost_peer_named, named_failure,
                                state_to_save)
@@ -85,7 +86,9 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
             different Pipelines (rank-dependent code saving
             ``pipe_a`` on one rank and ``pipe_b`` on another: names both ranks and each one's Pipeline, which says
             which of the job's Pipelines it is), an optimizer on some ranks and ``None`` on a rank
-            that holds parameters (names both ranks), or an optimizer holding another rank's parameters. Every
+            that holds parameters (names both ranks), an optimizer holding another rank's parameters, or
+            data-parallel replicas whose parameters differ (:mod:`~pipesched.runtime.replica_drift`: names both
+            world ranks and the first parameter that differs; nothing is written). Every
             rank that refused its arguments raises the first refusing rank's error; a rank that refused nothing
             raises it named: ``save_checkpoint: world rank R refused its arguments: <its message>``.
         ValueError: the ranks are in different checkpoint calls (``the ranks are in different checkpoint calls:
@@ -113,7 +116,7 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
         state = named_failure(lambda: state_to_save(pipe, optimizer, step, extra, rank), "save_checkpoint", rank,
                                "collecting its state to save")  # before the vote: its error is every rank's
         verdict = Verdict(ok={"path": target, "step": step, "pipeline": _which(pipe), "extra": extra_summary(extra),
-                              **_optimizer_given(pipe, optimizer)})
+                              "replica": parameter_digests(pipe), **_optimizer_given(pipe, optimizer)})
     except Exception as exc:  # noqa: BLE001 - every rank must learn it
         verdict = Verdict(error=exc)
     try:
@@ -122,6 +125,7 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
             check_same(oks, field, "save_checkpoint")
         _check_same_extra(oks)
         check_optimizers(oks, "save_checkpoint")
+        check_replicas_agree(oks, "save_checkpoint")
     except Exception:
         if rank == 0 and target is not None:  # refused: remove the temporary directory rank 0 made
             shutil.rmtree(hidden(target, SAVING), ignore_errors=True)

@@ -1,0 +1,63 @@
+"""Data-parallel replicas that drifted apart (optimizer.step() skipped on one rank) are named by save_checkpoint on
+every rank, before anything is written (before: the checkpoint silently kept one replica's values)."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipesched.runtime import Pipeline, launch, save_checkpoint
+from pipesched.runtime.replica_drift import check_replicas_agree
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 2))
+
+
+def body(rank, path):
+    torch.set_num_threads(1)
+    pipe = Pipeline(model(), schedule="1f1b", num_microbatches=2, loss_fn=F.mse_loss, dp_size=2, balance=[2, 2])
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(pipe.grid.dp_rank)), torch.ones(8, 2)
+    pipe.step(x, target=y)
+    if rank != 3:  # world rank 3 (replica 1 of pipeline rank 1) forgets its optimizer step
+        opt.step()
+    try:
+        save_checkpoint(path + "/drift", pipe, opt, step=1)
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    if rank == 3:
+        opt.step()  # the same update, late: equal again
+    saved = save_checkpoint(path + "/equal", pipe, opt, step=1)
+    pipe.close()
+    return refused, os.path.basename(saved)
+
+
+@pytest.mark.multiprocess
+def test_a_replica_that_skipped_its_optimizer_step_is_named_by_the_save_on_every_rank(tmp_path):
+    results = launch(body, 4, str(tmp_path), timeout=240)
+    expected = ("save_checkpoint: the data-parallel replicas hold different parameters: world rank 1 (replica 0 of "
+                "pipeline rank 1) and world rank 3 (replica 1) differ first in '2.weight' (4 of 4 parameters "
+                "differ)")
+    for refused, saved in results:
+        assert refused.startswith(expected), refused
+        assert "optimizer.step() and zero_grad() on every rank" in refused and refused.endswith("nothing was written")
+        assert saved == "equal"
+    assert not os.path.exists(tmp_path / "drift")
+
+
+def _replica(pp, dp, digests, names=("a", "b")):
+    return {"replica": {"pp_rank": pp, "dp_rank": dp, "names": list(names), "digests": list(digests)}}
+
+
+def test_replicas_are_compared_per_pipeline_rank_and_the_first_difference_named():
+    check_replicas_agree([_replica(0, 0, [1, 2]), _replica(1, 0, [3, 4]), _replica(0, 1, [1, 2]),
+                          _replica(1, 1, [3, 4])], "save_checkpoint")  # pipeline ranks differ from each other: fine
+    check_replicas_agree([{"replica": None}, {"replica": None}], "save_checkpoint")  # dp_size 1: nothing compared
+    with pytest.raises(ValueError, match=r"world rank 0 \(replica 0 of pipeline rank 0\) and world rank 2 "
+                                         r"\(replica 1\) differ first in 'b' \(1 of 2 parameters differ\)"):
+        check_replicas_agree([_replica(0, 0, [1, 2]), _replica(1, 0, [3, 4]), _replica(0, 1, [1, 5]),
+                              _replica(1, 1, [3, 4])], "save_checkpoint")
