@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 from .checks import as_int, check_positive, check_program, check_program_size, described
 from .cost import CostModel
-from .errors import PairingError, ScheduleArgumentError, ScheduleError
+from .errors import DependencyError, PairingError, ScheduleArgumentError, ScheduleError
 from .gcpause import paused_gc
 from .ir import Program
 from .protocol import check_step
@@ -249,8 +249,10 @@ def step_programs(program: Program, backend: str = "gloo", early_receives: bool 
         ValueError: an unknown backend; ``early_receives`` not None or a bool, or ``True`` on a backend that keeps
             program order (``nccl``); ``program`` is forward-only.
         ScheduleError: a program or its step protocol fails its proof (a bug in a schedule or a pass; please
-            report it); a program given with early receives says to pass it in program order instead (gloo: its
-            learning step blocks; nccl: a ``PairingError``, the pair's messages in other orders).
+            report it); a program whose learning step would block says which receive or send to move (gloo; a
+            program given with early receives: pass it in program order instead), one whose pairs post their
+            messages in other orders is a ``PairingError`` (nccl), a ``RECV_B`` before its own ``F`` a
+            ``DependencyError`` (the learning step sizes it from that forward's output).
     """
     check_program(program)
     window = passes_for(backend)["early_receives"]
@@ -284,11 +286,15 @@ def step_programs(program: Program, backend: str = "gloo", early_receives: bool 
             f"{backend!r} keeps every message at its program position", exc.rank, exc.instr, exc.grid) from exc
     try:  # only the learning step's receives block (on their shape headers): a failure here is about them
         learning = proven(train, learn_window, True), proven(forward, learn_window, True)
+    except DependencyError:
+        raise  # a RECV_B before its F: the error says what to move
     except ScheduleError as exc:
         raise ScheduleError(
-            f"{exc}. The program is valid, but a step that learns the message shapes waits for each activation's "
-            f"shape header where its receive is posted, and this program posts a receive before a send its peer "
-            f"needs first (e.g. compiled with compile_program(..., early_receives=N)): pass it in program order, "
-            f"without early_receives; the pipeline posts receives early itself once the shapes are known "
-            f"(gloo)") from exc
+            f"{exc}. The program is valid, but a step that learns the message shapes (a Pipeline's first step, and "
+            f"the first after a change of input signature or settings) waits for each activation's shape header "
+            f"where its RECV_F is posted, so a RECV_F posted before a send its peer needs first blocks both ranks. "
+            f"Post each RECV_F right before the F that uses it, or issue each SEND_F before its rank's next receive "
+            f"(right after its F, as compile_program does); a program compiled with compile_program(..., "
+            f"early_receives=N): pass it in program order, without early_receives; the pipeline posts receives "
+            f"early itself once the shapes are known (gloo)") from exc
     return StepPrograms(*steady, *learning, early_receives=window)

@@ -75,8 +75,8 @@ from __future__ import annotations
 
 from .errors import DeadlockError
 from .ir import RECV_OPS, SEND_OPS, Op, Program
-from .protocol_check import (check_loss_last, check_norm_parts_last, check_opening, check_pairs_match,
-                             check_replicas, check_same_pair_order, learning_view)
+from .protocol_check import (check_gradient_receives_sized, check_loss_last, check_norm_parts_last, check_opening,
+                             check_pairs_match, check_replicas, check_same_pair_order, learning_view)
 from .protocol_messages import LOSS, NORM, OPENING, REPLICAS, Post
 from .validate import validate
 
@@ -220,7 +220,8 @@ def check_step(program: Program, learning: bool, early: bool, same_pair_order: b
     checker's model of the program alone leaves out; return ``program``.
 
     - ``learning``: the step completes although each RECV_F blocks until its SEND_F is issued (the shape
-      header's wait): ``validate(learning_view(program))``.
+      header's wait): ``validate(learning_view(program))``; and each RECV_B follows its own rank's F of that
+      stage and microbatch, whose output sizes it (:func:`check_gradient_receives_sized`).
     - The loss (training programs): on each rank, the loss's receive is its last receive from the last stage's
       rank, so first-in first-out matching gives it its message (the last that rank sends it). Nothing in the
       program waits for the loss and its sends follow the sender's last instruction, so a complete execution
@@ -249,6 +250,7 @@ def check_step(program: Program, learning: bool, early: bool, same_pair_order: b
             each way on its pair, posted once per peer, and every point above holds with them.
     Raises:
         DeadlockError: the learning step would hang (names the blocked instructions of the learning view).
+        DependencyError: in a learning step, a RECV_B before its F (:func:`check_gradient_receives_sized`).
         PairingError: the step does not open with its all-gather (then, with replicas, the replicas'
             agreement, once; without, none), a message of a pair is not received
             exactly once in send order within the step, the loss would not match last, or two ranks post
@@ -261,6 +263,7 @@ def check_step(program: Program, learning: bool, early: bool, same_pair_order: b
             raise DeadlockError("while learning the message shapes (each RECV_F waits for its SEND_F's header; "
                                 "the grid is the learning view, each such F moved up to its RECV_F): " + exc.reason,
                                 exc.rank, exc.instr, exc.grid) from None
+        check_gradient_receives_sized(program)
     variants = (False, True) if norm_parts is None else (norm_parts,)
     for parts in variants if not program.forward_only else (False,):
         posts = [_numbered_posts(program, rank, learning, early, gradients, parts)

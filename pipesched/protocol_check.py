@@ -10,9 +10,30 @@ instruction and the messages, with the program's grid marked there. Torch-free.
 """
 from __future__ import annotations
 
-from .errors import PairingError, render_grid
+from .errors import DependencyError, PairingError, failure_at, render_grid
 from .ir import OVERLAP_PAIRS, Op, Program
 from .protocol_messages import LOSS, NORM, OPENING, REPLICAS, describe
+
+
+def check_gradient_receives_sized(program: Program) -> None:
+    """In a step that learns the message shapes, a ``RECV_B`` of (stage, microbatch) is sized by that forward's
+    output, known on its rank only once its ``F`` ran: each ``RECV_B`` must come after the ``F`` of its stage and
+    microbatch on its rank. (A later step knows every shape beforehand and may post it anywhere.)
+
+    Raises:
+        DependencyError: a ``RECV_B`` before its ``F`` (names both, with the grid marked there).
+    """
+    for rank, stream in enumerate(program.ranks):
+        ran = set()
+        for pos, instr in enumerate(stream):
+            if instr.op is Op.F:
+                ran.add((instr.stage, instr.microbatch))
+            elif instr.op is Op.RECV_B and (instr.stage, instr.microbatch) not in ran:
+                raise failure_at(DependencyError, program, rank, pos,
+                                 f"comes before F{instr.stage}.{instr.microbatch}, whose output sizes the gradient "
+                                 f"it receives: a step that learns the message shapes (a Pipeline's first step, and "
+                                 f"the first after a change of input signature or settings) knows that size only "
+                                 f"once the forward ran; post it after F{instr.stage}.{instr.microbatch}")
 
 
 def learning_view(program: Program) -> Program:

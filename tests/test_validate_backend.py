@@ -76,7 +76,9 @@ def test_learning_step_that_hangs_is_refused(capsys, learning_hangs, backend):
     assert code == 1
     if backend == "gloo":  # gloo's steady step is fine (tag matching): the learning step is what hangs
         assert err.startswith(f"invalid on backend gloo: {learning_hangs}: ScheduleError: {LEARNING}")
-        assert ". The program is valid, but a step that learns the message shapes waits" in err
+        assert (". The program is valid, but a step that learns the message shapes (a Pipeline's first step, and the "
+                "first after a change of input signature or settings) waits for each activation's shape header") in err
+        assert "Post each RECV_F right before the F that uses it, or issue each SEND_F before its rank's next" in err
     else:  # nccl refuses the pair order first
         assert err.startswith(f"invalid on backend nccl: {learning_hangs}: PairingError: rank 0, RECV_B0.0<1: ranks "
                               f"0 and 1 post their messages to each other in different orders")

@@ -47,7 +47,7 @@ class Executor(MessageHandlers):
         self.programs, self.program, self.pp_rank, self.stages = programs, program, pp_rank, work.stages
         self.transport, self.dp_group, self.loss_fn = links.transport, links.dp_group, work.loss_fn
         recomputed = program.stages_with(Op.R)
-        self.recompute = [s in recomputed for s in range(program.num_stages)]
+        self.recompute = [s in recomputed for s in range(program.num_stages)]  # stages with an R: no forward hooks
         self.device, self.autocast, self.fuse_wgrad = work.device, work.autocast, work.fuse_wgrad
         self.first_layers = work.first_layers if work.first_layers is not None else [0] * program.num_stages
         self.last = program.num_stages - 1
@@ -64,9 +64,12 @@ class Executor(MessageHandlers):
                  Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b,
                  Op.RECV_B: self._recv_b, Op.ALL_REDUCE: self._all_reduce, Op.TIE_REDUCE: self._tie_reduce}
         #: per (train, learning): this rank's stream of that program, each instruction with its handler
-        self.streams, self.loss_post = {}, {}
+        self.streams, self.loss_post, self.redone = {}, {}, {}
         for key in ((True, False), (True, True), (False, False), (False, True)):
             stream = programs.pick(*key).ranks[pp_rank]
+            #: the (stage, microbatch) pairs whose F keeps only its input, an R rebuilding the graph (a program may
+            #: recompute some microbatches of a stage and not others)
+            self.redone[key] = frozenset((i.stage, i.microbatch) for i in stream if i.op is Op.R)
             self.streams[key] = [(table[i.op], i) for i in stream]
             #: the position after which the loss receive is posted (see :func:`loss_post_position`)
             early = programs.early_receives > 0 and not key[1]
@@ -188,7 +191,7 @@ class Executor(MessageHandlers):
             else:
                 self._stash(s, mb, out)
             return
-        redo = self.recompute[s]
+        redo = (s, mb) in self.redone[(st.io.train, st.io.learning)]
         if redo:  # what R must replay: the RNG, the buffers; and the input's versions, to check them
             st.rng[(s, mb)] = (rng_state(self.device, module), [t._version for t in inputs], st.buffers.snapshot(module))
             # F's graph is thrown away: it runs on aliases (same data and version counters), so a hook its forward
