@@ -105,7 +105,7 @@ def train_steps(args: argparse.Namespace, pipe: Pipeline, corpus, split: int, op
     started, tokens, step_times = time.perf_counter(), 0, []
     for step in range(first, args.steps + 1):
         # every replica sees different data; all ranks of one pipeline see the same batches; seeded by the step
-        x, y = batch_at(corpus[:split], args.batch, args.context, args.seed + 1000 * pipe.grid.dp_rank + 10**6 * step)
+        x, y = batch_at(corpus[:split], args.batch, args.context, args.seed + 1000 * pipe.dp_rank + 10**6 * step)
         begun = time.perf_counter()
         loss = pipe.step(x, target=y)
         step_times.append(time.perf_counter() - begun)
@@ -119,7 +119,7 @@ def train_steps(args: argparse.Namespace, pipe: Pipeline, corpus, split: int, op
             bubble = pipe.gather_timeline().bubble_fraction  # collective: every rank reports together
         if report and (step % 10 == 0 or step == args.steps):
             rate = tokens / (time.perf_counter() - started)
-            print(f"step {step:>4}/{args.steps}  loss {loss.item():.3f}  {rate:,.0f} tokens/s  "
+            print(f"step {step:>4}/{args.steps}  loss {loss.item():.6f}  {rate:,.0f} tokens/s  "
                   f"measured bubble {bubble:.2f}", flush=True)
         if args.checkpoint_dir and (step % args.checkpoint_every == 0 or step == args.steps):
             path = save_checkpoint(Path(args.checkpoint_dir) / f"step-{step:06d}", pipe, optimizer, step=step,

@@ -253,6 +253,11 @@ class Pipeline(PipelineCollectives, PipelineMeasured, Sealed):
         return self.grid.pp_rank
 
     @property
+    def dp_rank(self) -> int:
+        """This process's data-parallel replica (0 .. ``dp_size - 1``): the shard of the data it should pass."""
+        return self.grid.dp_rank
+
+    @property
     def gradient_accumulation_fusion(self) -> bool:
         """Whether ``W`` fuses a ``Linear``'s weight-gradient accumulation (the constructor's argument; fixed)."""
         return self._fuse_wgrad

@@ -95,13 +95,17 @@ def _render(args: argparse.Namespace) -> int:
     if args.compare:
         from .compare import plot_comparison, predict_for
 
-        figure = plot_comparison(predict_for(timeline), timeline, mode=args.mode, title=args.title)
+        predicted = predict_for(timeline)
+        figure = plot_comparison(predicted, timeline, mode=args.mode, title=args.title)
+        what = (f"measured vs simulated timeline, bubble fraction {timeline.bubble_fraction:.4f} measured, "
+                f"{predicted.bubble_fraction:.4f} simulated")
     else:
         from .gantt import plot_timeline
 
         figure = plot_timeline(timeline, title=args.title)
+        what = f"{timeline.source} timeline, bubble fraction {timeline.bubble_fraction:.4f}"
     _write(out, lambda: figure.savefig(out, dpi=args.dpi))
-    print(f"wrote {out}: {timeline.source} timeline, bubble fraction {timeline.bubble_fraction:.4f}")
+    print(f"wrote {out}: {what}")
     return 0
 
 

@@ -70,7 +70,8 @@ def test_the_demo_runs_from_an_installed_package(installed):
 
 def test_the_demo_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path):
     # 10 steps straight == 5 steps, stop, a new run with --resume for 5 more: the same loss at step 10 and the same
-    # validation loss (printed to 3 decimals; the library's own test compares weights bitwise)
+    # validation loss (the step loss printed to 6 decimals, the validation loss to 3; the library's own test compares
+    # weights bitwise)
     tiny = ["--ranks", "2", "--width", "32", "--depth", "2", "--heads", "2", "--context", "16", "--batch", "4",
             "--corpus-bytes", "100000", "--checkpoint-every", "5", "--out", str(tmp_path / "out")]
 

@@ -19,8 +19,9 @@ def model():
 def body(rank, path):
     torch.set_num_threads(1)
     pipe = Pipeline(model(), schedule="1f1b", num_microbatches=2, loss_fn=F.mse_loss, dp_size=2, balance=[2, 2])
+    assert (pipe.dp_rank, pipe.pp_rank) == (rank // 2, rank % 2)  # replica k is world ranks 2k, 2k+1
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
-    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(pipe.grid.dp_rank)), torch.ones(8, 2)
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(pipe.dp_rank)), torch.ones(8, 2)
     pipe.step(x, target=y)
     if rank != 3:  # world rank 3 (replica 1 of pipeline rank 1) forgets its optimizer step
         opt.step()

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from pipesched.viz.cli import main
+from pipesched.viz.compare import predict_for
 
 from viz_support import measured_like
 
@@ -45,6 +46,9 @@ def test_render_measured_trace_and_comparison(tmp_path, capsys):
     assert main(["render", "--trace", str(saved), "--compare", "--mode", "overlay",
                  "-o", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").read_bytes()[:8] == PNG
+    predicted = predict_for(measured_like()).bubble_fraction
+    assert capsys.readouterr().out == (f"wrote {tmp_path / 'c.png'}: measured vs simulated timeline, bubble fraction "
+                                       f"0.6250 measured, {predicted:.4f} simulated\n")
 
 
 @pytest.mark.parametrize("argv,message", [
