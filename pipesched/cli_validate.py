@@ -14,6 +14,7 @@ from .api import BACKENDS
 from .cli import add_schedule_module_arg, decided
 from .engine import has_comm
 from .errors import DeadlockError, ProgramFormatError, ScheduleError
+from .grad_order import order_note, out_of_order
 from .sim import simulate
 
 
@@ -88,6 +89,7 @@ def _report_valid(args, program) -> int:
                           "instructions": len(program),
                           "bubble_fraction": timeline.bubble_fraction,
                           "peak_inflight": list(timeline.peak_inflight),
+                          "weight_gradients_out_of_order": {str(s): mbs for s, mbs in out_of_order(program).items()},
                           **({"backend": args.backend} if args.backend else {})}))
     else:
         kind = ("complete, ordered, send/recv-paired and deadlock-free"
@@ -101,6 +103,9 @@ def _report_valid(args, program) -> int:
               + (f"{program.dp_size} data-parallel replicas, " if program.dp_size > 1 else "")
               + f"{_count(len(program), 'instruction')}; {kind}. "
               f"Bubble fraction {timeline.bubble_fraction:.4f} at F=1 B=2, peak in-flight {list(timeline.peak_inflight)}")
+        note = order_note(program)
+        if note:
+            print(note)
     return 0
 
 

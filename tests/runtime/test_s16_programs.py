@@ -14,6 +14,7 @@ import pytest
 
 import pipesched as ps
 from pipesched.errors import DependencyError
+from pipesched.grad_order import order_note, out_of_order, weight_gradient_order
 from pipesched.ir import Instr, Op
 from pipesched.runtime import launch
 
@@ -44,12 +45,6 @@ def test_a_program_recomputing_some_microbatches_of_a_stage_runs_bitwise(schedul
         assert all(count > 0 for _, count, _, _ in report)
 
 
-def _backward_order(stream, stage):
-    """The microbatches whose weight gradients ``stage`` adds up, in ``stream``'s order (a B or a W each: a
-    schedule may split some of a stage's backwards and not others)."""
-    return [i.microbatch for i in stream if i.op in (Op.B, Op.W) and i.stage == stage]
-
-
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev"])
 def test_every_built_in_schedule_adds_weight_gradients_in_microbatch_order(schedule):
     """What the bitwise guarantee rests on (the README's 'bitwise gradients' condition for user programs)."""
@@ -61,9 +56,10 @@ def test_every_built_in_schedule_adds_weight_gradients_in_microbatch_order(sched
                     program = ps.compile_program(schedule, p, m, **options)
                 except (ValueError, ps.ScheduleError):
                     continue  # a size this schedule refuses (its error says why)
-                for s, rank in enumerate(program.stage_to_rank):
-                    assert _backward_order(program.ranks[rank], s) == list(range(m)), (schedule, p, m, options, s)
-                    checked += 1
+                assert weight_gradient_order(program) == {s: list(range(m)) for s in range(program.num_stages)}, \
+                    (schedule, p, m, options)
+                assert out_of_order(program) == {} and order_note(program) == ""
+                checked += 1
     assert checked > 20
 
 
@@ -77,6 +73,11 @@ def test_backwards_in_another_microbatch_order_give_gradients_equal_up_to_roundi
         blocks = {mb: [i for i in tail if i.microbatch == mb] for mb in range(3)}
         ranks.append(head + blocks[2] + blocks[1] + blocks[0])
     program = ps.validate(base.replace(ranks))
+    assert out_of_order(program) == {0: [2, 1, 0], 1: [2, 1, 0]}
+    assert order_note(program).startswith("Note: weight gradients are added out of microbatch order (stage 0: 2, 1, "
+                                          "0; stage 1: 2, 1, 0), so they equal the unsplit model's up to float "
+                                          "rounding (~1e-7 relative), not bitwise")
+    assert out_of_order(ps.lower.forward_only(program)) == {}
     for report in launch(rt.run_program, 2, ps.to_text(program), timeout=200):
         for loss, count, _, rel in report:
             assert loss and count > 0 and rel < 1e-6
@@ -124,5 +125,22 @@ def test_zb_auto_adds_weight_gradients_in_microbatch_order_under_uneven_costs():
         costs = ps.CostModel(forward=spread(0.5, 2), backward=spread(1, 4), input_grad=spread(0.5, 2),
                              weight_grad=spread(0.1, 3), latency=rng.uniform(0, 1))
         program = ps.compile_program("zb-auto", p, m, costs=costs)
-        for s, rank in enumerate(program.stage_to_rank):
-            assert _backward_order(program.ranks[rank], s) == list(range(m)), (p, m, costs, s)
+        assert out_of_order(program) == {}, (p, m, costs)
+
+
+def test_pipesched_validate_notes_a_program_whose_gradients_cannot_be_bitwise(tmp_path, capsys):
+    from pipesched.cli import main
+
+    base = ps.compile_program("gpipe", 2, 2)
+    swapped = _move(base, 1, "B1.1", "B1.0")  # stage 1 adds microbatch 1's weight gradients first
+    path = tmp_path / "swapped.txt"
+    path.write_text(ps.to_text(swapped))
+    assert main(["validate", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"valid: {path}: 2 ranks") and lines[1].startswith(
+        "Note: weight gradients are added out of microbatch order (stage 1: 1, 0), so they equal")
+    assert main(["validate", str(path), "--json"]) == 0
+    assert '"weight_gradients_out_of_order": {"1": [1, 0]}' in capsys.readouterr().out
+    path.write_text(ps.to_text(base))
+    assert main(["validate", str(path)]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1  # in order: no note
