@@ -286,8 +286,11 @@ def step_programs(program: Program, backend: str = "gloo", early_receives: bool 
             f"{backend!r} keeps every message at its program position", exc.rank, exc.instr, exc.grid) from exc
     try:  # only the learning step's receives block (on their shape headers): a failure here is about them
         learning = proven(train, learn_window, True), proven(forward, learn_window, True)
-    except DependencyError:
-        raise  # a RECV_B before its F: the error says what to move
+    except DependencyError as exc:  # a RECV_B before its F: the error says what to move
+        raise DependencyError(
+            f"{exc.reason} (a program compiled with compile_program(..., early_receives=N) does this: pass it in "
+            f"program order, without early_receives; the pipeline posts receives early itself once the shapes are "
+            f"known (gloo))", exc.rank, exc.instr, exc.grid) from None
     except ScheduleError as exc:
         raise ScheduleError(
             f"{exc}. The program is valid, but a step that learns the message shapes (a Pipeline's first step, and "

@@ -7,8 +7,11 @@ wrote. :func:`save_checkpoint <pipesched.runtime.checkpoint.save_checkpoint>` pu
 :func:`parameter_digests` in its vote on the arguments, and :func:`check_replicas_agree` refuses the save on every
 rank, naming the replicas and the first parameter that differs, before anything is written.
 
-A digest is ``torch.hash_tensor`` of the parameter's bits (an XOR over its 64-bit words): any change to one value
-changes it; it costs one read of each parameter.
+A digest is a position-weighted sum of the parameter's bits (:func:`digest`: its bytes read as 32-, 16- or 8-bit
+words, word ``k`` times ``2k + 1``, summed modulo 2**64): a change to any one word changes it, and so, but for
+rare coincidences, do permutations and sign flips (an XOR such as ``torch.hash_tensor``'s cancels those); it
+works for every dtype (complex and float8 included), is the same on CPU and CUDA (modular sums do not depend on
+their order), and costs a few passes over each parameter, in chunks of at most 2**22 words.
 """
 from __future__ import annotations
 
@@ -25,11 +28,26 @@ def parameter_digests(pipe) -> dict | None:
         return None
     names = parameter_names(pipe)
     params = list({id(p): p for p in pipe.parameters()}.values())
-    hashes = [torch.hash_tensor(p.detach()) if p.numel() else torch.zeros((), dtype=torch.uint64, device=p.device)
-              for p in params]
-    digests = torch.stack(hashes).tolist() if hashes else []  # one copy to the host (a sync on CUDA)
     return {"pp_rank": grid.pp_rank, "dp_rank": grid.dp_rank,
-            "names": [names.get(id(p), "?") for p in params], "digests": [int(d) for d in digests]}
+            "names": [names.get(id(p), "?") for p in params], "digests": [digest(p) for p in params]}
+
+
+_CHUNK = 1 << 22  # words per pass: bounds the int64 scratch at 32 MiB whatever the parameter's size
+_MASK = (1 << 64) - 1
+
+
+def digest(tensor: torch.Tensor) -> int:
+    """``sum_k word_k * (2k + 1) mod 2**64`` over ``tensor``'s bytes read as the widest of int32, int16, uint8
+    words that divides them (any dtype; an empty tensor: 0). Odd weights: changing any one word changes the sum."""
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    size = next(n for n in (4, 2, 1) if raw.numel() % n == 0)
+    words = raw.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[size])
+    total = 0
+    for start in range(0, words.numel(), _CHUNK):
+        chunk = words[start:start + _CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=chunk.device).mul_(2).add_(1)
+        total += int(chunk.mul_(weights).sum())  # int64 arithmetic wraps: the sum modulo 2**64, in any order
+    return total & _MASK
 
 
 def check_replicas_agree(oks: list, call: str) -> None:

@@ -99,8 +99,13 @@ def test_a_gradient_receive_before_its_forward_is_refused_naming_both():
     assert str(info.value).startswith(
         "rank 0, RECV_B0.0<1: comes before F0.0, whose output sizes the gradient it receives: a step that learns the "
         "message shapes (a Pipeline's first step, and the first after a change of input signature or settings) "
-        "knows that size only once the forward ran; post it after F0.0\n")
+        "knows that size only once the forward ran; post it after F0.0 (a program compiled with compile_program(..., "
+        "early_receives=N) does this: pass it in program order, without early_receives; the pipeline posts receives "
+        "early itself once the shapes are known (gloo))\n")
     assert "RECV_B0.0<1 <-- here" in str(info.value)
+    early = ps.compile_program("gpipe", 2, 1, early_receives=2)  # compile_program's own early receives, refused alike
+    with pytest.raises(DependencyError, match=r"RECV_B0.0<1: comes before F0.0, .* without early_receives"):
+        ps.step_programs(early, "gloo")
 
 
 def test_a_late_send_that_blocks_the_learning_step_gets_advice_that_fixes_it():
