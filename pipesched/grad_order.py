@@ -4,7 +4,8 @@ A stage's ``.grad`` is the sum over microbatches of their weight gradients, adde
 backward, each ``W``) runs. Floating-point addition is not associative, so gradients equal the unsplit model's run
 one microbatch at a time *bitwise* only when every stage adds them in microbatch order 0, 1, ..., m-1, as every
 built-in schedule does; a program that runs them in another order gives the same sum up to rounding (~1e-7
-relative). ``pipesched validate`` says so for such a program. Torch-free.
+of a parameter's largest gradient; a gradient that is 0 up to rounding can differ by 100% of itself).
+``pipesched validate`` says so for such a program. Torch-free.
 """
 from __future__ import annotations
 
@@ -38,5 +39,5 @@ def order_note(program: Program) -> str:
     shown = "; ".join(f"stage {s}: {', '.join(map(str, mbs))}" for s, mbs in list(late.items())[:3])
     more = f" (and {len(late) - 3} more stages)" if len(late) > 3 else ""
     return (f"Note: weight gradients are added out of microbatch order ({shown}{more}), so they equal the unsplit "
-            f"model's up to float rounding (~1e-7 relative), not bitwise; run each stage's B (or W) in microbatch "
+            f"model's up to float rounding (~1e-7 of a parameter's largest gradient), not bitwise; run each stage's B (or W) in microbatch "
             f"order for bitwise gradients")

@@ -76,7 +76,7 @@ def test_backwards_in_another_microbatch_order_give_gradients_equal_up_to_roundi
     assert out_of_order(program) == {0: [2, 1, 0], 1: [2, 1, 0]}
     assert order_note(program).startswith("Note: weight gradients are added out of microbatch order (stage 0: 2, 1, "
                                           "0; stage 1: 2, 1, 0), so they equal the unsplit model's up to float "
-                                          "rounding (~1e-7 relative), not bitwise")
+                                          "rounding (~1e-7 of a parameter's largest gradient), not bitwise")
     assert out_of_order(ps.lower.forward_only(program)) == {}
     for report in launch(rt.run_program, 2, ps.to_text(program), timeout=200):
         for loss, count, _, rel in report:
