@@ -39,5 +39,5 @@ def order_note(program: Program) -> str:
     shown = "; ".join(f"stage {s}: {', '.join(map(str, mbs))}" for s, mbs in list(late.items())[:3])
     more = f" (and {len(late) - 3} more stages)" if len(late) > 3 else ""
     return (f"Note: weight gradients are added out of microbatch order ({shown}{more}), so they equal the unsplit "
-            f"model's up to float rounding (~1e-7 of a parameter's largest gradient), not bitwise; run each stage's B (or W) in microbatch "
-            f"order for bitwise gradients")
+            f"model's up to float rounding (~1e-7 of a parameter's largest gradient), not bitwise; run each stage's "
+            f"B (or W) in microbatch order for bitwise gradients")
