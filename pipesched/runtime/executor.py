@@ -69,7 +69,7 @@ class Executor(MessageHandlers):
             stream = programs.pick(*key).ranks[pp_rank]
             #: the (stage, microbatch) pairs whose F keeps only its input, an R rebuilding the graph (a program may
             #: recompute some microbatches of a stage and not others)
-            self.redone[key] = frozenset((i.stage, i.microbatch) for i in stream if i.op is Op.R)
+            self.redone[key] = programs.pick(*key).recomputed()
             self.streams[key] = [(table[i.op], i) for i in stream]
             #: the position after which the loss receive is posted (see :func:`loss_post_position`)
             early = programs.early_receives > 0 and not key[1]

@@ -27,7 +27,7 @@ def parameter_digests(pipe) -> dict | None:
     if grid.dp_size == 1:
         return None
     names = parameter_names(pipe)
-    params = list({id(p): p for p in pipe.parameters()}.values())
+    params = list(pipe.parameters())  # each once
     return {"pp_rank": grid.pp_rank, "dp_rank": grid.dp_rank,
             "names": [names.get(id(p), "?") for p in params], "digests": [digest(p) for p in params]}
 
