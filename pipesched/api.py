@@ -231,6 +231,11 @@ class StepPrograms(NamedTuple):
         return self.learn_forward if learning else self.forward
 
 
+#: the advice every refusal of an early-posted user program ends with
+IN_PROGRAM_ORDER = "pass it in program order, without early_receives"
+EARLY_ITSELF = "; the pipeline posts receives early itself once the shapes are known (gloo)"
+
+
 def step_programs(program: Program, backend: str = "gloo", early_receives: bool | None = None) -> StepPrograms:
     """The four programs a pipeline on ``backend`` runs, made from ``program`` by the passes :func:`passes_for`
     names and proven: each validated (:func:`~pipesched.validate.validate`) and its whole step protocol checked
@@ -282,15 +287,14 @@ def step_programs(program: Program, backend: str = "gloo", early_receives: bool 
         raise type(exc)(
             f"{exc.reason}. On backend {backend!r} both ranks of a pair post their messages to each other in one "
             f"order, and this program posts a receive ahead of a message its peer sends first (e.g. compiled with "
-            f"compile_program(..., early_receives=N)): pass it in program order, without early_receives; "
-            f"{backend!r} keeps every message at its program position", exc.rank, exc.instr, exc.grid) from exc
+            f"compile_program(..., early_receives=N)): {IN_PROGRAM_ORDER}; {backend!r} keeps every message at its "
+            f"program position", exc.rank, exc.instr, exc.grid) from exc
     try:  # only the learning step's receives block (on their shape headers): a failure here is about them
         learning = proven(train, learn_window, True), proven(forward, learn_window, True)
     except DependencyError as exc:  # a RECV_B before its F: the error says what to move
         raise DependencyError(
-            f"{exc.reason} (a program compiled with compile_program(..., early_receives=N) does this: pass it in "
-            f"program order, without early_receives; the pipeline posts receives early itself once the shapes are "
-            f"known (gloo))", exc.rank, exc.instr, exc.grid) from None
+            f"{exc.reason} (a program compiled with compile_program(..., early_receives=N) does this: "
+            f"{IN_PROGRAM_ORDER}{EARLY_ITSELF})", exc.rank, exc.instr, exc.grid) from None
     except ScheduleError as exc:
         raise ScheduleError(
             f"{exc}. The program is valid, but a step that learns the message shapes (a Pipeline's first step, and "
@@ -298,6 +302,5 @@ def step_programs(program: Program, backend: str = "gloo", early_receives: bool 
             f"where its RECV_F is posted, so a RECV_F posted before a send its peer needs first blocks both ranks. "
             f"Post each RECV_F right before the F that uses it, or issue each SEND_F before its rank's next receive "
             f"(right after its F, as compile_program does); a program compiled with compile_program(..., "
-            f"early_receives=N): pass it in program order, without early_receives; the pipeline posts receives "
-            f"early itself once the shapes are known (gloo)") from exc
+            f"early_receives=N): {IN_PROGRAM_ORDER}{EARLY_ITSELF}") from exc
     return StepPrograms(*steady, *learning, early_receives=window)
