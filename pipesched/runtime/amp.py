@@ -53,7 +53,7 @@ def loss_scaling(scaler, pipe):
     """What ``pipe.step(..., scaler=scaler)`` multiplies each microbatch's loss by before its backward: ``None``
     (no scaler: nothing) or ``scaler.scale`` (the loss times the current scale). A local check, before the step's
     opening: the Pipeline carries its error in this rank's row of the opening, so every rank refuses the step
-    alike (:func:`~pipesched.runtime.handshake.judge_own_checks`), and counts the step on ``scaler``
+    alike (:func:`~pipesched.runtime.refusals.judge_own_checks`), and counts the step on ``scaler``
     (:attr:`GradScaler.scaled_steps`) only once every rank accepted it.
 
     Raises:

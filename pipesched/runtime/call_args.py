@@ -15,7 +15,8 @@ first row, so ranks in different calls still meet and raise the error naming the
 """
 from __future__ import annotations
 
-from .handshake import REFUSAL_KINDS, ROW_LEN, SIG_LEN, Rejected, decode_text, encode_text, kind_code, meet
+from .handshake import ROW_LEN, meet
+from .refusals import REFUSAL_KINDS, SIG_LEN, Rejected, decode_text, encode_text, kind_code
 
 #: the exception a refusal raises on every rank, by the code its row carries (0: none)
 KINDS = {**REFUSAL_KINDS, 3: RuntimeError}

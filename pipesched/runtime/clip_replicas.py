@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from .clip_args import ARGUMENTS, EINF, FOREACH, MAX_NORM, NORM_TYPE, mismatch_message, refusal_message, shown_argument
-from .handshake import CLIP_MARK, SIG_LEN, decode_text, encode_text, replica_rows
+from .handshake import CLIP_MARK, replica_rows
+from .refusals import SIG_LEN, decode_text, encode_text
 
 #: a replica's row in the agreement over the data-parallel group (:func:`agree_replicas`): SIG_LEN int64 words,
 #: ``[CLIP_MARK, 1, 1, *text, *data]``, ``data`` the last ``_DATA`` words: ``[calls, error, max_norm, norm_type,

@@ -7,14 +7,14 @@ With data parallelism a second all-gather, over each data-parallel group, lets t
 (:meth:`Handshake.signature`): a step one replica refuses is refused on all.
 
 Each rank's row of the all-gather is ``ROW_LEN`` int64 words: ``[OPENING_MARK, settings, train, no_grad,
-clip calls, clip max_norm, clip norm_type, *signature, *verdict]`` (``signature``: stage 0's rank's description
-of x or its refusal, zeros on the other ranks, or, on any rank whose own checks of its call failed before the
-opening (a bad ``scaler=``, no ``loss_fn``), ``[OWN_REFUSAL, kind, 0, *text]`` instead: every rank then raises
-that error, :func:`judge_own_checks`, so none waits for a rank that raised alone; ``verdict``: ``VERDICT_LEN``
-words, :func:`verdict_words`, zeros but on the last stage's rank in a training step). ``clip_grad_norm_``'s
-all-gather on the same group (``runtime/clipping.py``) has rows of the same shape opening with ``CLIP_MARK`` and
-the count of clip calls, so where ranks are out of step (some in a step's opening, some in a clip's collective,
-or with different counts of clip calls) every rank that meets them raises the same clear error
+clip calls, clip max_norm, clip norm_type, *signature, *verdict]`` (``signature``: stage 0's rank's description of x or
+its refusal, zeros on the other ranks, or, on any rank whose own checks of its call failed before the opening (a bad
+``scaler=``, no ``loss_fn``), ``[OWN_REFUSAL, kind, 0, *text]`` instead: every rank then raises that error,
+:func:`~pipesched.runtime.refusals.judge_own_checks`, so none waits for a rank that raised alone; ``verdict``:
+``VERDICT_LEN`` words, :func:`~pipesched.runtime.refusals.verdict_words`, zeros but on the last stage's rank in a
+training step). ``clip_grad_norm_``'s all-gather on the same group (``runtime/clipping.py``) has rows of the same shape
+opening with ``CLIP_MARK`` and the count of clip calls, so where ranks are out of step (some in a step's opening, some
+in a clip's collective, or with different counts of clip calls) every rank that meets them raises the same clear error
 (:func:`check_rows_meet`) instead of misreading the rows."""
 from __future__ import annotations
 
@@ -23,27 +23,22 @@ from typing import NamedTuple
 import torch
 
 from .comm import DTYPE_CODE, unsendable
-from .microbatch import TENSOR, TooFewSamples, as_value, batch_size, split
+from .microbatch import TENSOR, TooFewSamples, split
+from .refusals import (OWN_REFUSAL, REFUSAL_KINDS, SIG_LEN, VERDICT_LEN, Rejected, TargetVerdict, decode_text,
+                       encode_text, judge_own_checks, judge_target, kind_code, verdict_words)
 from .transport import gather_rows
 
-SIG_LEN = 64  # int64 words of a step signature
 REQUIRES_GRAD = 1 << 16  # added to an input tensor's dtype code in the signature where it requires grad
 HEAD = 7  # int64 words of a row before the signature
-VERDICT_LEN = SIG_LEN  # int64 words of the verdict on the target (the room for its text it had as a message)
 ROW_LEN = HEAD + SIG_LEN + VERDICT_LEN  # int64 words of each rank's row in the opening all-gather (and clip's)
 OPENING_MARK, CLIP_MARK = 0x5354_4550, 0x434C_4950  # the first word of a step's row, of a clip's row
 TIMELINE_MARK = 0x5449_4D45  # the first word of gather_timeline()'s row (its all-gather of rows before the events)
 REPLICA_MARK = 0x5245_504C  # the first word of a replica's row in a step's agreement over the data-parallel group
 COLLECTIVE_MARK = 0x434F_4C4C  # the first word of a row run_collective() meets the other ranks with
 SCALER_MARK = 0x5343_4C52  # the first word of a GradScaler's row in its overflow vote (runtime/scaler_vote.py)
-#: the first word of a row's signature block: stage 0's rank's description of x (0) or refusal of it (1), or any
-#: rank's refusal of its own call (its own checks before the opening failed: ``[OWN_REFUSAL, kind, 0, *text]``)
-OWN_REFUSAL = 2
 #: added to a forward()'s refusal of a batch smaller than m: what to do with an evaluation set's last batch
 EVAL_TAIL = ("; for the last, smaller batch of an evaluation set: pad it to num_microbatches samples (repeat a "
              "row) and drop the padded rows' outputs")
-#: the exception a refusal raises on every rank, by the code its row carries (``kind``; 0: no refusal)
-REFUSAL_KINDS = {1: ValueError, 2: TypeError}
 #: the call each mark stands for, in errors about ranks in different calls
 CALLS = {OPENING_MARK: "opened the next step (step() or forward())", CLIP_MARK: "are in clip_grad_norm_'s collective",
          TIMELINE_MARK: "are in gather_timeline()",
@@ -128,27 +123,6 @@ class StepKey(NamedTuple):
     def batch_size(self) -> int:
         """``N``, the size of the step's batch along dim 0."""
         return self.signature[2]
-
-
-class TargetVerdict(NamedTuple):
-    """The last stage's rank's check of the step's target before the opening (all that needs no x): ``batch``,
-    the target's size along dim 0 (``None``: no target, or rejected before its size was known); ``error``, why
-    it is refused (``""``: accepted); ``target``, the target on the stages' device (``None`` where refused or
-    absent), split once the opening has shown ``batch`` to be x's."""
-
-    batch: int | None
-    error: str = ""
-    target: object = None
-
-
-class Rejected(ValueError):
-    """Internal marker: a rank refused the step's input, target or call before any work; the ``Pipeline``
-    re-raises it as a plain ``kind`` (``ValueError``, or ``TypeError`` where a rank's own check of its call raised
-    one: :func:`judge_own_checks`) with the same message and cause (the pipeline stays usable)."""
-
-    def __init__(self, text: str, kind: type = ValueError) -> None:
-        super().__init__(text)
-        self.kind = kind
 
 
 class Handshake:
@@ -281,111 +255,6 @@ class Handshake:
         """All-gather one row of int64 ``words`` from every pipeline rank; returns the rows by rank."""
         return gather_rows(words, self.transport.group, self.program.num_ranks, torch.int64, self.device,
                            "the step signature")
-
-
-def check_target(target, missing: str, move) -> TargetVerdict:
-    """The last stage's rank's check of the step's ``target`` before the opening: all that needs no x, in the
-    order the step always checked it (present, a batch, then movable), so the errors are those it always gave.
-
-    Args:
-        target: the step's target (``None``, a tensor or a tuple of tensors; anything else is refused).
-        missing: the error where ``target`` is None (``""``: ``loss_fn`` takes none).
-        move: ``target -> target`` on the stages' device (raises ``ValueError`` where it cannot be moved).
-    """
-    if target is None:
-        return TargetVerdict(None, missing)
-    try:
-        batch = batch_size(target, "target")
-    except (TypeError, ValueError) as exc:
-        return TargetVerdict(None, str(exc))
-    try:
-        return TargetVerdict(batch, "", move(target))
-    except (TypeError, ValueError) as exc:  # ruled on after the batch size (:func:`judge_target`)
-        return TargetVerdict(batch, str(exc))
-
-
-def target_microbatches(verdict: TargetVerdict | None, m: int):
-    """The accepted target of ``verdict`` split into ``m`` microbatches (a tensor each, or a tuple where the
-    target is one); ``None`` without a target. Cannot fail once :func:`judge_target` passed."""
-    if verdict is None or verdict.target is None:
-        return None
-    parts, container = split(verdict.target, m, "target")
-    return [as_value(p, container) for p in parts]
-
-
-def verdict_words(verdict: TargetVerdict | None) -> list[int]:
-    """``verdict`` as ``VERDICT_LEN`` int64 words: ``[refused, batch known, batch, *text]`` (:func:`encode_text`);
-    zeros for ``None`` (no verdict: another rank, or a ``forward()``)."""
-    if verdict is None:
-        return [0] * VERDICT_LEN
-    batch = verdict.batch
-    return encode_text([int(bool(verdict.error)), int(batch is not None), batch or 0], verdict.error, VERDICT_LEN)
-
-
-def judge_target(words: list[int], total: int, last: int, pp_rank: int, verdict: TargetVerdict | None) -> None:
-    """Every rank's ruling on the last stage's rank's :func:`verdict_words` (``words``, from the gathered row of
-    ``last``) for a batch of ``total`` samples; ``verdict``: this rank's own (the last stage's rank's full text).
-
-    Raises:
-        Rejected: the target's batch size is not ``total`` (checked first, as the target is checked on one
-            rank: size, then device), or the last stage's rank refused it; its own message on that rank,
-            prefixed by ``the rank of the last stage (pipeline rank N) rejected the step's target:`` elsewhere.
-    """
-    refused, known, batch = words[:3]
-    if known and batch != total:
-        text = f"target has batch size {batch} but x has {total}"
-    elif refused:
-        text = verdict.error if pp_rank == last and verdict is not None else decode_text(words)
-    else:
-        return
-    raise Rejected(text if pp_rank == last else
-                   f"the rank of the last stage (pipeline rank {last}) rejected the step's target: {text}")
-
-
-def kind_code(kind: type) -> int:
-    """The :data:`REFUSAL_KINDS` code of the exception class ``kind`` (a ``TypeError``: 2; anything else: 1)."""
-    return 2 if issubclass(kind, TypeError) else 1
-
-
-def judge_own_checks(blocks: list[list[int]], pp_rank: int, refusal: Exception | None) -> None:
-    """Every rank's ruling on the ranks' refusals of their own calls (``blocks``: each pipeline rank's signature
-    block from the opening; ``refusal``: this rank's own exception, ``None`` if its checks passed).
-
-    Raises:
-        Rejected: some rank refused. Every rank refused alike (the same type and text: the same bad argument
-            everywhere): each raises its own message, as it did before the opening. Else every rank raises the
-            first refusing rank's type with ``pipeline rank R refused its step: <its text>`` (naming the other
-            refusing ranks), caused on ``R`` by its own exception; so no rank waits for one that raised alone.
-    """
-    refused = [r for r, words in enumerate(blocks) if words[0] == OWN_REFUSAL]
-    if not refused:
-        return
-    said = {(blocks[r][1], decode_text(blocks[r])) for r in refused}
-    if len(refused) == len(blocks) and len(said) == 1:
-        raise Rejected(str(refusal), REFUSAL_KINDS[kind_code(type(refusal))]) from refusal
-    first = refused[0]
-    also = f" (pipeline ranks {refused[1:]} refused theirs too)" if len(refused) > 1 else ""
-    raise Rejected(f"pipeline rank {first} refused its step{also}: {decode_text(blocks[first])}",
-                   REFUSAL_KINDS.get(blocks[first][1], ValueError)) from (refusal if pp_rank == first else None)
-
-
-def encode_text(head: list[int], text: str, length: int = SIG_LEN) -> list[int]:
-    """``head`` words, then the UTF-8 byte count and bytes of ``text`` (cut to fit), as ``length`` int64 words."""
-    room = (length - len(head) - 1) * 8
-    data = text.encode()
-    if len(data) > room:
-        data = data[:room - 3] + b"..."
-    padded = data + b"\0" * (-len(data) % 8)
-    body = torch.frombuffer(bytearray(padded), dtype=torch.int64).tolist() if padded else []
-    words = head + [len(data)] + body
-    return words + [0] * (length - len(words))
-
-
-def decode_text(words: list[int], head: int = 3) -> str:
-    """The text :func:`encode_text` put after ``head`` words."""
-    n = words[head]
-    data = torch.tensor(words[head + 1:], dtype=torch.int64).numpy().tobytes()[:n]
-    return data.decode(errors="replace")
 
 
 def encode_signature(train, m, micro, container) -> list[int]:

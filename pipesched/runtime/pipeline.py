@@ -17,7 +17,8 @@ from .construction import local_setup
 from .replica_init import COPY_WHAT, COPY_WHERE, copy_replica_zero
 from .executor import Executor
 from .step_state import Links, RankWork
-from .handshake import Handshake, Rejected, StepKey
+from .handshake import Handshake, StepKey
+from .refusals import Rejected
 from .norm_parts import NormParts
 from .heap import keep_freed_memory
 from .failure import CommError, FailureChannel, PipelineError

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from .clip_replicas import bits_float, float_bits
-from .handshake import ROW_LEN, SCALER_MARK, SIG_LEN, check_rows_meet, decode_text, encode_text, replica_rows
+from .handshake import ROW_LEN, SCALER_MARK, check_rows_meet, replica_rows
+from .refusals import SIG_LEN, decode_text, encode_text
 from .transport import gather_rows
 
 #: a rank's vote, the words after ``[SCALER_MARK, 0]`` in its row: whether its scaler is enabled, its count of

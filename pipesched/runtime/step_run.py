@@ -9,7 +9,8 @@ from __future__ import annotations
 from .accounting import cuda_memory_base, cuda_peak_since
 from .comm import backend_for
 from .devices import move_to
-from .handshake import StepKey, TargetVerdict, check_target, target_microbatches
+from .handshake import StepKey
+from .refusals import TargetVerdict, check_target, target_microbatches
 from .loss import needs_target
 from .measured import StepRecord
 from .measured_costs import measure_and_compile

@@ -18,7 +18,8 @@ from torch import nn
 from pipesched.api import StepPrograms
 from pipesched.runtime.executor import Executor
 from pipesched.runtime.step_state import Links, RankWork, StepInputs
-from pipesched.runtime.handshake import Handshake, TargetVerdict, target_microbatches
+from pipesched.runtime.handshake import Handshake
+from pipesched.runtime.refusals import TargetVerdict, target_microbatches
 from pipesched.runtime.norm_parts import NormParts
 from pipesched.runtime.transport import Transport
 

@@ -31,7 +31,8 @@ import pipesched.runtime.replica_init as replica_init
 from pipesched.runtime import Pipeline, PipelineError, launch
 from pipesched.runtime.call_args import meet_with_argument
 from pipesched.runtime.comm import Grid
-from pipesched.runtime.handshake import COLLECTIVE_MARK, ROW_LEN, SIG_LEN, Handshake, Rejected
+from pipesched.runtime.handshake import COLLECTIVE_MARK, ROW_LEN, Handshake
+from pipesched.runtime.refusals import SIG_LEN, Rejected
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

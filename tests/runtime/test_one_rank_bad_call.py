@@ -16,8 +16,8 @@ import pytest
 
 from pipesched import compile_program, step_programs
 from pipesched.runtime import launch
-from pipesched.runtime.handshake import (
-    OWN_REFUSAL, REPLICA_MARK, SIG_LEN, Rejected, encode_text, judge_own_checks, kind_code)
+from pipesched.runtime.handshake import REPLICA_MARK
+from pipesched.runtime.refusals import OWN_REFUSAL, SIG_LEN, Rejected, encode_text, judge_own_checks, kind_code
 
 import dry_run
 import rt_one_rank_bad_call

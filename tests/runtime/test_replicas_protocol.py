@@ -11,7 +11,8 @@ import pytest
 from pipesched import PairingError, compile_program, protocol, step_programs
 from pipesched.lower import forward_only
 from pipesched.protocol import LOSS, OPENING, REPLICAS, Post, check_step, step_posts
-from pipesched.runtime.handshake import REPLICA_MARK, encode_text
+from pipesched.runtime.handshake import REPLICA_MARK
+from pipesched.runtime.refusals import encode_text
 
 import dry_run
 from dry_run import DryPipeline

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipesched.runtime.handshake import (
-    HEAD, ROW_LEN, SIG_LEN, VERDICT_LEN, Rejected, TargetVerdict, check_target, decode_text, encode_text,
-    judge_target, target_microbatches, verdict_words)
+from pipesched.runtime.handshake import HEAD, ROW_LEN
+from pipesched.runtime.refusals import (
+    SIG_LEN, VERDICT_LEN, Rejected, TargetVerdict, check_target, decode_text, encode_text, judge_target,
+    target_microbatches, verdict_words)
 
 PREFIX = "the rank of the last stage (pipeline rank 2) rejected the step's target: "
 
