@@ -78,6 +78,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
         raise ValueError(f"--profile {args.profile}: {not_text(exc)}; a profile is the JSON LayerProfile.save "
                          f"writes") from None
+    except ValueError as exc:  # not JSON, or not a profile (the message names the file)
+        raise ValueError(f"--profile: {exc}") from None
     try:
         result = plan(profile, args.world_size, memory, args.batch, schedules=args.schedules, top=args.top,
                       optimizer_states=args.optimizer_states, max_microbatches=args.max_microbatches)

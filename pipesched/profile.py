@@ -264,9 +264,9 @@ class LayerProfile:
                 a valid profile (names the path). TypeError: ``path`` is not a ``str`` or ``os.PathLike``.
         """
         check_path(path)
-        text = Path(path).read_text(encoding="utf-8")
+        data = strict_json.load_file(path, "LayerProfile.save")  # a key given twice: refused, not the last kept
         try:
-            return cls.from_json(strict_json.loads(text))  # a key given twice: refused, not the last kept
+            return cls.from_json(data)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{path}: {exc}") from None
 

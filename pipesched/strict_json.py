@@ -137,3 +137,17 @@ def _first_repeat(value, path: tuple):
         elif isinstance(value, list):
             stack.extend(reversed([(v, path + (i,)) for i, v in enumerate(value)]))
     return None
+
+
+def load_file(path, writer: str):
+    """:func:`loads` of the UTF-8 file at ``path``; a file that is not JSON raises a ``json.JSONDecodeError``
+    saying so with the file and what writes such files (``writer``, e.g. ``"Timeline.save"``):
+    ``t.txt is not JSON (Expecting value); expected a file written by Timeline.save: line 1 column 1 (char 0)``
+    (its ``lineno``/``colno`` kept). OSError: the file cannot be read."""
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    try:
+        return loads(text)
+    except json.JSONDecodeError as exc:
+        raise json.JSONDecodeError(f"{path} is not JSON ({exc.msg}); expected a file written by {writer}",
+                                   exc.doc, exc.pos) from None

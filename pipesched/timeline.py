@@ -181,15 +181,14 @@ class Timeline:
         """Read a timeline written by :meth:`save`.
 
         Raises:
-            OSError: the file cannot be read. json.JSONDecodeError: not JSON.
+            OSError: the file cannot be read. json.JSONDecodeError: not JSON (names ``path`` and the line).
             pipesched.strict_json.DuplicateKeyError: a JSON object gives a key twice (a ValueError naming the key
                 and where it is; ``json.load`` would keep the last value silently).
             KeyError, TypeError: a missing or bad field; TypeError: ``path`` is not a ``str`` or ``os.PathLike``
                 (an int would be taken as a file descriptor, read and closed).
         """
         check_path(path)
-        with open(path, encoding="utf-8") as handle:
-            return cls.from_json_dict(strict_json.loads(handle.read()))
+        return cls.from_json_dict(strict_json.load_file(path, "Timeline.save"))
 
 
 def peak_inflight(streams) -> tuple[int, ...]:

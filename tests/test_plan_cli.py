@@ -126,3 +126,14 @@ def test_demo_plan_options(capsys):
         with pytest.raises(SystemExit) as info:
             options(argv)
         assert info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_format_bytes_never_prints_an_exponent():
+    # 1000-1023 of a unit printed as 1.02e+03 KiB in the plan table (a new user's trial)
+    assert format_bytes(1044480) == "1020 KiB"
+    assert format_bytes(1024000) == "1000 KiB"
+    assert format_bytes(1023 * 2**30) == "1023 GiB"
+    assert format_bytes(17179869184) == "16 GiB"
+    assert format_bytes(1.5 * 2**20) == "1.5 MiB"
+    assert format_bytes(10.25 * 2**20) == "10.2 MiB"
+    assert format_bytes(1023) == "1023 B"

@@ -98,6 +98,18 @@ def test_v_1_only_for_an_interleaved_schedule_is_refused_naming_it(value):
     assert "schedule 'interleaved-1f1b' runs v >= 2" in str(err)
 
 
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_a_v_a_fixed_schedule_does_not_run_is_refused_naming_it(schedule):
+    # was: ignored, the plan came back with v = 2 (a new user's trial), while interleaved-1f1b's was refused
+    err = refused(lambda: plan(profile6(), 2, 1e9, 16, schedules=[schedule], virtual_stages=1))
+    assert str(err) == (f"virtual_stages=1: schedule {schedule!r} runs exactly v = 2 stages per rank; leave "
+                        f"virtual_stages out for it")
+    assert err.argument == "virtual_stages"
+    assert plan(profile6(), 2, 1e9, 16, schedules=[schedule], virtual_stages=(1, 2)).best.virtual_stages == 2
+    # named with a schedule the v fits: each runs its own (the README's "fixed ones use theirs")
+    assert plan(profile6(), 2, 1e9, 16, schedules=[schedule, "1f1b"], virtual_stages=1).best is not None
+
+
 def test_v_1_with_the_default_schedules_leaves_interleaved_out():
     result = plan(profile6(), 2, 1e9, 16, virtual_stages=1, top=50)
     assert "interleaved-1f1b" not in {c.schedule for c in result}

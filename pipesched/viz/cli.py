@@ -133,8 +133,7 @@ def _load(path: str, as_recorded: bool):
     except OSError as exc:
         raise ValueError(f"--trace {path}: cannot read it: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not JSON ({exc.msg} at line {exc.lineno}); expected a file written "
-                         f"by Timeline.save") from None
+        raise ValueError(f"{exc.msg} (at line {exc.lineno})") from None  # names the file and its writer
     except DuplicateKeyError as exc:
         raise ValueError(f"{path}: {exc}") from None
     except (KeyError, TypeError) as exc:
