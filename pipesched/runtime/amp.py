@@ -13,6 +13,7 @@ import torch
 from .clip_replicas import float_bits
 from .collective import fail_every_rank
 from .failure import PipelineError
+from .misfit import refused_on_misfit
 from .scaler_vote import INTERVAL, SCALE, vote
 
 #: what ``Pipeline(autocast=...)`` accepts besides ``None``
@@ -137,14 +138,17 @@ class GradScaler(torch.amp.GradScaler):
         if self.is_enabled():  # torch makes the scale at the first scale(), which only the last stage's rank calls
             self.scale(torch.zeros((), device=pipe.device))
 
+    @refused_on_misfit(lambda scaler, error: scaler._collective_call(_raise, error))
     def unscale_(self, optimizer) -> None:
         """torch's ``unscale_``; ``optimizer=None`` on a rank without parameters (see the class). Collective: an
-        error on this rank alone ends every rank (:meth:`_collective_call`)."""
+        error on this rank alone ends every rank (:meth:`_collective_call`), arguments that do not fit too
+        (:mod:`~pipesched.runtime.misfit`)."""
         return self._collective_call(super().unscale_, self._optimizer_or_stand_in(optimizer))
 
+    @refused_on_misfit(lambda scaler, error: scaler._collective_call(_raise, error))
     def step(self, optimizer, *args, **kwargs):
         """torch's ``step``; ``optimizer=None`` on a rank without parameters (see the class). Collective: an
-        error on this rank alone ends every rank (:meth:`_collective_call`)."""
+        error on this rank alone ends every rank (:meth:`_collective_call`), a missing ``optimizer`` too."""
         return self._collective_call(super().step, self._optimizer_or_stand_in(optimizer), *args, **kwargs)
 
     def update(self, new_scale=None) -> None:
@@ -300,3 +304,8 @@ class _NoOptimizer:
 
     def step(self, *args, **kwargs):
         return None
+
+
+def _raise(error: Exception):
+    """Raise ``error``: the call :class:`GradScaler` runs in its collective path for arguments that do not fit."""
+    raise error

@@ -6,15 +6,17 @@ on every rank before any work, and a changed setting on any rank makes every ran
 With data parallelism a second all-gather, over each data-parallel group, lets the replicas agree
 (:meth:`Handshake.signature`): a step one replica refuses is refused on all.
 
-Each rank's row of the all-gather is ``ROW_LEN`` int64 words: ``[OPENING_MARK, settings, train, no_grad,
-clip calls, clip max_norm, clip norm_type, *signature, *verdict]`` (``signature``: stage 0's rank's description of x or
-its refusal, zeros on the other ranks, or, on any rank whose own checks of its call failed before the opening (a bad
-``scaler=``, no ``loss_fn``), ``[OWN_REFUSAL, kind, 0, *text]`` instead: every rank then raises that error,
-:func:`~pipesched.runtime.refusals.judge_own_checks`, so none waits for a rank that raised alone; ``verdict``:
-``VERDICT_LEN`` words, :func:`~pipesched.runtime.refusals.verdict_words`, zeros but on the last stage's rank in a
-training step). ``clip_grad_norm_``'s all-gather on the same group (``runtime/clipping.py``) has rows of the same shape
-opening with ``CLIP_MARK`` and the count of clip calls, so where ranks are out of step (some in a step's opening, some
-in a clip's collective, or with different counts of clip calls) every rank that meets them raises the same clear error
+Each rank's row of the all-gather is ``ROW_LEN`` int64 words: ``[OPENING_MARK, settings, train, no_grad, clip calls,
+clip max_norm, clip norm_type, autocast, *signature, *verdict]`` (``autocast``: the caller's,
+:func:`~pipesched.runtime.settings.caller_autocast`, the same on every rank or the step is refused; ``signature``:
+stage 0's rank's description of x or its refusal, zeros on the other ranks, or, on any rank whose own checks of its
+call failed before the opening (a bad ``scaler=``, no ``loss_fn``), ``[OWN_REFUSAL, kind, 0, *text]`` instead: every
+rank then raises that error, :func:`~pipesched.runtime.refusals.judge_own_checks`, so none waits for a rank that
+raised alone; ``verdict``: ``VERDICT_LEN`` words, :func:`~pipesched.runtime.refusals.verdict_words`, zeros but on the
+last stage's rank in a training step). ``clip_grad_norm_``'s all-gather on the same group (``runtime/clipping.py``)
+has rows of the same shape opening with ``CLIP_MARK`` and the count of clip calls, so where ranks are out of step
+(some in a step's opening, some in a clip's collective, or with different counts of clip calls) every rank that meets
+them raises the same clear error
 (:func:`check_rows_meet`) instead of misreading the rows."""
 from __future__ import annotations
 
@@ -24,12 +26,13 @@ import torch
 
 from .comm import DTYPE_CODE, unsendable
 from .microbatch import TENSOR, TooFewSamples, split
+from .settings import caller_autocast, describe_autocast
 from .refusals import (OWN_REFUSAL, REFUSAL_KINDS, SIG_LEN, VERDICT_LEN, Rejected, TargetVerdict, decode_text,
                        encode_text, judge_own_checks, judge_target, kind_code, verdict_words)
 from .transport import gather_rows
 
 REQUIRES_GRAD = 1 << 16  # added to an input tensor's dtype code in the signature where it requires grad
-HEAD = 7  # int64 words of a row before the signature
+HEAD = 8  # int64 words of a row before the signature
 ROW_LEN = HEAD + SIG_LEN + VERDICT_LEN  # int64 words of each rank's row in the opening all-gather (and clip's)
 OPENING_MARK, CLIP_MARK = 0x5354_4550, 0x434C_4950  # the first word of a step's row, of a clip's row
 TIMELINE_MARK = 0x5449_4D45  # the first word of gather_timeline()'s row (its all-gather of rows before the events)
@@ -137,8 +140,9 @@ class Handshake:
             on each step over it.
     """
 
-    def __init__(self, transport, program, pp_rank: int, device, dp_group=None) -> None:
+    def __init__(self, transport, program, pp_rank: int, device, dp_group=None, autocast=None) -> None:
         self.transport, self.program, self.pp_rank, self.device = transport, program, pp_rank, device
+        self.autocast = autocast  # the Pipeline's own autocast dtype (None: the caller's autocast, compared)
         self.dp_group = dp_group  # the replicas of this pipeline rank (None: dp_size 1)
         self.clip_words: list = []  # the last opening's clip words, by pipeline rank (see :meth:`signature`)
         self.replica_batches: list = []  # the last agreement's batch size of each replica (:meth:`_agree_replicas`)
@@ -160,8 +164,9 @@ class Handshake:
         Raises:
             Rejected: on every rank, with the same message, checked in this order: some rank refused its own call
                 (:func:`judge_own_checks`: that rank's exception type, naming it); stage 0's rank refused ``x``;
-                ranks disagree on ``step()`` versus ``forward()``; a training step with gradients disabled; the
-                target's batch size is not x's; the last stage's rank refused the target (:func:`judge_target`).
+                ranks disagree on ``step()`` versus ``forward()``; a training step with gradients disabled; ranks
+                under different autocast (the caller's, where the Pipeline has no ``autocast=``); the target's
+                batch size is not x's; the last stage's rank refused the target (:func:`judge_target`).
             RuntimeError: some ranks are in ``clip_grad_norm_``'s collective, or made other numbers of clip calls
                 (:func:`check_rows_meet`), on every rank.
 
@@ -226,9 +231,11 @@ class Handshake:
                 text = str(exc) + (EVAL_TAIL if isinstance(exc, TooFewSamples) and not train else "")
                 words = encode_text([1, int(train), m], text)
         rows = self._gather([OPENING_MARK, settings, int(train), int(train and not torch.is_grad_enabled()),
-                             *clip] + words + verdict_words(verdict if train else None))
+                             *clip, caller_autocast(self.device, self.autocast)]
+                            + words + verdict_words(verdict if train else None))
         check_rows_meet([row[:1] + row[4:5] for row in rows], OPENING_MARK)
-        self.clip_words = [row[4:HEAD] for row in rows]
+        self.clip_words = [row[4:7] for row in rows]
+        amp = [row[7] for row in rows]
         judge_own_checks([row[HEAD:HEAD + SIG_LEN] for row in rows], self.pp_rank, refusal)
         last_verdict = rows[self.program.stage_to_rank[-1]][HEAD + SIG_LEN:]
         rows = [row[1:4] + row[HEAD:HEAD + SIG_LEN] for row in rows]  # settings, train, no_grad, signature
@@ -247,6 +254,11 @@ class Handshake:
             raise Rejected(f"step() trains, but pipeline ranks {no_grad} called it with gradients disabled "
                            f"(inside torch.no_grad() or torch.inference_mode()); call step() outside it, or use "
                            f"forward() for evaluation")
+        if len(set(amp)) > 1:  # stages at different precisions: neither the fp32 nor the autocast model's values
+            kind = self.device.type
+            raise Rejected(f"{calls[train]} was called under different autocast settings: " + ", ".join(
+                f"pipeline rank {r} {describe_autocast(a, kind)}" for r, a in enumerate(amp)) + "; enter the same "
+                "torch.autocast on every rank, or pass autocast= to Pipeline (then the caller's is ignored)")
         if train:
             judge_target(last_verdict, words[3], self.program.stage_to_rank[-1], self.pp_rank, verdict)
         return StepKey(tuple(words[1:]), tuple(row[0] for row in rows)), micro, container

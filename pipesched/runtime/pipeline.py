@@ -26,6 +26,7 @@ from .departure import announce_close, watch
 from .measured import StepRecord
 from .measured_costs import costs_field, memory_limit_field
 from .microbatch import merge
+from .misfit import refused_on_misfit
 from .pipeline_collectives import PipelineCollectives
 from .pipeline_failure import fail, teardown
 from .pipeline_measured import PipelineMeasured
@@ -161,6 +162,7 @@ class Pipeline(PipelineCollectives, PipelineMeasured, Sealed):
 
     _SETTABLE = ("loss_fn", "anticipate_clip")  # what a user may set after construction (runtime/sealed.py)
 
+    @refused_on_misfit(lambda _pipe, error: refuse_construction(error))
     def __init__(self, model, schedule: str = "1f1b", num_microbatches: int = 1, loss_fn=None,
                  virtual_stages: int | None = None, balance=None, dp_size: int = 1, recompute=False,
                  split_backward=False, device=None, timeout: float = 300.0,
@@ -179,8 +181,7 @@ class Pipeline(PipelineCollectives, PipelineMeasured, Sealed):
             self._fuse_wgrad = check_flag(gradient_accumulation_fusion, "gradient_accumulation_fusion", "Pipeline: ")
             self._built = Built(model, self.stages, self.first_layers, self.layer_names)  # checked at each step
         except Exception as exc:
-            if dist.is_available() and dist.is_initialized():  # the other ranks must not wait for this one
-                refuse(dist.distributed_c10d._get_default_store(), dist.get_rank(), exc)
+            refuse_construction(exc)  # the other ranks must not wait for this one
             raise
         init_default_group(self.device, self.timeout)  # communication starts here
         self._construction = agree(  # which of the job's Pipelines this is, the same on every rank (checkpoint.py)
@@ -214,7 +215,7 @@ class Pipeline(PipelineCollectives, PipelineMeasured, Sealed):
         keep_freed_memory()  # no page faults for the weight-gradient blocks each backward frees (heap.py)
         self._executor = Executor(self.programs, grid.pp_rank, work, links)
         self._handshake = Handshake(self._executor.transport, self.program, grid.pp_rank, self.device,
-                                    self._dp_group)
+                                    self._dp_group, self.autocast)
         self._norm_parts = NormParts(self._executor.transport, self.program.num_ranks, grid.pp_rank, self.device,
                                      self.owned_parameters)  # anticipated clip_grad_norm_ (runtime/norm_parts.py)
         self._metas: OrderedDict[StepKey, dict] = OrderedDict()  # -> {(kind, stage, mb): meta}
@@ -297,6 +298,7 @@ class Pipeline(PipelineCollectives, PipelineMeasured, Sealed):
         :func:`~pipesched.runtime.state.load_rank_state_dict` (returns missing/unexpected keys; raises on a bad one)."""
         return load_rank_state_dict(self, state_dict, strict)
 
+    @refused_on_misfit(lambda pipe, error: pipe._refuse_call(error, train=True))
     def step(self, x=None, target=None, scaler=None) -> torch.Tensor:
         """One training step: forward and backward of every microbatch; gradients accumulate into ``.grad``.
 
@@ -324,7 +326,9 @@ class Pipeline(PipelineCollectives, PipelineMeasured, Sealed):
                 ``scaler`` (above). The error travels in this rank's row of the opening all-gather: where every rank
                 failed alike, each raises its own error; else every rank raises the first failing rank's type with
                 ``pipeline rank R refused its step: <its message>``, at once (no rank waits for the others); the
-                pipeline stays usable.
+                pipeline stays usable. So is a call whose arguments do not fit (``step(x, targets=y)``: the
+                ``TypeError`` Python gives, :mod:`~pipesched.runtime.misfit`), so a rank that catches it and goes
+                on stays in step with the others.
             ValueError: the first stage's rank rejects ``x`` (``N < num_microbatches``, tensors
                 of different batch sizes, not tensors, missing); or the last stage's rank rejects ``target``
                 (missing while ``loss_fn`` takes ``(output, target)``, batch size other than ``N``). A plain
@@ -346,6 +350,7 @@ class Pipeline(PipelineCollectives, PipelineMeasured, Sealed):
             refusal = exc
         return self._guarded(lambda: run(self, x, target, train=True, scale=scale, scaler=scaler, refusal=refusal))
 
+    @refused_on_misfit(lambda pipe, error: pipe._refuse_call(error, train=False))
     def forward(self, x=None):
         """Forward only (no autograd graph, no loss): the model's output on the rank of the last stage,
         merged over microbatches; ``None`` on other ranks.
@@ -402,6 +407,12 @@ class Pipeline(PipelineCollectives, PipelineMeasured, Sealed):
         if self._broken is not None:
             raise PipelineError(self._broken.record, self.grid.world_rank, "this Pipeline failed in an earlier step")
 
+    def _refuse_call(self, error: TypeError, train: bool) -> None:
+        """This rank's ``step()`` (``train``) or ``forward()`` got arguments that do not fit (``error``): open the
+        step with it as this rank's refusal, so every rank raises it (:mod:`~pipesched.runtime.misfit`)."""
+        self._check_local(None, None)
+        self._guarded(lambda: run(self, None, None, train=train, refusal=error))
+
     def _check_built(self) -> None:
         """Raises ValueError: a layer of the model or a parameter of this rank's stages is not the one of
         construction (:class:`~pipesched.runtime.built.Built`: names it and what to do instead)."""
@@ -422,3 +433,11 @@ class Pipeline(PipelineCollectives, PipelineMeasured, Sealed):
         finally:
             self._running -= 1
             self._idle_since = time.monotonic()
+
+
+def refuse_construction(error: Exception) -> None:
+    """This rank's ``Pipeline(...)`` failed before any communication (``error``): where the default process group
+    is up, file the refusal the other ranks' construction reads (:func:`~pipesched.runtime.agreement.refuse`), so
+    they raise it instead of waiting for this rank until the timeout."""
+    if dist.is_available() and dist.is_initialized():
+        refuse(dist.distributed_c10d._get_default_store(), dist.get_rank(), error)

@@ -8,13 +8,16 @@ import torch
 
 from .call_args import meet_with_argument, shown
 from .clipping import clip_grad_norm_ as clip_all_stages
+from .clipping import refuse as refuse_clip
 from .collective import peer_loss_as_comm_error
 from .handshake import COLLECTIVE_MARK
+from .misfit import refused_on_misfit
 
 
 class PipelineCollectives:
     """The collective calls of :class:`~pipesched.runtime.pipeline.Pipeline` outside ``step()`` (see the module)."""
 
+    @refused_on_misfit(lambda pipe, error: pipe._collective(None, True, "run_collective", error))
     def run_collective(self, work, meet: bool = True):
         """Run ``work(pp_group, dp_group)`` -- a collective of the caller's over this pipeline's process groups
         (``dp_group`` is None without data parallelism) -- as a step runs: refused on a closed or failed pipeline
@@ -35,15 +38,18 @@ class PipelineCollectives:
         rank's ``TypeError``, carried in the meeting row (:mod:`~pipesched.runtime.call_args`): every rank raises a
         ``TypeError`` before ``work`` runs (its own where every rank refused, else ``run_collective: pipeline rank R
         refused its call: ...``), and the pipeline stays usable. With ``meet=False`` there is no row to carry it: a
-        non-callable ``work`` fails every rank as ``work``'s own exception would."""
+        non-callable ``work`` fails every rank as ``work``'s own exception would. Arguments that do not fit
+        (``run_collective(work, meat=False)``) are carried the same way (:mod:`~pipesched.runtime.misfit`)."""
         return self._collective(work, meet, "run_collective")
 
-    def _collective(self, work, meet: bool, call: str):
+    def _collective(self, work, meet: bool, call: str, refusal: TypeError | None = None):
         """:meth:`run_collective` for ``call``, the public call running it (``"clip_grad_norm_"``, ...), named where
-        it fails: ``failed in a collective call outside any step (<call>)``."""
+        it fails: ``failed in a collective call outside any step (<call>)``. ``refusal``: this rank's call did not
+        fit its signature (with ``meet`` True: the row carries it)."""
         self._check_local(None, None)
-        refusal = None
-        if not callable(work):
+        if refusal is not None:
+            pass
+        elif not callable(work):
             refusal = TypeError(f"work must be a callable work(pp_group, dp_group), got {shown(work)}")
         elif not isinstance(meet, bool):
             refusal = TypeError(f"meet must be True or False, got {shown(meet)}")
@@ -77,6 +83,7 @@ class PipelineCollectives:
             raise ValueError(f"anticipate_clip must be True or False, got {value!r}")
         self._norm_parts.enabled = value
 
+    @refused_on_misfit(refuse_clip)
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole pipeline (collective over its ranks): scales every
@@ -92,7 +99,9 @@ class PipelineCollectives:
                 ``error_if_nonfinite`` or ``foreach``; the message names the argument. This rank still joins the
                 others' all-gathers with a refusal (:func:`~pipesched.runtime.clipping.refuse`), so every other rank
                 of the job (every replica) raises a ``ValueError`` quoting it and naming this rank instead of waiting
-                or clipping; gradients unchanged, the pipeline stays usable.
+                or clipping; gradients unchanged, the pipeline stays usable. Arguments that do not fit
+                (``clip_grad_norm_(1.0, norm=2)``) are refused the same way (:mod:`~pipesched.runtime.misfit`): a
+                ``TypeError`` on this rank, a ``ValueError`` quoting it elsewhere.
             ValueError: ranks passed different ``max_norm``, ``norm_type``, ``error_if_nonfinite`` or ``foreach``
                 (names the argument and each value with its ranks; data-parallel replicas compared too, in one more
                 small all-gather over the data-parallel group): on every rank of the job, gradients unchanged, the

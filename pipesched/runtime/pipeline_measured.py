@@ -6,6 +6,7 @@ from __future__ import annotations
 from .call_args import shown
 from .failure import PipelineError
 from .measured import gather_timeline, local_timeline
+from .misfit import refused_on_misfit
 
 
 class PipelineMeasured:
@@ -24,6 +25,7 @@ class PipelineMeasured:
         self._check_not_broken(f"timeline(kind={kind!r})")
         return None if record is None else local_timeline(record, self.program, self.pp_rank)
 
+    @refused_on_misfit(lambda pipe, error: pipe._gather_timeline("step", error))
     def gather_timeline(self, kind: str = "step"):
         """The whole pipeline's measured timeline of the last training :meth:`step` (``kind="forward"``: of
         the last :meth:`forward`); collective over the pipeline's ranks, through :meth:`run_collective` (a closed
@@ -42,10 +44,19 @@ class PipelineMeasured:
             TypeError, ValueError, RuntimeError: only some ranks refused the same ``kind`` (e.g. no finished step on
                 one rank): the first refusing rank's type on every rank, ``gather_timeline: pipeline rank R refused
                 its call: <its error>``.
+            TypeError: arguments that do not fit (``gather_timeline(kinds="step")``), carried the same way
+                (:mod:`~pipesched.runtime.misfit`).
             RuntimeError, PipelineError: a closed or failed pipeline, as :meth:`step`; a rank failed meanwhile."""
+        return self._gather_timeline(kind)
+
+    def _gather_timeline(self, kind, refusal: TypeError | None = None):
+        """:meth:`gather_timeline`; ``refusal``: this rank's call did not fit its signature (then ``kind`` is the
+        default, what the row shows)."""
         self._check_local(None, None)
-        record = refusal = None
+        record = None
         try:
+            if refusal is not None:
+                raise refusal
             record = self._record(kind)
             if record is None:
                 raise RuntimeError(f"gather_timeline(kind={kind!r}) needs a finished {kind}()")

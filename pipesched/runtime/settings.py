@@ -7,6 +7,8 @@ import hashlib
 
 import torch
 
+from .comm import DTYPES, DTYPE_CODE
+
 #: the settings :func:`fingerprint` covers, in words (quoted by errors about metas that changed anyway)
 SETTINGS = ("requires_grad and dtype of each parameter, dtype of each buffer, train/eval mode of each module, "
             "grad mode, autocast")
@@ -35,3 +37,20 @@ def fingerprint(stages: dict, device: torch.device, autocast: torch.dtype | None
             words.extend(b.dtype for b in module._buffers.values() if b is not None)
     digest = hashlib.blake2b(repr(words).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
+
+
+def caller_autocast(device: torch.device, autocast: torch.dtype | None) -> int:
+    """The autocast the caller entered around a ``step()``/``forward()`` on ``device``'s type, as one word of the
+    step's opening row: 0 where it is off or the Pipeline's own ``autocast`` dtype overrides it (``autocast``
+    not None), else 1 + the dtype's :data:`~pipesched.runtime.comm.DTYPE_CODE`. Ranks whose words differ would
+    run their stages at different precisions (the step is refused: ``Handshake``)."""
+    kind = device.type
+    if autocast is not None or not torch.is_autocast_enabled(kind):
+        return 0
+    return 1 + DTYPE_CODE[torch.get_autocast_dtype(kind)]
+
+
+def describe_autocast(word: int, kind: str) -> str:
+    """:func:`caller_autocast`'s ``word`` in words, for errors: ``without autocast`` or
+    ``under torch.autocast('cpu', dtype=torch.bfloat16)``."""
+    return "without autocast" if word == 0 else f"under torch.autocast({kind!r}, dtype={DTYPES[word - 1]})"

@@ -50,6 +50,10 @@ def bad_calls(rank):
         with torch.no_grad() if bad else torch.enable_grad():
             pipe.step(x, y)
 
+    def autocast_step():
+        with torch.autocast("cpu", torch.bfloat16, enabled=bad):
+            pipe.step(x, y)
+
     cases = {
         "torch scaler": lambda: pipe.step(x, y, scaler=torch.amp.GradScaler("cpu") if bad else scaler),
         "another pipeline's scaler": lambda: pipe.step(x, y, scaler=GradScaler(other) if bad else None),
@@ -63,6 +67,11 @@ def bad_calls(rank):
         "bad scalers on both ranks": lambda: pipe.step(x, y, scaler=GradScaler(other) if bad else
                                                        torch.amp.GradScaler("cpu")),
         "torch scaler on both ranks": lambda: pipe.step(x, y, scaler=torch.amp.GradScaler("cpu")),
+        # arguments that do not fit step()'s signature: Python's TypeError, carried in the opening (misfit.py)
+        "misspelled keyword": lambda: pipe.step(x, target=y, targets=y) if bad else pipe.step(x, y),
+        "one argument too many": lambda: pipe.step(x, y, None, 5) if bad else pipe.step(x, y),
+        "forward() misspelled keyword": lambda: pipe.forward(x, batch=x) if bad else pipe.forward(x),
+        "autocast on rank 1 only": autocast_step,
     }
     out = {"cases": {}}
     for k, (name, call) in enumerate(cases.items()):

@@ -57,6 +57,21 @@ EXPECTED = {
         f"TypeError: pipeline rank 0 refused its step (pipeline ranks [1] refused theirs too): {TORCH_SCALER}",) * 2,
     # the same bad argument on every rank: each rank's own error, as before the opening carried it
     "torch scaler on both ranks": (f"TypeError: {TORCH_SCALER}",) * 2,
+    # Python raised these before step()'s body ran, so rank 0 waited in the opening and rank 1, catching the
+    # error, ran its next step against rank 0's current one (the losses of mismatched batches, no error)
+    "misspelled keyword": (
+        "TypeError: pipeline rank 1 refused its step: Pipeline.step() got an unexpected keyword argument "
+        "'targets'",) * 2,
+    "one argument too many": (
+        "TypeError: pipeline rank 1 refused its step: Pipeline.step() too many positional arguments",) * 2,
+    "forward() misspelled keyword": (
+        "TypeError: pipeline rank 1 refused its step: Pipeline.forward() got an unexpected keyword argument "
+        "'batch'",) * 2,
+    # its stages would run in bf16 and the others' in fp32: a loss neither model gives (it ran, before)
+    "autocast on rank 1 only": (
+        "ValueError: step() was called under different autocast settings: pipeline rank 0 without autocast, "
+        "pipeline rank 1 under torch.autocast('cpu', dtype=torch.bfloat16); enter the same torch.autocast on every "
+        "rank, or pass autocast= to Pipeline (then the caller's is ignored)",) * 2,
 }
 
 

@@ -32,7 +32,7 @@ def _ruling(verdict: TargetVerdict, total: int) -> list:
 
 
 def test_the_verdict_fills_its_words_and_the_rows_keep_one_length():
-    assert VERDICT_LEN == SIG_LEN == 64 and ROW_LEN == HEAD + SIG_LEN + VERDICT_LEN == 135
+    assert VERDICT_LEN == SIG_LEN == 64 and ROW_LEN == HEAD + SIG_LEN + VERDICT_LEN == 136
     assert verdict_words(None) == [0] * VERDICT_LEN  # other ranks, forward(): no verdict
     assert verdict_words(TargetVerdict(None)) == [0] * VERDICT_LEN  # no target, none needed
     assert verdict_words(TargetVerdict(8, "", "t"))[:4] == [0, 1, 8, 0]

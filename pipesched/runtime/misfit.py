@@ -1,0 +1,48 @@
+"""A collective call whose arguments do not fit its signature (a misspelled keyword, one argument too many) on one
+rank only. Python raises that ``TypeError`` before the method's body runs, so the rank never meets the others: a
+rank that catches it and goes on (a loop that skips a bad batch) would run its next call against the others'
+current one -- its ``step()`` on batch k+1 with theirs on batch k, every rank learning from mismatched data without
+an error. :func:`refused_on_misfit` binds the arguments first and hands a misfit to the call's own refusal path,
+which carries it to every rank in the call's first collective row, as the call's other own checks are
+(:func:`~pipesched.runtime.refusals.judge_own_checks`, :mod:`~pipesched.runtime.call_args`,
+:func:`~pipesched.runtime.clipping.refuse`): every rank raises it and the ranks stay in step."""
+from __future__ import annotations
+
+import functools
+import inspect
+
+
+def misfit_error(method, signature: inspect.Signature, args: tuple, kwargs: dict) -> TypeError | None:
+    """The ``TypeError`` Python would raise for ``method(*args, **kwargs)`` (``args`` with ``self`` first),
+    worded as Python words it, with the class of ``self`` (``Pipeline.step() got an unexpected keyword argument
+    'targets'``, also for a method a mixin defines); ``None`` where the arguments fit."""
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        owner = type(args[0]).__name__ if args else method.__qualname__.rpartition(".")[0]
+        return TypeError(f"{owner}.{method.__name__}() {exc}")
+    return None
+
+
+def refused_on_misfit(refuse):
+    """Decorator of a collective method: a call whose arguments do not fit runs ``refuse(self, error)`` instead
+    (``error``: :func:`misfit_error`'s ``TypeError``), which must carry ``error`` to the other ranks the way the
+    method carries its own checks' refusals, and raise. The signature stays the method's (``inspect``, ``help``);
+    binding costs a few microseconds per call."""
+
+    def wrap(method):
+        signature = inspect.signature(method)
+
+        @functools.wraps(method)
+        def call(*args, **kwargs):
+            error = misfit_error(method, signature, args, kwargs)
+            if error is None:
+                return method(*args, **kwargs)
+            if not args:  # not even self: nothing to refuse through
+                raise error
+            refuse(args[0], error)
+            raise error  # refuse() raises; this guards a refusal path that returned
+
+        return call
+
+    return wrap

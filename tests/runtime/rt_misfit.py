@@ -1,0 +1,62 @@
+"""Per-rank body of tests/runtime/test_misfit.py (2 ranks, 1f1b, m=2): one rank's collective call whose arguments
+do not fit its signature -- Python's ``TypeError``, raised before the method's body -- is carried to the other rank
+in the call's first collective row (runtime/misfit.py), so both raise and, the error caught, stay in step: the next
+correct call on both ranks gives the unsplit model's values."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from pipesched.runtime import GradScaler, Pipeline
+
+from rt_cases import mlp, reference_step
+
+M = 2
+TIMEOUT = 60.0  # a rank left waiting would raise a timeout error, which the test refuses; nothing here is timed
+
+
+def _outcome(call) -> str:
+    """``"ok"``, or the exception as ``"Type: message"``."""
+    try:
+        call()
+        return "ok"
+    except Exception as exc:  # noqa: BLE001 - recorded for the test to judge
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+
+
+def misfits(rank):
+    """Rank 1 alone misspells a keyword of each collective call; rank 0 calls it right. Returns
+    ``{call: (outcome, what the next correct call gave)}`` and the unsplit model's values to compare."""
+    bad = rank == 1
+    out = {}
+    kwargs = dict(num_microbatches=M, loss_fn=F.mse_loss, timeout=TIMEOUT)
+    out["Pipeline"] = _outcome(lambda: Pipeline(mlp(num_layers=4), schedul="1f1b", **kwargs) if bad else
+                               Pipeline(mlp(num_layers=4), schedule="1f1b", **kwargs))
+    model = mlp(num_layers=4)
+    ref = copy.deepcopy(model)
+    pipe = Pipeline(model, schedule="1f1b", **kwargs)  # the job goes on: the next construction on both ranks
+    x, y = _batch(1)
+    out["step"] = float(pipe.step(x, y))
+    out["reference step"] = float(reference_step(ref, x, y, M))
+    out["clip_grad_norm_"] = _outcome(lambda: pipe.clip_grad_norm_(1e-3, norm=2.0) if bad else
+                                      pipe.clip_grad_norm_(1e-3))
+    total = pipe.clip_grad_norm_(1e-3)  # the next correct call: the unsplit model's norm, on both ranks
+    out["total"], out["reference total"] = float(total), float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3))
+    out["gather_timeline"] = _outcome(lambda: pipe.gather_timeline(kinds="step") if bad else pipe.gather_timeline())
+    out["timeline ranks"] = sorted({e.rank for e in pipe.gather_timeline().events})
+    work = lambda pp_group, dp_group: torch.distributed.get_world_size(pp_group)  # noqa: E731
+    out["run_collective"] = _outcome(lambda: pipe.run_collective(work, meat=True) if bad else
+                                     pipe.run_collective(work))
+    out["collective"] = pipe.run_collective(work)
+    scaler = GradScaler(pipe)  # last: a GradScaler's failed collective call ends the pipeline on every rank
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    pipe.step(x, y, scaler=scaler)
+    out["GradScaler.unscale_"] = _outcome(lambda: scaler.unscale_(opt, 5) if bad else scaler.unscale_(opt))
+    return out
