@@ -63,6 +63,23 @@ def forget(departure: weakref.finalize | None) -> None:
         departure.detach()
 
 
+def leave_unclosed(pipes) -> None:
+    """The process is about to end without its interpreter's exit (``launch``'s child, ``os._exit``): for each of
+    ``pipes`` (the Pipelines still alive, e.g. held by a global after ``fn`` returned) publish its announcement now,
+    as interpreter exit would (``weakref.finalize`` is callable: it runs once), then destroy its groups, so a peer
+    still waiting on this rank raises ``ended without closing its Pipeline`` at once, not after ``launch``'s grace
+    naming a lost (killed) process."""
+    from .pipeline_failure import teardown  # here: pipeline_failure imports this module
+
+    for pipe in pipes:
+        if pipe._closed:
+            continue
+        if pipe._departure is not None:
+            pipe._departure()
+        teardown(pipe)
+        pipe._closed = True
+
+
 def _announce_exit(failures, grid) -> None:
     uncaught = getattr(sys, "last_value", None)  # set when the interpreter printed an uncaught exception
     how = (f"its process exited on an uncaught {describe(uncaught)}" if uncaught is not None else

@@ -67,7 +67,9 @@ def launch(fn, world_size: int, *args, timeout: float = 300.0, grace: float = 20
       spawned child cannot run (above), with the reason and what to do.
 
     When a child's ``fn`` returns or raises, the child reports, then destroys its process groups (its gloo
-    connections close, so a peer blocked on it fails at once, as if it had exited). Every child then stays up until
+    connections close, so a peer blocked on it fails at once, as if it had exited), its Pipelines first, also one a
+    global still holds (each announced as ending unclosed: :func:`~pipesched.runtime.departure.leave_unclosed`).
+    Every child then stays up until
     every rank's ``fn`` has ended (reported, or its process died), at most ``grace`` seconds: harmless under this
     process's store, which outlives them all; needed where world rank 0's child hosts it (``rank0``), so that a rank 0
     that returned early never takes the store from ranks still using it (a checkpoint vote, a failure record). A

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import sys
 import threading
 import traceback
 
@@ -51,6 +52,7 @@ def run_child(rank, world_size, store_at, threads, fn, args, results, grace, rel
         results.close()
         results.join_thread()
         gc.collect()  # the Pipelines fn left unclosed announce it to peers still waiting (runtime/departure.py)
+        leave_live_pipelines()  # those still referenced (a global): os._exit below skips their exit announcement
         close_groups(dist)  # peers blocked on this rank fail at once, as if it had exited
         # every rank stays until every rank's fn has ended (or died), at most grace. Under the parent's store (the
         # default) this changes nothing, as the store and the records in it outlive every child; it matters where
@@ -252,6 +254,20 @@ def _lost_record(lost: list[int], gone: list[int], rank: int):
     if gone:
         cause += f"; {world_ranks_text(gone)}'s launch fn had returned, which is not the cause named here"
     return FailureRecord(rank=lost[0], lost=True, id=f"lost:{lost[0]}:{time.time_ns()}", cause=cause)
+
+
+def leave_live_pipelines() -> None:
+    """Announce and close every Pipeline of this child still alive after ``fn`` (best effort; see
+    :func:`~pipesched.runtime.departure.leave_unclosed`)."""
+    module = sys.modules.get(__package__ + ".pipeline")  # not imported: fn made no Pipeline
+    if module is None:
+        return
+    try:
+        from .departure import leave_unclosed
+
+        leave_unclosed([obj for obj in gc.get_objects() if issubclass(type(obj), module.Pipeline)])
+    except Exception:  # noqa: BLE001 - a Pipeline broken meanwhile: close_groups still closes the connections
+        pass
 
 
 def close_groups(dist) -> None:

@@ -11,6 +11,10 @@ from torch import nn
 from pipesched.runtime import Pipeline, PipelineError
 
 
+#: what a user's global would hold after launch's fn returned ("return, kept"): the case is about exactly that state
+_KEPT: list = []
+
+
 def _pipeline() -> Pipeline:
     torch.manual_seed(0)
     return Pipeline(nn.Sequential(*[nn.Linear(4, 4) for _ in range(2)]), num_microbatches=2, loss_fn=F.mse_loss,
@@ -35,7 +39,8 @@ def _report(run) -> dict:
 
 def leave_while_other_steps(rank: int, leaver: int, how: str) -> dict:
     """One step together; then world rank ``leaver`` leaves (``how``: ``"close"``, ``"return"``, ``"raise"``) after
-    the others are in the next step (a barrier on the default group orders it), and the others step. ``"raise"``
+    the others are in the next step (a barrier on the default group orders it), and the others step
+    (``"return, kept"``: returns with its Pipeline still referenced, by :data:`_KEPT`). ``"raise"``
     makes launch raise that ValueError, so the others' report is printed (for a manual look) rather than returned."""
     pipe = _pipeline()
     x, y = _batch()
@@ -47,6 +52,8 @@ def leave_while_other_steps(rank: int, leaver: int, how: str) -> dict:
             return {"type": None, "left": "closed"}
         if how == "raise":
             raise ValueError("boom outside the step")
+        if how == "return, kept":  # a global (a notebook's, a trainer object's) holds it past fn: not collected
+            _KEPT.append(pipe)
         return {"type": None, "left": "returned"}
     dist.barrier()
     report = _report(lambda: pipe.step(x, y))
