@@ -42,3 +42,14 @@ def build_chunked_gpipe(num_ranks: int, num_microbatches: int, virtual_stages: i
 ps.register_schedule("chunked-gpipe", build_chunked_gpipe,
                      "GPipe in chunks of p microbatches: at most p in flight per rank",
                      inflight="min(p, m)", microbatches="any m >= 1")
+
+
+
+if __name__ == "__main__":  # run as a script: show what importing it registers
+    from pipesched.errors import render_grid
+
+    program = ps.compile_program("chunked-gpipe", 2, 4)
+    print("registered 'chunked-gpipe' in this process (import this module on every rank, or pass it to "
+          "--schedule-module, to use it); at p=2, m=4:")
+    print(render_grid(program.ranks))
+    print(f"simulated bubble fraction (unit costs): {ps.simulate(program).bubble_fraction:.3f}")

@@ -24,7 +24,7 @@ def _forward(source="simulated"):
 def test_title_of_a_forward_pass_says_so():
     assert title_text(_forward()) == ("1f1b  ·  p=2 ranks  ·  m=4 microbatches  ·  v=1  ·  forward pass only  ·  "
                                       "simulated\nbubble 20.00%  ·  makespan 5 ms  ·  costs [ms per stage and "
-                                      "microbatch]: F=1 B=2")
+                                      "microbatch]: F=1")  # no B: a forward pass has no backward box
     assert title_text(_forward("measured")).split("\n")[0] == (
         "1f1b  ·  p=2 ranks  ·  m=4 microbatches  ·  v=1  ·  forward pass only  ·  measured")
     train = ps.simulate(ps.compile_program("1f1b", 2, 4), COST)
@@ -35,7 +35,7 @@ def test_gantt_and_compare_titles_of_a_forward_pass():
     fig = plot_timeline(_forward())
     assert fig.axes[0].get_title(loc="left") == ("1f1b  ·  p=2 ranks  ·  m=4 microbatches  ·  v=1  ·  forward pass "
                                                  "only\nsimulated\nbubble 20.00%  ·  makespan 5 ms\ncosts [ms per "
-                                                 "stage and microbatch]: F=1 B=2")
+                                                 "stage and microbatch]: F=1")
     fig = plot_comparison(_forward(), _forward("measured"))
     assert fig._suptitle.get_text() == ("1f1b  ·  p=2 ranks  ·  m=4 microbatches  ·  v=1  ·  forward pass only\n"
                                         "measured bubble 20.00%  vs  predicted 20.00%")
@@ -78,3 +78,25 @@ def test_legend_lies_within_the_figure(case, picture):
         assert box.y0 >= fig.axes[-1].get_tightbbox(renderer).y1
     if name == "dualpipev" and not options:
         assert [t.get_text() for t in legend_ax.get_legend().get_texts()] == DUALPIPEV_LABELS
+
+
+def test_the_legend_lists_only_the_kinds_drawn():
+    # interleaved, split backward, m=1: virtual stage 0's first stage runs its whole backward as B, virtual
+    # stage 1 has none; the legend listed "backward B, virtual stage 1" all the same (a new user's trial)
+    t = ps.simulate(ps.compile_program("interleaved-1f1b", 2, 1, 2, split_backward=True), COST)
+    drawn = {(e.instr.op.name, e.instr.stage >= 2) for e in t.events if e.instr.op.name in "FBIW"}
+    assert ("B", True) not in drawn and ("B", False) in drawn
+    labels = [x.get_text() for x in plot_timeline(t).axes[0].get_legend().get_texts()]
+    assert labels == ["forward F, virtual stage 0", "forward F, virtual stage 1", "backward B, virtual stage 0",
+                      "input grad I, virtual stage 0", "input grad I, virtual stage 1",
+                      "weight grad W, virtual stage 0", "weight grad W, virtual stage 1", "idle (bubble)"]
+
+
+def test_the_title_gives_the_costs_of_the_kinds_drawn_to_3_digits():
+    cost = ps.CostModel(forward=[0.0437395, 0.0391869], backward=[0.154282, 0.180329],
+                        input_grad=[0.012562, 0.134384], weight_grad=[0.14172, 0.0459449],
+                        recompute=[0.0437395, 0.0391869], activation_bytes=[4096, 512], recompute_bytes=[8192, 8976])
+    fused = ps.simulate(ps.compile_program("1f1b", 2, 2), cost)
+    assert title_text(fused).split("\n")[1] == (
+        "bubble 34.46%  ·  makespan 637.1 ms  ·  costs [ms per stage and microbatch]: F=[43.7,39.2] B=[154,180] "
+        "act=[4096,512]B")  # no I, W, R or "held after R": 1f1b without a split or recompute draws none

@@ -236,7 +236,8 @@ def _cost_label(timeline: Timeline, unit: str, factor: float) -> str:
     """The costs in the picture's time unit (``unit``, ``seconds * factor``), or where they were measured."""
     cost, host = timeline.meta.get("cost"), timeline.meta.get("host")
     if cost:
-        return f"costs [{unit}]: {style.cost_in_unit(cost, unit, factor)}"
+        drawn = {e.instr.op for e in timeline.events}
+        return f"costs [{unit}]: {style.cost_in_unit(style.costs_drawn(cost, drawn), unit, factor)}"
     return f"costs as measured on {host}" if host else "costs as measured"
 
 

@@ -273,8 +273,9 @@ def title_text(timeline: Timeline, title: str | None = None) -> str:
         + ([held_ranks(timeline)] if held_ranks(timeline) else []))
     unit, factor = style.time_unit(timeline.makespan)
     cost = meta.get("cost") or ("costs as measured" if timeline.source == "measured" else "default costs")
-    cost_label = (f"costs [{unit} per stage and microbatch]: {style.cost_in_unit(cost, unit, factor)}"
-                  if meta.get("cost") else cost)
+    drawn = {e.instr.op for e in timeline.events}
+    cost_label = (f"costs [{unit} per stage and microbatch]: "
+                  f"{style.cost_in_unit(style.costs_drawn(cost, drawn), unit, factor)}" if meta.get("cost") else cost)
     second = (f"bubble {100 * timeline.bubble_fraction:.2f}%{SEP}makespan {timeline.makespan * factor:.4g} "
               f"{unit}{SEP}{cost_label}")
     return first + "\n" + second

@@ -13,10 +13,12 @@ def add_legend(ax, timeline: Timeline, extra: tuple = ()) -> None:
 
     chunks = stage_chunks(timeline)
     num_chunks = max(chunk_counts(chunks).values(), default=1)
-    ops = [op for op in style.BASE if any(e.instr.op is op for e in timeline.events)]
+    drawn = {(e.instr.op, chunks[(e.rank, e.instr.stage)]) for e in timeline.events}  # the kinds on the rows
     handles = []
-    for op in ops:
+    for op in style.BASE:
         for chunk in range(num_chunks):
+            if (op, chunk) not in drawn:
+                continue
             suffix = f", virtual stage {chunk}" if num_chunks > 1 else ""
             handles.append(Patch(facecolor=style.chunk_colour(op, chunk, num_chunks), edgecolor="white",
                                  hatch=style.chunk_hatch(chunk), label=style.KIND_NAME[op] + suffix))

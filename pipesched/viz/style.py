@@ -66,6 +66,28 @@ _LATENCY = re.compile(r"\b(latency|send)=([0-9.eE+-]+)s\b")  # the message secon
 _BANDWIDTH = re.compile(r"\bbw=([0-9.eE+-]+)B/s\b")
 
 
+def costs_drawn(text: str, drawn) -> str:
+    """A :meth:`~pipesched.cost.CostModel.describe` line without the compute costs of kinds the picture has no box
+    of (``drawn``: the :class:`~pipesched.ir.Op` of its events): a forward pass's ``B``, a split backward's fused
+    ``B``, ``I``/``W`` without a split, ``R`` (and ``held after R``) without recompute; each list's values to 3
+    significant digits (``0.0437395`` -> ``0.0437``), so a title of per-stage lists stays a few lines."""
+    names = {op.name for op in drawn}
+    text = _TIME_COST.sub(lambda m: "" if m.group(1) not in names else m.group(0), text)
+    if "R" not in names:
+        text = re.sub(r"held after R=\S+", "", text)
+    text = re.sub(r"\[([^\]]*)\]", lambda m: "[" + ",".join(_short(v) for v in m.group(1).split(",")) + "]", text)
+    return " ".join(text.split())
+
+
+def _short(value: str) -> str:
+    if value.strip().isdigit():  # a byte count: whole
+        return value
+    try:
+        return f"{float(value):.3g}"
+    except ValueError:
+        return value
+
+
 def cost_in_unit(text: str, unit: str, factor: float) -> str:
     """A :meth:`~pipesched.cost.CostModel.describe` line (seconds) in ``unit``, ``seconds * factor``:
     ``"F=0.001 B=0.002 latency=0.0001s send=2e-05s bw=2e+06B/s"`` in ms is ``"F=1 B=2 latency=0.1ms send=0.02ms

@@ -237,3 +237,12 @@ def test_the_readmes_launch_example_runs_as_written(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     losses = [float(v) for v in re.fullmatch(r"\[([-0-9.e]+), ([-0-9.e]+)\]\n", done.stdout).groups()]
     assert losses[0] == losses[1] and 0 < losses[0] < 2, done.stdout
+
+
+def test_chunked_gpipe_run_as_a_script_shows_what_it_registers():
+    # it printed nothing (a new user's trial): registering is all importing it does
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "chunked_gpipe.py")], capture_output=True,
+                         text=True, timeout=120, check=True).stdout.splitlines()
+    assert out[0].startswith("registered 'chunked-gpipe' in this process")
+    assert out[2].split() == ["0", "F0.0", "RECV_F1.0<0"]
+    assert out[-1] == "simulated bubble fraction (unit costs): 0.333"  # each chunk a GPipe of p: (p-1)/(2p-1)
