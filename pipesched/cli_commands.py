@@ -26,7 +26,7 @@ def add_schedule_commands(sub) -> None:
     add_schedule_module_arg(p)
     p.set_defaults(func=_cmd_list)
     p = sub.add_parser("show", help="the per-rank instruction streams of a schedule", parents=[schedule_parent()])
-    p.add_argument("--format", choices=("grid", "text"), default="grid", help="grid (default) or the text form")
+    p.add_argument("--format", choices=("grid", "text"), default=None, help="grid (default) or the text form")
     p.add_argument("--compute-only", action="store_true", help="before lowering: no SEND/RECV")
     p.add_argument("--json", action="store_true", help="print the JSON form")
     interop_cli.add_show_args(p)
@@ -51,6 +51,9 @@ def _cmd_list(args) -> int:
 
 
 def _cmd_show(args) -> int:
+    other = [flag for flag, on in (("--json", args.json), ("--torch-csv", args.torch_csv is not None)) if on]
+    if args.format is not None and other:  # --format would be ignored (--json with --torch-csv: JSON on stdout)
+        raise ValueError(f"show prints the program in one form; --format and {other[0]} were given: keep one")
     given = given_costs(args)
     if given and not getattr(REGISTRY.get(args.schedule), "takes_costs", False):
         raise ValueError(f"{given[0]} sets a cost that a schedule built from costs (zb-auto) is built for; "

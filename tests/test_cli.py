@@ -268,3 +268,16 @@ def test_options_a_forward_only_program_would_ignore_are_refused(capsys):
     assert code == 2 and "--recompute with --forward-only" in err
     code, out, _ = run(capsys, "simulate", "1f1b", "-p", "2", "-m", "2", "--forward-only", "--dp", "2")
     assert code == 0 and "peak in-flight 0" in out
+
+
+@pytest.mark.parametrize("extra, other", [(["--json", "--format", "grid"], "--json"),
+                                         (["--format", "text", "--torch-csv", "out.csv"], "--torch-csv")])
+def test_show_refuses_format_next_to_another_form(capsys, tmp_path, monkeypatch, extra, other):
+    # --format was ignored silently next to --json (a hunt's finding); --json with --torch-csv is one form (JSON
+    # on stdout, the file written: tests/test_cli_forms_and_ties.py)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "show", "1f1b", "-p", "2", "-m", "2", *extra)
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (f"error: show prints the program in one form; --format and {other} were "
+                                            f"given: keep one")
+    assert not (tmp_path / "out.csv").exists()
