@@ -93,8 +93,8 @@ def main(argv=None) -> float:
     final = float("nan") if loss is None else loss.item()
     if rank == 0:
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        print(f"final loss {final.hex()} ({final:.6f}) after {args.steps} steps; attempt {attempt}, "
-              f"resumed from step {resumed}")
+        start = "started afresh" if resumed is None else f"resumed from step {resumed}"
+        print(f"final loss {final.hex()} ({final:.6f}) after {args.steps} steps; attempt {attempt}, {start}")
         if args.result:
             with open(args.result, "w") as handle:
                 json.dump({"final_loss": final.hex(), "resumed_from": resumed, "attempt": attempt}, handle)

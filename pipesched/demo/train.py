@@ -35,8 +35,8 @@ def main(argv=None, prog: str | None = None) -> None:
         if args.plan:  # profile and plan here, then start the winner's ranks (pipesched/demo/planning.py)
             try:
                 plan_demo(args, autocast_dtype(args.autocast))
-            except PlanError as exc:  # nothing fits --memory: exit 1, as `pipesched plan` does
-                print(f"error: {exc}", file=sys.stderr, flush=True)
+            except PlanError as exc:  # nothing fits --memory: exit 1, as `pipesched plan` does, naming the option
+                print(f"error: {str(exc).replace('memory_per_rank=', '--memory=')}", file=sys.stderr, flush=True)
                 raise SystemExit(1) from None
         try:
             launch(train, args.ranks * args.dp, args, timeout=24 * 3600.0)
@@ -90,11 +90,13 @@ def make_pipeline(model: nn.Sequential, args: argparse.Namespace) -> Pipeline:
 def print_start(args: argparse.Namespace, pipe: Pipeline, model: nn.Sequential, text_bytes: int, first: int,
                 start_val: float) -> None:
     """Rank 0's first line: the run's shape and the validation loss before the first step."""
-    print(f"{args.schedule}: {pipe.program.num_ranks} pipeline ranks x {args.dp} dp, {args.microbatches} microbatches, "
+    ranks = pipe.program.num_ranks
+    print(f"{args.schedule}: {ranks} pipeline rank{'s' if ranks != 1 else ''} x {args.dp} dp, {args.microbatches} "
+          f"microbatches, "
           f"{args.virtual_stages} virtual stage(s) per rank, {args.depth} blocks ({args.depth + 3} layers in "
           f"{pipe.program.num_stages} stages), {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters"
           f"{' (embedding tied to the head)' if pipe.ties else ''}, autocast {str(pipe.autocast).replace('torch.', '') if pipe.autocast else 'off'}, clip "
-          f"{args.clip or 'off'}, {text_bytes / 1e6:.1f} MB of text; validation loss at step {first - 1} "
+          f"{args.clip or 'off'}, {text_bytes / 1e3:,.0f} kB of text; validation loss at step {first - 1} "
           f"{start_val:.3f}", flush=True)
 
 

@@ -246,3 +246,13 @@ def test_chunked_gpipe_run_as_a_script_shows_what_it_registers():
     assert out[0].startswith("registered 'chunked-gpipe' in this process")
     assert out[2].split() == ["0", "F0.0", "RECV_F1.0<0"]
     assert out[-1] == "simulated bubble fraction (unit costs): 0.333"  # each chunk a GPipe of p: (p-1)/(2p-1)
+
+
+def test_demo_plan_that_nothing_fits_names_the_memory_option():
+    # it said memory_per_rank=1 KiB, the planner's argument, where `pipesched plan` says --memory (a new user's trial)
+    run = subprocess.run([sys.executable, "-m", "pipesched.cli", "demo", "--plan", "--memory", "1KiB", "--ranks", "2",
+                          "--steps", "1", "--width", "32", "--depth", "2", "--context", "32", "--batch", "8",
+                          "--corpus-bytes", "3e4"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1].startswith(
+        "error: --memory=1 KiB: no configuration fits; the smallest memory per rank that fits is ")
