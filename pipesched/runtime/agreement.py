@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import time
 
+import torch.distributed as dist
+
 from ..ir import Op
 from ..program_io import fingerprint
 from .comm import groups_error_key
@@ -145,3 +147,11 @@ def refuse(store, world_rank: int, error: BaseException) -> None:
         publish(store, _PREFIX, world_rank, {"error": f"{type(error).__name__}: {error}"})
     except Exception:  # noqa: BLE001 - best effort: the local error is what the caller raises
         pass
+
+
+def refuse_construction(error: Exception) -> None:
+    """This rank's ``Pipeline(...)`` failed before any communication (``error``): where the default process group
+    is up, file the refusal the other ranks' construction reads (:func:`refuse`), so
+    they raise it instead of waiting for this rank until the timeout."""
+    if dist.is_available() and dist.is_initialized():
+        refuse(dist.distributed_c10d._get_default_store(), dist.get_rank(), error)

@@ -12,23 +12,23 @@ from .comm import init_default_group, make_groups, world_and_rank
 from .amp import autocast_context, checked_autocast, loss_scaling
 from .built import Built
 from .collective import peer_loss_as_comm_error
-from .agreement import agree, connected, describe, groups_failed, model_shapes, refuse
+from .agreement import agree, connected, describe, groups_failed, model_shapes, refuse_construction
 from .construction import local_setup
 from .replica_init import COPY_WHAT, COPY_WHERE, copy_replica_zero
 from .executor import Executor
 from .step_state import Links, RankWork
 from .handshake import Handshake, StepKey
-from .refusals import Rejected
 from .norm_parts import NormParts
 from .heap import keep_freed_memory
-from .failure import CommError, FailureChannel, PipelineError
+from .failure import FailureChannel, PipelineError
 from .departure import announce_close, watch
 from .measured import StepRecord
 from .measured_costs import costs_field, memory_limit_field
 from .microbatch import merge
 from .misfit import refused_on_misfit
+from .pipeline_calls import PipelineCalls
 from .pipeline_collectives import PipelineCollectives
-from .pipeline_failure import fail, teardown
+from .pipeline_failure import teardown
 from .pipeline_measured import PipelineMeasured
 from .sealed import Sealed
 from .stage import layers_of
@@ -38,7 +38,7 @@ from .ties import counted_parameters, start_ties
 from .transport import Transport
 
 
-class Pipeline(PipelineCollectives, PipelineMeasured, Sealed):
+class Pipeline(PipelineCalls, PipelineCollectives, PipelineMeasured, Sealed):
     """Train an ``nn.Sequential`` with a pipeline schedule; construct it on every rank of the job.
 
     Rank layout: world size = pipeline ranks ``p`` x ``dp_size``; world rank ``g`` is pipeline rank
@@ -396,48 +396,3 @@ class Pipeline(PipelineCollectives, PipelineMeasured, Sealed):
         announce_close(self._departure)  # before the teardown closes the connections the peers may be blocked on
         teardown(self)
         self._closed = True
-
-    # ---- step machinery --------------------------------------------------------------------------------
-
-    def _check_local(self, x, target) -> None:
-        """Only what every rank decides alike; the input itself is checked by the first stage's rank,
-        which tells the others (see :class:`~pipesched.runtime.handshake.Handshake`), so all ranks raise the same ValueError."""
-        if self._closed:
-            raise RuntimeError("this Pipeline was closed; create a new one")
-        if self._broken is not None:
-            raise PipelineError(self._broken.record, self.grid.world_rank, "this Pipeline failed in an earlier step")
-
-    def _refuse_call(self, error: TypeError, train: bool) -> None:
-        """This rank's ``step()`` (``train``) or ``forward()`` got arguments that do not fit (``error``): open the
-        step with it as this rank's refusal, so every rank raises it (:mod:`~pipesched.runtime.misfit`)."""
-        self._check_local(None, None)
-        self._guarded(lambda: run(self, None, None, train=train, refusal=error))
-
-    def _check_built(self) -> None:
-        """Raises ValueError: a layer of the model or a parameter of this rank's stages is not the one of
-        construction (:class:`~pipesched.runtime.built.Built`: names it and what to do instead)."""
-        change = self._built.changed()
-        if change is not None:
-            raise ValueError(change)
-
-    def _guarded(self, run, where: str | None = None):  # where: what runs, for a failure outside any instruction
-        self._running += 1  # close() refuses to run inside a call (a layer's forward, a hook, another thread)
-        self._away_s = time.monotonic() - self._idle_since  # said if the store host is gone (lost_rank.py)
-        try:
-            return run()
-        except Rejected as exc:  # every rank refused the call alike: a plain ValueError (TypeError), no record
-            raise exc.kind(str(exc)) from exc.__cause__
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
-            error = fail(self, exc, where)
-            raise error from (None if isinstance(exc, CommError) else exc)
-        finally:
-            self._running -= 1
-            self._idle_since = time.monotonic()
-
-
-def refuse_construction(error: Exception) -> None:
-    """This rank's ``Pipeline(...)`` failed before any communication (``error``): where the default process group
-    is up, file the refusal the other ranks' construction reads (:func:`~pipesched.runtime.agreement.refuse`), so
-    they raise it instead of waiting for this rank until the timeout."""
-    if dist.is_available() and dist.is_initialized():
-        refuse(dist.distributed_c10d._get_default_store(), dist.get_rank(), error)
