@@ -103,6 +103,7 @@ def report_honesty(candidate, measured_timeline, step_time: float, peaks, out: P
     path = out / "plan_vs_measured.png"
     figure = plot_comparison(candidate.timeline, measured_timeline,
                              title=f"plan ({candidate.describe()}): predicted {candidate.step_time * 1e3:.1f} ms, "
-                                   f"measured {step_time * 1e3:.1f} ms per step")
+                                   f"measured {step_time * 1e3:.1f} ms per step (the whole step() call; the "
+                                   f"panels span its first to its last instruction)")
     figure.savefig(path, dpi=110, bbox_inches="tight")
     return [path]
