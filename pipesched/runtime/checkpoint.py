@@ -31,6 +31,7 @@ from .state import first_mismatch, parameter_names, pipe_read_plan, read_plan, s
 from .checkpoint_read import (SAVING, as_path, copy_in, empty_for, extra_of, firsts, hidden, optimizer_keys,
                               read_checkpoint, read_locally, shape_of, staging_for)
 from .vote import Verdict, check_optimizers, check_same, vote
+from .misfit import refused_on_misfit
 from .replica_drift import check_replicas_agree, parameter_digests
 from .checkpoint_group import checkpoint_group
 from .checkpoint_write import (check_save, commit, extra_summary, failures_named, lost_peer_named, named_failure,
@@ -55,6 +56,7 @@ class CheckpointInfo:
     rng_restored: bool = False
 
 
+@refused_on_misfit(lambda pipe, error: _refuse_misfit("save_checkpoint", pipe, error), owner=lambda args, kwargs: _pipe_of(args, kwargs))
 def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=None) -> str:
     """Save ``pipe``'s model (and ``optimizer``'s state, every rank's RNG state, ``step``, ``extra``) to directory
     ``path``; collective: call it on every rank of the job with the same ``path`` and ``step``, and an optimizer on
@@ -146,6 +148,7 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
     return target
 
 
+@refused_on_misfit(lambda pipe, error: _refuse_misfit("load_checkpoint", pipe, error), owner=lambda args, kwargs: _pipe_of(args, kwargs))
 def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
     """Load a checkpoint of :func:`save_checkpoint` into ``pipe`` (and ``optimizer``); collective: call it on every
     rank of the job with the same ``path``, and an optimizer on every rank or on none (a rank whose stages hold no
@@ -308,6 +311,21 @@ def _check_pipe(pipe) -> None:
 
     if not isinstance(pipe, Pipeline):
         raise TypeError(f"pipe must be a pipesched.runtime.Pipeline, got {type(pipe).__name__}")
+
+
+def _pipe_of(args: tuple, kwargs: dict):
+    """The Pipeline of a checkpoint call's arguments (its second, ``pipe``), ``None`` where it is not one."""
+    from .pipeline import Pipeline
+
+    pipe = kwargs.get("pipe", args[1] if len(args) > 1 else None)
+    return pipe if isinstance(pipe, Pipeline) and dist.is_initialized() else None
+
+
+def _refuse_misfit(call: str, pipe, error: TypeError) -> None:
+    """A checkpoint call whose arguments do not fit (``save_checkpoint(path, pipe, optimiser=opt)``) on this rank:
+    its refusal in the call's first vote, so every rank raises it instead of waiting for this one
+    (:mod:`~pipesched.runtime.misfit`)."""
+    vote(call, "arguments", Verdict(error=error), pipe.timeout, pipe)
 
 
 def _timeout_of(pipe) -> float | None:

@@ -19,16 +19,23 @@ def misfit_error(method, signature: inspect.Signature, args: tuple, kwargs: dict
     try:
         signature.bind(*args, **kwargs)
     except TypeError as exc:
+        if "." not in method.__qualname__:  # a function: its own name
+            return TypeError(f"{method.__name__}() {exc}")
         owner = type(args[0]).__name__ if args else method.__qualname__.rpartition(".")[0]
         return TypeError(f"{owner}.{method.__name__}() {exc}")
     return None
 
 
-def refused_on_misfit(refuse):
-    """Decorator of a collective method: a call whose arguments do not fit runs ``refuse(self, error)`` instead
-    (``error``: :func:`misfit_error`'s ``TypeError``), which must carry ``error`` to the other ranks the way the
-    method carries its own checks' refusals, and raise. The signature stays the method's (``inspect``, ``help``);
-    binding costs a few microseconds per call."""
+def _self(args: tuple, kwargs: dict):
+    return args[0] if args else None
+
+
+def refused_on_misfit(refuse, owner=_self):
+    """Decorator of a collective method (or function): a call whose arguments do not fit runs ``refuse(obj,
+    error)`` instead (``error``: :func:`misfit_error`'s ``TypeError``; ``obj``: ``owner(args, kwargs)``, by default
+    ``self``), which must carry ``error`` to the other ranks the way the call carries its own checks' refusals, and
+    raise. ``obj`` ``None`` (not given): ``error`` is raised here. The signature stays the call's (``inspect``,
+    ``help``); binding costs a few microseconds per call."""
 
     def wrap(method):
         signature = inspect.signature(method)
@@ -38,9 +45,9 @@ def refused_on_misfit(refuse):
             error = misfit_error(method, signature, args, kwargs)
             if error is None:
                 return method(*args, **kwargs)
-            if not args:  # not even self: nothing to refuse through
-                raise error
-            refuse(args[0], error)
+            obj = owner(args, kwargs)
+            if obj is not None:
+                refuse(obj, error)
             raise error  # refuse() raises; this guards a refusal path that returned
 
         return call

@@ -9,7 +9,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from pipesched.runtime import GradScaler, Pipeline
+from pipesched.runtime import GradScaler, Pipeline, load_checkpoint, save_checkpoint
 
 from rt_cases import mlp, reference_step
 
@@ -31,7 +31,7 @@ def _batch(seed: int):
     return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
 
 
-def misfits(rank):
+def misfits(rank, folder):
     """Rank 1 alone misspells a keyword of each collective call; rank 0 calls it right. Returns
     ``{call: (outcome, what the next correct call gave)}`` and the unsplit model's values to compare."""
     bad = rank == 1
@@ -55,8 +55,15 @@ def misfits(rank):
     out["run_collective"] = _outcome(lambda: pipe.run_collective(work, meat=True) if bad else
                                      pipe.run_collective(work))
     out["collective"] = pipe.run_collective(work)
-    scaler = GradScaler(pipe)  # last: a GradScaler's failed collective call ends the pipeline on every rank
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    path = f"{folder}/ckpt"
+    out["save_checkpoint"] = _outcome(lambda: save_checkpoint(path, pipe, optimiser=opt) if bad else
+                                      save_checkpoint(path, pipe, optimizer=opt))
+    out["saved"] = save_checkpoint(path, pipe, optimizer=opt, step=1).endswith("ckpt")
+    out["load_checkpoint"] = _outcome(lambda: load_checkpoint(path, pipe, opt, 5) if bad else
+                                      load_checkpoint(path, pipe, opt))
+    out["loaded step"] = load_checkpoint(path, pipe, opt).step
+    scaler = GradScaler(pipe)  # last: a GradScaler's failed collective call ends the pipeline on every rank
     pipe.step(x, y, scaler=scaler)
     out["GradScaler.unscale_"] = _outcome(lambda: scaler.unscale_(opt, 5) if bad else scaler.unscale_(opt))
     return out

@@ -24,11 +24,13 @@ CONSTRUCT = "Pipeline.__init__() got an unexpected keyword argument 'schedul'"
 CLIP = "Pipeline.clip_grad_norm_() got an unexpected keyword argument 'norm'"
 TIMELINE = "Pipeline.gather_timeline() got an unexpected keyword argument 'kinds'"
 COLLECTIVE = "Pipeline.run_collective() got an unexpected keyword argument 'meat'"
+SAVE = "save_checkpoint() got an unexpected keyword argument 'optimiser'"
+LOAD = "load_checkpoint() too many positional arguments"
 
 
 @pytest.fixture(scope="module")
-def results():
-    return launch(rt_misfit.misfits, 2, timeout=600)
+def results(tmp_path_factory):
+    return launch(rt_misfit.misfits, 2, str(tmp_path_factory.mktemp("misfit")), timeout=600)
 
 
 def test_a_misfit_construction_on_one_rank_is_that_rank_s_error_on_the_other(results):
@@ -48,6 +50,11 @@ EXPECTED = {
                         f"no gradient was changed", f"TypeError: {CLIP}"),
     "gather_timeline": (f"TypeError: gather_timeline: pipeline rank 1 refused its call: {TIMELINE}",) * 2,
     "run_collective": (f"TypeError: run_collective: pipeline rank 1 refused its call: {COLLECTIVE}",) * 2,
+    # functions: their first vote carries it (rank 0 waited for the vote's timeout, pipe.timeout, before)
+    "save_checkpoint": (f"TypeError: save_checkpoint: world rank 1 refused its arguments: {SAVE}",
+                        f"TypeError: {SAVE}"),
+    "load_checkpoint": (f"TypeError: load_checkpoint: world rank 1 refused its arguments: {LOAD}",
+                        f"TypeError: {LOAD}"),
 }
 
 
@@ -73,6 +80,7 @@ def test_the_ranks_stay_in_step_after_the_refused_calls(results):
         assert res["total"] == pytest.approx(res["reference total"], rel=1e-6)
         assert res["timeline ranks"] == [0, 1]
         assert res["collective"] == 2
+        assert res["saved"] and res["loaded step"] == 1
 
 
 def test_misfit_error_words_what_python_would_say():
