@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import random
+import sys
 
 import torch
 from torch import nn
@@ -27,11 +29,28 @@ from .shared_buffers import byte_span, overlapping
 
 
 def rng_state(device: torch.device, module: nn.Module | None = None) -> tuple:
-    """``(cpu_state, cuda_state or None, generators)``: what the forward of a recomputed stage must replay;
+    """``(cpu_state, cuda_state or None, generators, host)``: what the forward of a recomputed stage must replay;
     ``generators``: ``[(generator, its state)]`` for each ``torch.Generator`` held as an attribute of a module of
-    ``module`` (a layer that draws from its own generator, ``torch.rand(..., generator=self.gen)``), each once."""
+    ``module`` (a layer that draws from its own generator, ``torch.rand(..., generator=self.gen)``), each once;
+    ``host``: :func:`host_states` (a layer drawing from Python's ``random`` or NumPy's global generator: stochastic
+    depth written with ``random.random()``)."""
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda, [(g, g.get_state()) for g in own_generators(module)]
+    return torch.get_rng_state(), cuda, [(g, g.get_state()) for g in own_generators(module)], host_states()
+
+
+def host_states() -> tuple:
+    """``(Python's random state, NumPy's global generator's state or None)``: NumPy's only where it is imported
+    (a few microseconds each). A ``random.Random`` or NumPy ``Generator`` a layer holds itself is not included."""
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), (numpy.random.get_state() if numpy is not None else None)
+
+
+def set_host_states(states: tuple) -> None:
+    """Put Python's ``random`` and NumPy's global generator in ``states`` (from :func:`host_states`)."""
+    python, numpy_state = states
+    random.setstate(python)
+    if numpy_state is not None:
+        sys.modules["numpy"].random.set_state(numpy_state)
 
 
 def own_generators(module: nn.Module | None) -> list:
@@ -64,18 +83,23 @@ _MODULE_STATE = frozenset(vars(nn.Module()))
 
 @contextlib.contextmanager
 def replay_rng(state: tuple, device: torch.device):
-    """Run the block with the RNG state ``state`` (from :func:`rng_state`): the global CPU (and CUDA) generator's
-    and each module-held generator's; restore the caller's after, so a recompute does not shift the random numbers
+    """Run the block with the RNG state ``state`` (from :func:`rng_state`): the global CPU (and CUDA) generator's,
+    each module-held generator's, Python's ``random`` and NumPy's global one; restore the caller's after, so a recompute does not shift the random numbers
     of later forwards."""
-    cpu, cuda, generators = state
+    cpu, cuda, generators, host = state
     devices = [device] if device.type == "cuda" else []
+    caller = host_states()
     with torch.random.fork_rng(devices=devices), states_kept([g for g, _ in generators]):
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, device)
         for g, then in generators:
             g.set_state(then)
-        yield
+        set_host_states(host)
+        try:
+            yield
+        finally:
+            set_host_states(caller)
 
 
 @contextlib.contextmanager
