@@ -72,12 +72,15 @@ def leave_unclosed(pipes) -> None:
     from .pipeline_failure import teardown  # here: pipeline_failure imports this module
 
     for pipe in pipes:
-        if pipe._closed:
+        if getattr(pipe, "_closed", True):  # closed, or never built (its construction was refused)
             continue
-        if pipe._departure is not None:
-            pipe._departure()
-        teardown(pipe)
-        pipe._closed = True
+        try:
+            if pipe._departure is not None:
+                pipe._departure()
+            teardown(pipe)
+            pipe._closed = True
+        except Exception:  # noqa: BLE001 - best effort: the next Pipeline is still announced and closed
+            pass
 
 
 def _announce_exit(failures, grid) -> None:

@@ -185,19 +185,22 @@ class Handshake:
         return decided
 
     def _agree_replicas(self, train: bool, refusal: Rejected | None, batch: int = 0) -> None:
-        """One all-gather over the data-parallel group of ``[REPLICA_MARK, train, refused, *its text, batch]``
-        (``refused``: 0, or the :data:`REFUSAL_KINDS` code of the exception it raises; ``batch``, the last word:
-        this replica's batch size, 0 where refused). The replicas' batch sizes, by replica, are kept in
+        """One all-gather over the data-parallel group of ``[REPLICA_MARK, train, refused, *its text, autocast,
+        batch]`` (``refused``: 0, or the :data:`REFUSAL_KINDS` code of the exception it raises; ``autocast``: the
+        caller's, :func:`~pipesched.runtime.settings.caller_autocast`, which every pipeline rank of the replica
+        shares once its opening passed; ``batch``, the last word: this replica's batch size, 0 where refused). The replicas' batch sizes, by replica, are kept in
         :attr:`replica_batches`: the step weights its loss in backward by them (``step_run.loss_weights``), so
         that the data-parallel average is the whole batch's gradient where replicas got different batch sizes.
 
         Raises:
             Rejected: replicas made different calls (names each replica's); or another replica refused its step
                 (its message, prefixed by ``replica R refused its step:``, of its kind); a replica that refused
-                raises its own.
+                raises its own; replicas under different autocast (their gradients would be averaged across two
+                precisions).
         """
+        amp = caller_autocast(self.device, self.autocast)
         mine = encode_text([REPLICA_MARK, int(train), 0 if refusal is None else kind_code(refusal.kind)],
-                           str(refusal or ""), SIG_LEN - 1) + [batch]
+                           str(refusal or ""), SIG_LEN - 2) + [amp, batch]
         rows = gather_rows(mine, self.dp_group, self.program.dp_size, torch.int64, self.device,
                            "the replicas' agreement on the step")
         calls = ("forward()", "step()")
@@ -210,6 +213,11 @@ class Handshake:
             row = rows[refused[0]]
             raise Rejected(f"replica {refused[0]} refused its step: {decode_text(row)}",
                            REFUSAL_KINDS.get(row[2], ValueError))
+        if not refused and len({row[-2] for row in rows}) > 1:
+            raise Rejected(f"{calls[train]} was called under different autocast settings: " + ", ".join(
+                f"replica {k} {describe_autocast(row[-2], self.device.type)}" for k, row in enumerate(rows))
+                + "; enter the same torch.autocast on every rank, or pass autocast= to Pipeline (then the caller's "
+                "is ignored)")
         self.replica_batches = [row[-1] for row in rows]
 
     def _decide(self, x, train: bool, to_device, settings: int, clip, verdict: TargetVerdict | None,

@@ -13,8 +13,8 @@ import inspect
 
 
 def misfit_error(method, signature: inspect.Signature, args: tuple, kwargs: dict) -> TypeError | None:
-    """The ``TypeError`` Python would raise for ``method(*args, **kwargs)`` (``args`` with ``self`` first),
-    worded as Python words it, with the class of ``self`` (``Pipeline.step() got an unexpected keyword argument
+    """The ``TypeError`` Python would raise for ``method(*args, **kwargs)`` (``args`` with ``self`` first), in
+    :meth:`inspect.Signature.bind`'s words, with the class of ``self`` (``Pipeline.step() got an unexpected keyword argument
     'targets'``, also for a method a mixin defines); ``None`` where the arguments fit."""
     try:
         signature.bind(*args, **kwargs)
@@ -50,6 +50,20 @@ def refused_on_misfit(refuse, owner=_self):
                 refuse(obj, error)
             raise error  # refuse() raises; this guards a refusal path that returned
 
+        call.misfit_refusal = (refuse, owner)  # what guard_overrides gives a subclass's override of it
         return call
 
     return wrap
+
+
+def guard_overrides(cls) -> None:
+    """Guard the methods ``cls`` overrides of a guarded one (its ``__init_subclass__`` calls this): a subclass's
+    ``step(self, x, y, tag=None)`` is what Python binds first, so a misfit call of it never reached the guarded
+    ``Pipeline.step`` (a rank that caught it ran its next step against the others' current one)."""
+    for name, value in list(vars(cls).items()):
+        if not inspect.isfunction(value) or hasattr(value, "misfit_refusal"):
+            continue
+        inherited = next((base.__dict__[name] for base in cls.__mro__[1:] if name in base.__dict__), None)
+        guard = getattr(inherited, "misfit_refusal", None)
+        if guard is not None:
+            setattr(cls, name, refused_on_misfit(*guard)(value))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from .failure import CommError, PipelineError
+from .misfit import guard_overrides
 from .pipeline_failure import fail
 from .refusals import Rejected
 from .step_run import run
@@ -14,6 +15,10 @@ from .step_run import run
 
 class PipelineCalls:
     """The call machinery of :class:`~pipesched.runtime.pipeline.Pipeline` (see the module)."""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        guard_overrides(cls)  # a subclass's own step(), forward(), ... is refused on every rank too
 
     def _check_local(self, x, target) -> None:
         """Only what every rank decides alike; the input itself is checked by the first stage's rank,

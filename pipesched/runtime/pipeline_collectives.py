@@ -9,7 +9,7 @@ import torch
 from .call_args import meet_with_argument, shown
 from .clipping import clip_grad_norm_ as clip_all_stages
 from .clipping import refuse as refuse_clip
-from .collective import peer_loss_as_comm_error
+from .collective import fail_every_rank, peer_loss_as_comm_error
 from .handshake import COLLECTIVE_MARK
 from .misfit import refused_on_misfit
 
@@ -17,7 +17,7 @@ from .misfit import refused_on_misfit
 class PipelineCollectives:
     """The collective calls of :class:`~pipesched.runtime.pipeline.Pipeline` outside ``step()`` (see the module)."""
 
-    @refused_on_misfit(lambda pipe, error: pipe._collective(None, True, "run_collective", error))
+    @refused_on_misfit(lambda pipe, error: fail_every_rank(pipe, "run_collective", error))
     def run_collective(self, work, meet: bool = True):
         """Run ``work(pp_group, dp_group)`` -- a collective of the caller's over this pipeline's process groups
         (``dp_group`` is None without data parallelism) -- as a step runs: refused on a closed or failed pipeline
@@ -38,18 +38,17 @@ class PipelineCollectives:
         rank's ``TypeError``, carried in the meeting row (:mod:`~pipesched.runtime.call_args`): every rank raises a
         ``TypeError`` before ``work`` runs (its own where every rank refused, else ``run_collective: pipeline rank R
         refused its call: ...``), and the pipeline stays usable. With ``meet=False`` there is no row to carry it: a
-        non-callable ``work`` fails every rank as ``work``'s own exception would. Arguments that do not fit
-        (``run_collective(work, meat=False)``) are carried the same way (:mod:`~pipesched.runtime.misfit`)."""
+        non-callable ``work`` fails every rank as ``work``'s own exception would. So do arguments that do not fit
+        (``run_collective(work, meat=False)``: whether the other ranks meet first is not known; a ``PipelineError``
+        naming this rank's ``TypeError`` on every rank, at once, :mod:`~pipesched.runtime.misfit`)."""
         return self._collective(work, meet, "run_collective")
 
-    def _collective(self, work, meet: bool, call: str, refusal: TypeError | None = None):
+    def _collective(self, work, meet: bool, call: str):
         """:meth:`run_collective` for ``call``, the public call running it (``"clip_grad_norm_"``, ...), named where
-        it fails: ``failed in a collective call outside any step (<call>)``. ``refusal``: this rank's call did not
-        fit its signature (with ``meet`` True: the row carries it)."""
+        it fails: ``failed in a collective call outside any step (<call>)``."""
         self._check_local(None, None)
-        if refusal is not None:
-            pass
-        elif not callable(work):
+        refusal = None
+        if not callable(work):
             refusal = TypeError(f"work must be a callable work(pp_group, dp_group), got {shown(work)}")
         elif not isinstance(meet, bool):
             refusal = TypeError(f"meet must be True or False, got {shown(meet)}")

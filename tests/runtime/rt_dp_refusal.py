@@ -19,9 +19,14 @@ def _batch(seed: int, rows: int = 8):
     return torch.randn(rows, 8, generator=g), torch.randn(rows, 8, generator=g)
 
 
+def _under_bf16(enabled: bool, call):
+    with torch.autocast("cpu", torch.bfloat16, enabled=enabled):
+        return call()
+
+
 def refusals(rank):
     """Step 1 (fine); step 2 refused on replica 1 only (2 rows for m=4; then its target of 3 rows for 8; then
-    replica 1 calls forward()); step 3 (fine). Returns each refused call's error text by case, and whether the
+    replica 1 calls forward(); then replica 1 steps under bf16 autocast); step 3 (fine). Returns each refused call's error text by case, and whether the
     gradients after step 3 (zeroed before it) equal the average over replicas of the unsplit model's."""
     model = mlp(num_layers=4)
     ref = copy.deepcopy(model)
@@ -31,7 +36,8 @@ def refusals(rank):
     pipe.step(*_batch(10 + replica))
     cases = {"small batch": lambda: pipe.step(*(_batch(20, rows=2) if replica == 1 else _batch(20))),
              "bad target": lambda: pipe.step(_batch(30)[0], _batch(30)[1][:3] if replica == 1 else _batch(30)[1]),
-             "forward": lambda: pipe.forward(_batch(40)[0]) if replica == 1 else pipe.step(*_batch(40))}
+             "forward": lambda: pipe.forward(_batch(40)[0]) if replica == 1 else pipe.step(*_batch(40)),
+             "autocast": lambda: _under_bf16(replica == 1, lambda: pipe.step(*_batch(45)))}
     for name, call in cases.items():
         try:
             call()

@@ -31,6 +31,13 @@ def _batch(seed: int):
     return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
 
 
+class TaggedPipeline(Pipeline):
+    """A user's subclass with a step() of its own: Python binds its arguments before Pipeline.step's guard runs."""
+
+    def step(self, x=None, target=None, tag=None):
+        return super().step(x, target)
+
+
 def misfits(rank, folder):
     """Rank 1 alone misspells a keyword of each collective call; rank 0 calls it right. Returns
     ``{call: (outcome, what the next correct call gave)}`` and the unsplit model's values to compare."""
@@ -44,6 +51,13 @@ def misfits(rank, folder):
     pipe = Pipeline(model, schedule="1f1b", **kwargs)  # the job goes on: the next construction on both ranks
     x, y = _batch(1)
     out["step"] = float(pipe.step(x, y))
+    sub_model = mlp(num_layers=4, seed=3)
+    sub_ref = copy.deepcopy(sub_model)
+    sub = TaggedPipeline(sub_model, schedule="1f1b", **kwargs)
+    out["subclass step"] = _outcome(lambda: sub.step(x, y, "tag", "extra") if bad else sub.step(x, y, "tag"))
+    out["subclass next step"] = float(sub.step(x, y, "tag"))
+    out["subclass reference"] = float(reference_step(sub_ref, x, y, M))
+    sub.close()
     out["reference step"] = float(reference_step(ref, x, y, M))
     out["clip_grad_norm_"] = _outcome(lambda: pipe.clip_grad_norm_(1e-3, norm=2.0) if bad else
                                       pipe.clip_grad_norm_(1e-3))
@@ -52,9 +66,11 @@ def misfits(rank, folder):
     out["gather_timeline"] = _outcome(lambda: pipe.gather_timeline(kinds="step") if bad else pipe.gather_timeline())
     out["timeline ranks"] = sorted({e.rank for e in pipe.gather_timeline().events})
     work = lambda pp_group, dp_group: torch.distributed.get_world_size(pp_group)  # noqa: E731
-    out["run_collective"] = _outcome(lambda: pipe.run_collective(work, meat=True) if bad else
-                                     pipe.run_collective(work))
     out["collective"] = pipe.run_collective(work)
+    doomed = Pipeline(mlp(num_layers=4), schedule="1f1b", **kwargs)  # a misfit run_collective fails its Pipeline
+    reduce = lambda pp_group, dp_group: torch.distributed.all_reduce(torch.ones(1), group=pp_group)  # noqa: E731
+    out["run_collective"] = _outcome(lambda: doomed.run_collective(reduce, meat=False) if bad else
+                                     doomed.run_collective(reduce, meet=False))  # rank 0 waits in the all-reduce
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     path = f"{folder}/ckpt"
     out["save_checkpoint"] = _outcome(lambda: save_checkpoint(path, pipe, optimiser=opt) if bad else

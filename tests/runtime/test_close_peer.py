@@ -55,3 +55,21 @@ def test_close_inside_a_running_step_is_refused_with_a_clear_error():
         assert got["type"] == "PipelineError" and got["rank"] == 1, got
         assert "close() was called while this Pipeline's step(), forward() or collective call is running" in \
             got["message"], got
+
+
+def test_leave_unclosed_skips_a_pipeline_never_built_and_goes_on(monkeypatch):
+    # a Pipeline(...) refused at construction (a misfit keyword) has no _closed; kept alive (say in a caught
+    # exception's traceback) it stopped leave_unclosed before the live Pipelines after it (a hunt's finding)
+    from pipesched.runtime import departure, pipeline_failure
+
+    class NeverBuilt:
+        pass
+
+    class Live:
+        _closed, _departure = False, None
+
+    torn = []
+    monkeypatch.setattr(pipeline_failure, "teardown", torn.append)
+    live = Live()
+    departure.leave_unclosed([NeverBuilt(), live])
+    assert torn == [live] and live._closed

@@ -25,6 +25,12 @@ def test_every_replica_refuses_what_one_refuses(got):
         pp_rank = out["pp_rank"]  # the call is compared in this pipeline position's data-parallel group (2 ranks)
         assert errors["forward"] == (f"every replica must make the same call; replica 0 (world rank {pp_rank}) "
                                      f"called step(), replica 1 (world rank {2 + pp_rank}) called forward()"), errors
+        # each replica's pipeline ranks agree (its opening passed), the replicas do not: their gradients would be
+        # averaged across two precisions (it ran, before)
+        assert errors["autocast"] == ("step() was called under different autocast settings: replica 0 without "
+                                      "autocast, replica 1 under torch.autocast('cpu', dtype=torch.bfloat16); enter "
+                                      "the same torch.autocast on every rank, or pass autocast= to Pipeline (then "
+                                      "the caller's is ignored)"), errors
 
 
 def test_the_next_step_averages_the_same_step_on_every_replica(got):
