@@ -57,7 +57,7 @@ def _load_and_validate(args):
     try:
         program = interop_cli.load_for_validate(args)
     except UnicodeDecodeError as exc:  # a binary file given as the text or JSON form
-        from .interop import not_text
+        from .strict_json import not_text
 
         raise ProgramFormatError(f"{args.file}: {not_text(exc)}; validate reads pipesched's text or JSON form "
                                  f"(or a torch CSV with --torch-csv)") from None

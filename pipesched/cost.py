@@ -253,6 +253,8 @@ def _unit(name: str) -> str:
 
 
 def _fmt(value) -> str:
+    """``value`` (a number or a per-stage list) for :meth:`CostModel.describe`: ``:g``, but a whole number below
+    2**53 in full (a byte count of 1048576 stays ``1048576``, not ``1.04858e+06``)."""
     if isinstance(value, (int, float)):
-        return f"{value:g}"
-    return "[" + ",".join(f"{v:g}" for v in value) + "]"
+        return str(int(value)) if float(value).is_integer() and abs(value) < 2**53 else f"{value:g}"
+    return "[" + ",".join(_fmt(v) for v in value) + "]"

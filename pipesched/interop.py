@@ -29,6 +29,7 @@ from collections import Counter
 from .checks import as_int, check_flag, check_path, check_program, check_program_size, described, short
 from .engine import has_comm
 from .errors import ProgramFormatError
+from .strict_json import not_text
 from .ir import COMM_OPS, OVERLAP_PAIRS, Instr, Op, Program
 from .lower import add_all_reduce
 from .interop_order import torch_runnable
@@ -159,11 +160,6 @@ def _read_rows(path) -> list[list[_Cell]]:
         return _decode_rows(path)
     except UnicodeDecodeError as exc:
         raise ProgramFormatError(f"{path}: {not_text(exc)}; a torch schedule CSV is UTF-8 text") from None
-
-
-def not_text(exc: UnicodeDecodeError) -> str:
-    """What a file that fails to decode is, for a message naming it (``not UTF-8 text: byte 0x8a at offset 0``)."""
-    return f"not UTF-8 text: byte {exc.object[exc.start]:#04x} at offset {exc.start}"
 
 
 # how pipesched's text form (a comment or a header line) or JSON form starts: only for a hint

@@ -106,13 +106,14 @@ def virtual_stage_choices(value, names: tuple[str, ...], by_default: bool, num_l
                                     f"(e.g. 2 or (2, 4)), got {value!r}", argument="virtual_stages")
     takes = [n for n in names if get_schedule(n).default_virtual_stages > 1
              and not get_schedule(n).fixed_virtual_stages]
-    if not takes:  # fixed schedules only: each runs its own v, which must be among those asked for
-        fixed = {n: get_schedule(n).default_virtual_stages for n in names if get_schedule(n).fixed_virtual_stages}
-        if fixed and len(fixed) == len(names) and not set(fixed.values()) & set(values):
+    if not takes:  # each runs its own v (fixed: zbv's 2; the plain ones 1): one of them must be a v asked for
+        runs = {n: get_schedule(n).default_virtual_stages for n in names}
+        if not set(runs.values()) & set(values):
             raise ScheduleArgumentError(
-                f"virtual_stages={value!r}: schedule " + ", ".join(f"{n!r} runs exactly v = {v}" for n, v in
-                                                                   fixed.items())
-                + " stages per rank; leave virtual_stages out for it", argument="virtual_stages")
+                f"virtual_stages={value!r}: no schedule asked for runs it: " + ", ".join(
+                    f"{n!r} runs {'exactly ' if v > 1 else ''}v = {v}" for n, v in runs.items())
+                + " stages per rank; leave virtual_stages out, or name a schedule that takes any v "
+                "(interleaved-1f1b)", argument="virtual_stages")
         return names, values
     runs_one = any(get_schedule(n).default_virtual_stages == 1 for n in names)
     usable = tuple(dict.fromkeys(v for v in values if v > 1))

@@ -73,12 +73,7 @@ def run_plan(args: argparse.Namespace) -> int:
         profile = LayerProfile.load(args.profile)
     except OSError as exc:
         raise ValueError(f"--profile {args.profile}: cannot read it ({exc.strerror or exc})") from None
-    except UnicodeDecodeError as exc:  # a binary file
-        from .interop import not_text
-
-        raise ValueError(f"--profile {args.profile}: {not_text(exc)}; a profile is the JSON LayerProfile.save "
-                         f"writes") from None
-    except ValueError as exc:  # not JSON, or not a profile (the message names the file)
+    except ValueError as exc:  # not JSON or not text, or not a profile (the message names the file)
         raise ValueError(f"--profile: {exc}") from None
     try:
         result = plan(profile, args.world_size, memory, args.batch, schedules=args.schedules, top=args.top,

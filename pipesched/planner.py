@@ -242,7 +242,7 @@ def format_bytes(n: float) -> str:
     """``17179869184`` -> ``"16 GiB"``, ``1044480`` -> ``"1020 KiB"`` (3 significant digits, whole numbers from
     100 up, never an exponent; B, KiB, MiB, GiB, TiB)."""
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
+        if n >= size * (1 - 0.5 / 1024):  # 1023.5 KiB and up is 1 MiB, not 1024 KiB
             value = n / size
             return f"{value:.0f} {unit}" if value >= 99.95 else f"{value:.3g} {unit}"
     return f"{n:.0f} B"

@@ -264,9 +264,10 @@ class LayerProfile:
                 a valid profile (names the path). TypeError: ``path`` is not a ``str`` or ``os.PathLike``.
         """
         check_path(path)
-        data = strict_json.load_file(path, "LayerProfile.save")  # a key given twice: refused, not the last kept
         try:
-            return cls.from_json(data)
+            return cls.from_json(strict_json.load_file(path, "LayerProfile.save"))  # a key twice: refused
+        except json.JSONDecodeError:
+            raise  # names the file and its writer
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{path}: {exc}") from None
 

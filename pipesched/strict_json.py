@@ -143,11 +143,20 @@ def load_file(path, writer: str):
     """:func:`loads` of the UTF-8 file at ``path``; a file that is not JSON raises a ``json.JSONDecodeError``
     saying so with the file and what writes such files (``writer``, e.g. ``"Timeline.save"``):
     ``t.txt is not JSON (Expecting value); expected a file written by Timeline.save: line 1 column 1 (char 0)``
-    (its ``lineno``/``colno`` kept). OSError: the file cannot be read."""
-    with open(path, encoding="utf-8") as handle:
-        text = handle.read()
+    (its ``lineno``/``colno`` kept); so does a file that is not UTF-8 text (a picture given by mistake).
+    OSError: the file cannot be read. DuplicateKeyError: as :func:`loads` (the caller names the file)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except UnicodeDecodeError as exc:  # a picture or other binary file given by mistake
+        raise json.JSONDecodeError(f"{path}: {not_text(exc)}; expected a file written by {writer}", "", 0) from None
     try:
         return loads(text)
     except json.JSONDecodeError as exc:
         raise json.JSONDecodeError(f"{path} is not JSON ({exc.msg}); expected a file written by {writer}",
                                    exc.doc, exc.pos) from None
+
+
+def not_text(exc: UnicodeDecodeError) -> str:
+    """What a file that fails to decode is, for a message naming it (``not UTF-8 text: byte 0x8a at offset 0``)."""
+    return f"not UTF-8 text: byte {exc.object[exc.start]:#04x} at offset {exc.start}"

@@ -135,4 +135,5 @@ def test_binary_profile_is_named(capsys, tmp_path):
     path = tmp_path / "profile.json"
     path.write_bytes(b"\x8a\xff\x00")
     code, _, err = run(capsys, "plan", "--profile", str(path), "--world-size", "2", "--memory", "1GiB", "--batch", "4")
-    assert code == 2 and err.startswith(f"error: --profile {path}: not UTF-8 text")
+    assert code == 2 and err.startswith(f"error: --profile: {path}: not UTF-8 text: byte 0x8a at offset 0; expected "
+                                        f"a file written by LayerProfile.save")

@@ -37,3 +37,29 @@ def test_plan_names_the_option(not_json, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: --profile: {not_json} is not JSON (Expecting value); expected a file written by LayerProfile.save: "
         f"line 1 column 1 (char 0)")
+
+
+@pytest.fixture
+def picture(tmp_path):
+    path = tmp_path / "timeline.png"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n")
+    return path
+
+
+@pytest.mark.parametrize("reader, writer", [(ps.Timeline.load, "Timeline.save"),
+                                            (ps.LayerProfile.load, "LayerProfile.save")])
+def test_a_binary_file_is_not_json_naming_the_file_and_the_writer(picture, reader, writer):
+    # was a bare UnicodeDecodeError ('utf-8' codec can't decode byte 0x89 ...), no file named
+    with pytest.raises(json.JSONDecodeError) as info:
+        reader(picture)
+    assert str(info.value) == (f"{picture}: not UTF-8 text: byte 0x89 at offset 0; expected a file written by "
+                               f"{writer}: line 1 column 1 (char 0)")
+
+
+def test_a_profile_giving_a_key_twice_names_the_file(tmp_path, capsys):
+    path = tmp_path / "dup.json"
+    path.write_text('{"a": 1, "a": 2}', encoding="utf-8")
+    assert main(["plan", "--profile", str(path), "--world-size", "2", "--memory", "1GiB", "--batch", "8"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f'error: --profile: {path}: duplicate key "a" at the top level (given twice: only the last would be kept); '
+        f'give each key once')

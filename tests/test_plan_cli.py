@@ -137,3 +137,4 @@ def test_format_bytes_never_prints_an_exponent():
     assert format_bytes(1.5 * 2**20) == "1.5 MiB"
     assert format_bytes(10.25 * 2**20) == "10.2 MiB"
     assert format_bytes(1023) == "1023 B"
+    assert format_bytes(2**20 - 1) == "1 MiB" and format_bytes(1023.4 * 2**10) == "1023 KiB"

@@ -102,9 +102,13 @@ def test_v_1_only_for_an_interleaved_schedule_is_refused_naming_it(value):
 def test_a_v_a_fixed_schedule_does_not_run_is_refused_naming_it(schedule):
     # was: ignored, the plan came back with v = 2 (a new user's trial), while interleaved-1f1b's was refused
     err = refused(lambda: plan(profile6(), 2, 1e9, 16, schedules=[schedule], virtual_stages=1))
-    assert str(err) == (f"virtual_stages=1: schedule {schedule!r} runs exactly v = 2 stages per rank; leave "
-                        f"virtual_stages out for it")
+    assert str(err) == (f"virtual_stages=1: no schedule asked for runs it: {schedule!r} runs exactly v = 2 stages per "
+                        f"rank; leave virtual_stages out, or name a schedule that takes any v (interleaved-1f1b)")
     assert err.argument == "virtual_stages"
+    # the plain schedules run v = 1 (they were ignoring a v of 4, as zbv and 1f1b together did)
+    err = refused(lambda: plan(profile6(), 2, 1e9, 16, schedules=[schedule, "1f1b"], virtual_stages=4))
+    assert str(err).startswith(f"virtual_stages=4: no schedule asked for runs it: {schedule!r} runs exactly v = 2, "
+                               f"'1f1b' runs v = 1 stages per rank")
     assert plan(profile6(), 2, 1e9, 16, schedules=[schedule], virtual_stages=(1, 2)).best.virtual_stages == 2
     # named with a schedule the v fits: each runs its own (the README's "fixed ones use theirs")
     assert plan(profile6(), 2, 1e9, 16, schedules=[schedule, "1f1b"], virtual_stages=1).best is not None

@@ -100,3 +100,10 @@ def test_the_title_gives_the_costs_of_the_kinds_drawn_to_3_digits():
     assert title_text(fused).split("\n")[1] == (
         "bubble 34.46%  ·  makespan 637.1 ms  ·  costs [ms per stage and microbatch]: F=[43.7,39.2] B=[154,180] "
         "act=[4096,512]B")  # no I, W, R or "held after R": 1f1b without a split or recompute draws none
+
+
+def test_the_title_keeps_byte_counts_whole():
+    # the 3-digit shortening is for seconds: a byte count of 1048576 printed as 1.05e+06 (a hunt of the change)
+    cost = ps.CostModel(forward=1e-3, backward=2e-3, recompute=0.00123456, recompute_bytes=[1048576, 2097152])
+    text = title_text(ps.simulate(ps.compile_program("1f1b", 2, 2, recompute=True), cost)).split("\n")[1]
+    assert text.endswith("F=1 B=2 R=1.23 held after R=[1048576,2097152]B"), text

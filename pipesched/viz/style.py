@@ -69,19 +69,26 @@ _BANDWIDTH = re.compile(r"\bbw=([0-9.eE+-]+)B/s\b")
 def costs_drawn(text: str, drawn) -> str:
     """A :meth:`~pipesched.cost.CostModel.describe` line without the compute costs of kinds the picture has no box
     of (``drawn``: the :class:`~pipesched.ir.Op` of its events): a forward pass's ``B``, a split backward's fused
-    ``B``, ``I``/``W`` without a split, ``R`` (and ``held after R``) without recompute; each list's values to 3
-    significant digits (``0.0437395`` -> ``0.0437``), so a title of per-stage lists stays a few lines."""
+    ``B``, ``I``/``W`` without a split, ``R`` (and ``held after R``) without recompute; the seconds to 3
+    significant digits (``0.0437395`` -> ``0.0437``), so a title of per-stage lists stays a few lines (the byte
+    counts as they are)."""
     names = {op.name for op in drawn}
-    text = _TIME_COST.sub(lambda m: "" if m.group(1) not in names else m.group(0), text)
+
+    def kept(match) -> str:
+        if match.group(1) not in names:
+            return ""
+        values = match.group(2)
+        short = ("[" + ",".join(_short(v) for v in values[1:-1].split(",")) + "]" if values.startswith("[")
+                 else _short(values))
+        return f"{match.group(1)}={short}"
+
+    text = _TIME_COST.sub(kept, text)
     if "R" not in names:
         text = re.sub(r"held after R=\S+", "", text)
-    text = re.sub(r"\[([^\]]*)\]", lambda m: "[" + ",".join(_short(v) for v in m.group(1).split(",")) + "]", text)
     return " ".join(text.split())
 
 
 def _short(value: str) -> str:
-    if value.strip().isdigit():  # a byte count: whole
-        return value
     try:
         return f"{float(value):.3g}"
     except ValueError:
