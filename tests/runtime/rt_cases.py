@@ -107,3 +107,13 @@ def seq_model(seed=0, width=8):
     """Layers on (B, T, D): the sequence length may change between steps."""
     torch.manual_seed(seed)
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(4)])
+
+
+def outcome(call) -> str:
+    """``"ok"``, or the exception ``call()`` raised as ``"Type: message"`` (any type: a PipelineError or a timeout is
+    a failure too), for a test to compare with what it expects."""
+    try:
+        call()
+        return "ok"
+    except Exception as exc:  # noqa: BLE001 - recorded for the test to judge
+        return f"{type(exc).__name__}: {exc}"

@@ -11,19 +11,10 @@ import torch.nn.functional as F
 
 from pipesched.runtime import GradScaler, Pipeline, load_checkpoint, save_checkpoint
 
-from rt_cases import mlp, reference_step
+from rt_cases import mlp, outcome, reference_step
 
 M = 2
 TIMEOUT = 60.0  # a rank left waiting would raise a timeout error, which the test refuses; nothing here is timed
-
-
-def _outcome(call) -> str:
-    """``"ok"``, or the exception as ``"Type: message"``."""
-    try:
-        call()
-        return "ok"
-    except Exception as exc:  # noqa: BLE001 - recorded for the test to judge
-        return f"{type(exc).__name__}: {exc}"
 
 
 def _batch(seed: int):
@@ -44,7 +35,7 @@ def misfits(rank, folder):
     bad = rank == 1
     out = {}
     kwargs = dict(num_microbatches=M, loss_fn=F.mse_loss, timeout=TIMEOUT)
-    out["Pipeline"] = _outcome(lambda: Pipeline(mlp(num_layers=4), schedul="1f1b", **kwargs) if bad else
+    out["Pipeline"] = outcome(lambda: Pipeline(mlp(num_layers=4), schedul="1f1b", **kwargs) if bad else
                                Pipeline(mlp(num_layers=4), schedule="1f1b", **kwargs))
     model = mlp(num_layers=4)
     ref = copy.deepcopy(model)
@@ -54,32 +45,32 @@ def misfits(rank, folder):
     sub_model = mlp(num_layers=4, seed=3)
     sub_ref = copy.deepcopy(sub_model)
     sub = TaggedPipeline(sub_model, schedule="1f1b", **kwargs)
-    out["subclass step"] = _outcome(lambda: sub.step(x, y, "tag", "extra") if bad else sub.step(x, y, "tag"))
+    out["subclass step"] = outcome(lambda: sub.step(x, y, "tag", "extra") if bad else sub.step(x, y, "tag"))
     out["subclass next step"] = float(sub.step(x, y, "tag"))
     out["subclass reference"] = float(reference_step(sub_ref, x, y, M))
     sub.close()
     out["reference step"] = float(reference_step(ref, x, y, M))
-    out["clip_grad_norm_"] = _outcome(lambda: pipe.clip_grad_norm_(1e-3, norm=2.0) if bad else
+    out["clip_grad_norm_"] = outcome(lambda: pipe.clip_grad_norm_(1e-3, norm=2.0) if bad else
                                       pipe.clip_grad_norm_(1e-3))
     total = pipe.clip_grad_norm_(1e-3)  # the next correct call: the unsplit model's norm, on both ranks
     out["total"], out["reference total"] = float(total), float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3))
-    out["gather_timeline"] = _outcome(lambda: pipe.gather_timeline(kinds="step") if bad else pipe.gather_timeline())
+    out["gather_timeline"] = outcome(lambda: pipe.gather_timeline(kinds="step") if bad else pipe.gather_timeline())
     out["timeline ranks"] = sorted({e.rank for e in pipe.gather_timeline().events})
     work = lambda pp_group, dp_group: torch.distributed.get_world_size(pp_group)  # noqa: E731
     out["collective"] = pipe.run_collective(work)
     doomed = Pipeline(mlp(num_layers=4), schedule="1f1b", **kwargs)  # a misfit run_collective fails its Pipeline
     reduce = lambda pp_group, dp_group: torch.distributed.all_reduce(torch.ones(1), group=pp_group)  # noqa: E731
-    out["run_collective"] = _outcome(lambda: doomed.run_collective(reduce, meat=False) if bad else
+    out["run_collective"] = outcome(lambda: doomed.run_collective(reduce, meat=False) if bad else
                                      doomed.run_collective(reduce, meet=False))  # rank 0 waits in the all-reduce
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     path = f"{folder}/ckpt"
-    out["save_checkpoint"] = _outcome(lambda: save_checkpoint(path, pipe, optimiser=opt) if bad else
+    out["save_checkpoint"] = outcome(lambda: save_checkpoint(path, pipe, optimiser=opt) if bad else
                                       save_checkpoint(path, pipe, optimizer=opt))
     out["saved"] = save_checkpoint(path, pipe, optimizer=opt, step=1).endswith("ckpt")
-    out["load_checkpoint"] = _outcome(lambda: load_checkpoint(path, pipe, opt, 5) if bad else
+    out["load_checkpoint"] = outcome(lambda: load_checkpoint(path, pipe, opt, 5) if bad else
                                       load_checkpoint(path, pipe, opt))
     out["loaded step"] = load_checkpoint(path, pipe, opt).step
     scaler = GradScaler(pipe)  # last: a GradScaler's failed collective call ends the pipeline on every rank
     pipe.step(x, y, scaler=scaler)
-    out["GradScaler.unscale_"] = _outcome(lambda: scaler.unscale_(opt, 5) if bad else scaler.unscale_(opt))
+    out["GradScaler.unscale_"] = outcome(lambda: scaler.unscale_(opt, 5) if bad else scaler.unscale_(opt))
     return out

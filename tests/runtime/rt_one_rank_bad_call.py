@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from pipesched.runtime import GradScaler, Pipeline
 
-from rt_cases import mlp, reference_forward, reference_step
+from rt_cases import mlp, outcome, reference_forward, reference_step
 
 M = 2
 TIMEOUT = 60.0  # a rank left waiting would raise its own timeout error (naming itself), which the test refuses
@@ -20,15 +20,6 @@ TIMEOUT = 60.0  # a rank left waiting would raise its own timeout error (naming 
 def _batch(seed: int, rows: int = 8):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(rows, 8, generator=g), torch.randn(rows, 8, generator=g)
-
-
-def _outcome(call) -> str:
-    """``"ok"``, or the exception as ``"Type: message"`` (any type: a PipelineError or timeout is a failure too)."""
-    try:
-        call()
-        return "ok"
-    except Exception as exc:  # noqa: BLE001 - recorded for the test to judge
-        return f"{type(exc).__name__}: {exc}"
 
 
 def bad_calls(rank):
@@ -75,7 +66,7 @@ def bad_calls(rank):
     }
     out = {"cases": {}}
     for k, (name, call) in enumerate(cases.items()):
-        outcome = _outcome(call)
+        result = outcome(call)
         untouched = all(p.grad is None for p in pipe.parameters())  # a refused step does no work
         xs, ys = _batch(10 + k)
         loss = None
@@ -86,7 +77,7 @@ def bad_calls(rank):
         expected = float(reference_step(ref, xs, ys, M))
         for p in list(pipe.parameters()) + list(ref.parameters()):
             p.grad = None
-        out["cases"][name] = (outcome, untouched, loss, expected)
+        out["cases"][name] = (result, untouched, loss, expected)
     # the scaler counted no refused step: a scaled step on both ranks, then its collective step agrees
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
 
@@ -95,7 +86,7 @@ def bad_calls(rank):
         scaler.step(opt)
         scaler.update()
 
-    out["scaled step"] = (_outcome(scaled), scaler.scaled_steps)
+    out["scaled step"] = (outcome(scaled), scaler.scaled_steps)
     try:  # the pipeline whose step was refused stays usable: its forward() gives the unsplit model's output
         output = bare.forward(x)
         want = reference_forward(bare_model, x, M)

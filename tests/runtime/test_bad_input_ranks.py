@@ -21,6 +21,8 @@ from pipesched.runtime.agreement import model_shapes
 from pipesched.runtime.stage import layers_of
 from pipesched.runtime.state import state_spec
 
+from rt_cases import outcome
+
 pytestmark = pytest.mark.multiprocess
 
 
@@ -29,30 +31,22 @@ def _model(width: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 8), nn.Tanh())
 
 
-def _outcome(call) -> str:
-    try:
-        call()
-        return "ok"
-    except Exception as exc:  # noqa: BLE001 - recorded for the test to judge
-        return f"{type(exc).__name__}: {exc}"
-
-
 def body(rank):
     torch.set_num_threads(1)
-    out = {"widths": _outcome(lambda: Pipeline(_model(8 if rank == 0 else 16), num_microbatches=2,
+    out = {"widths": outcome(lambda: Pipeline(_model(8 if rank == 0 else 16), num_microbatches=2,
                                                 loss_fn=F.mse_loss, timeout=60))}
     pipe = Pipeline(_model(8), num_microbatches=2, loss_fn=F.mse_loss, timeout=60)  # the same ranks, a good one
     x, y = torch.ones(4, 8), torch.zeros(4, 8)
-    out["strict"] = _outcome(lambda: pipe.load_state_dict(pipe.state_dict(), strict="no"))
+    out["strict"] = outcome(lambda: pipe.load_state_dict(pipe.state_dict(), strict="no"))
     out["loss"] = float(pipe.step(x, target=y))
     reference = _model(8)
     out["reference"] = float(F.mse_loss(reference(x), y))
     pipe.close()
     # profile_link: ranks with other sizes or repeats (gloo aborted the process), or one rank's bad argument
-    out["link repeat"] = _outcome(lambda: profile_link(nbytes=(1024, 4096), repeat=2 + rank))
-    out["link nbytes"] = _outcome(lambda: profile_link(nbytes=(1024, 4096) if rank else (1024, 8192), repeat=2))
-    out["link refused"] = _outcome(lambda: profile_link(nbytes=(1024, 4096), repeat="x" if rank else 2))
-    out["link"] = _outcome(lambda: profile_link(nbytes=(1024, 4096), repeat=2))
+    out["link repeat"] = outcome(lambda: profile_link(nbytes=(1024, 4096), repeat=2 + rank))
+    out["link nbytes"] = outcome(lambda: profile_link(nbytes=(1024, 4096) if rank else (1024, 8192), repeat=2))
+    out["link refused"] = outcome(lambda: profile_link(nbytes=(1024, 4096), repeat="x" if rank else 2))
+    out["link"] = outcome(lambda: profile_link(nbytes=(1024, 4096), repeat=2))
     return out
 
 
