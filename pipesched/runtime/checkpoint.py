@@ -56,7 +56,8 @@ class CheckpointInfo:
     rng_restored: bool = False
 
 
-@refused_on_misfit(lambda pipe, error: _refuse_misfit("save_checkpoint", pipe, error), owner=lambda args, kwargs: _pipe_of(args, kwargs))
+@refused_on_misfit(lambda pipe, error: _refuse_misfit("save_checkpoint", pipe, error),
+                   owner=lambda args, kwargs: _pipe_of(args, kwargs))
 def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=None) -> str:
     """Save ``pipe``'s model (and ``optimizer``'s state, every rank's RNG state, ``step``, ``extra``) to directory
     ``path``; collective: call it on every rank of the job with the same ``path`` and ``step``, and an optimizer on
@@ -148,7 +149,8 @@ def save_checkpoint(path, pipe, optimizer=None, step: int | None = None, extra=N
     return target
 
 
-@refused_on_misfit(lambda pipe, error: _refuse_misfit("load_checkpoint", pipe, error), owner=lambda args, kwargs: _pipe_of(args, kwargs))
+@refused_on_misfit(lambda pipe, error: _refuse_misfit("load_checkpoint", pipe, error),
+                   owner=lambda args, kwargs: _pipe_of(args, kwargs))
 def load_checkpoint(path, pipe, optimizer=None) -> CheckpointInfo:
     """Load a checkpoint of :func:`save_checkpoint` into ``pipe`` (and ``optimizer``); collective: call it on every
     rank of the job with the same ``path``, and an optimizer on every rank or on none (a rank whose stages hold no

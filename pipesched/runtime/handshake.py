@@ -188,9 +188,10 @@ class Handshake:
         """One all-gather over the data-parallel group of ``[REPLICA_MARK, train, refused, *its text, autocast,
         batch]`` (``refused``: 0, or the :data:`REFUSAL_KINDS` code of the exception it raises; ``autocast``: the
         caller's, :func:`~pipesched.runtime.settings.caller_autocast`, which every pipeline rank of the replica
-        shares once its opening passed; ``batch``, the last word: this replica's batch size, 0 where refused). The replicas' batch sizes, by replica, are kept in
-        :attr:`replica_batches`: the step weights its loss in backward by them (``step_run.loss_weights``), so
-        that the data-parallel average is the whole batch's gradient where replicas got different batch sizes.
+        shares once its opening passed; ``batch``, the last word: this replica's batch size, 0 where refused). The
+        replicas' batch sizes, by replica, are kept in :attr:`replica_batches`: the step weights its loss in backward
+        by them (``step_run.loss_weights``), so that the data-parallel average is the whole batch's gradient where
+        replicas got different batch sizes.
 
         Raises:
             Rejected: replicas made different calls (names each replica's); or another replica refused its step

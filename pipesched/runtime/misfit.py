@@ -14,8 +14,8 @@ import inspect
 
 def misfit_error(method, signature: inspect.Signature, args: tuple, kwargs: dict) -> TypeError | None:
     """The ``TypeError`` Python would raise for ``method(*args, **kwargs)`` (``args`` with ``self`` first), in
-    :meth:`inspect.Signature.bind`'s words, with the class of ``self`` (``Pipeline.step() got an unexpected keyword argument
-    'targets'``, also for a method a mixin defines); ``None`` where the arguments fit."""
+    :meth:`inspect.Signature.bind`'s words, with the class of ``self`` (``Pipeline.step() got an unexpected keyword
+    argument 'targets'``, also for a method a mixin defines); ``None`` where the arguments fit."""
     try:
         signature.bind(*args, **kwargs)
     except TypeError as exc:

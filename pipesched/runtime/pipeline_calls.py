@@ -22,7 +22,8 @@ class PipelineCalls:
 
     def _check_local(self, x, target) -> None:
         """Only what every rank decides alike; the input itself is checked by the first stage's rank,
-        which tells the others (see :class:`~pipesched.runtime.handshake.Handshake`), so all ranks raise the same ValueError."""
+        which tells the others (see :class:`~pipesched.runtime.handshake.Handshake`), so all ranks raise the same
+        ValueError."""
         if self._closed:
             raise RuntimeError("this Pipeline was closed; create a new one")
         if self._broken is not None:

@@ -84,8 +84,8 @@ _MODULE_STATE = frozenset(vars(nn.Module()))
 @contextlib.contextmanager
 def replay_rng(state: tuple, device: torch.device):
     """Run the block with the RNG state ``state`` (from :func:`rng_state`): the global CPU (and CUDA) generator's,
-    each module-held generator's, Python's ``random`` and NumPy's global one; restore the caller's after, so a recompute does not shift the random numbers
-    of later forwards."""
+    each module-held generator's, Python's ``random`` and NumPy's global one; restore the caller's after, so a
+    recompute does not shift the random numbers of later forwards."""
     cpu, cuda, generators, host = state
     devices = [device] if device.type == "cuda" else []
     caller = host_states()

@@ -26,8 +26,9 @@ def _under_bf16(enabled: bool, call):
 
 def refusals(rank):
     """Step 1 (fine); step 2 refused on replica 1 only (2 rows for m=4; then its target of 3 rows for 8; then
-    replica 1 calls forward(); then replica 1 steps under bf16 autocast); step 3 (fine). Returns each refused call's error text by case, and whether the
-    gradients after step 3 (zeroed before it) equal the average over replicas of the unsplit model's."""
+    replica 1 calls forward(); then replica 1 steps under bf16 autocast); step 3 (fine). Returns each refused call's
+    error text by case, and whether the gradients after step 3 (zeroed before it) equal the average over replicas of
+    the unsplit model's."""
     model = mlp(num_layers=4)
     ref = copy.deepcopy(model)
     pipe = Pipeline(model, schedule="1f1b", num_microbatches=M, loss_fn=F.mse_loss, dp_size=2, timeout=30)

@@ -51,6 +51,7 @@ def compare(rank: int) -> dict:
         plain, redone = _run(rank, schedule, False, split), _run(rank, schedule, True, split)
         result[f"{schedule}{'+split' if split else ''}"] = {
             "losses": plain["losses"] == redone["losses"],
-            "grads": len(plain["grads"]) > 0 and all(torch.equal(a, b) for a, b in zip(plain["grads"], redone["grads"])),
+            "grads": len(plain["grads"]) > 0 and all(torch.equal(a, b)
+                                                     for a, b in zip(plain["grads"], redone["grads"])),
             "streams": plain["after"] == redone["after"]}
     return result

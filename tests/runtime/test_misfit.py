@@ -24,8 +24,8 @@ CONSTRUCT = "Pipeline.__init__() got an unexpected keyword argument 'schedul'"
 CLIP = "Pipeline.clip_grad_norm_() got an unexpected keyword argument 'norm'"
 TIMELINE = "Pipeline.gather_timeline() got an unexpected keyword argument 'kinds'"
 COLLECTIVE = "Pipeline.run_collective() got an unexpected keyword argument 'meat'"
-RUN_FAILED = ("PipelineError: pipeline rank failure: world rank 1 (pipeline rank 1) failed in a collective call outside "
-              "any step (run_collective): TypeError: ")
+RUN_FAILED = ("PipelineError: pipeline rank failure: world rank 1 (pipeline rank 1) failed in a collective call "
+              "outside any step (run_collective): TypeError: ")
 SAVE = "save_checkpoint() got an unexpected keyword argument 'optimiser'"
 LOAD = "load_checkpoint() too many positional arguments"
 
