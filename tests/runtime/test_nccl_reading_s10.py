@@ -173,6 +173,7 @@ def test_replicas_agreement_row_carries_the_batch_size_on_the_device(device):
     group = FakeGroup(2, replica_one)
     shake = Handshake.__new__(Handshake)
     shake.dp_group, shake.program, shake.device = group, types.SimpleNamespace(dp_size=2), torch.device(device)
+    shake.autocast = None  # the caller's autocast is compared (off here, on every replica)
     shake._agree_replicas(True, None, 5)
     (dev, dtype, shape, _), = group.seen
     assert (dev.type, dtype, shape) == (device, torch.int64, (SIG_LEN,))
@@ -258,6 +259,7 @@ def nccl_one_rank(rank):
         refused = exc.kind.__name__
     shake = Handshake.__new__(Handshake)
     shake.dp_group, shake.program, shake.device = group, types.SimpleNamespace(dp_size=1), device
+    shake.autocast = None
     shake._agree_replicas(True, None, 7)
     with link_profile._object_device("cuda:0", group):
         current = torch.cuda.current_device()
