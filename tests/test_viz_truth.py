@@ -31,7 +31,7 @@ def test_title_of_a_recompute_timeline_in_ms_keeps_the_held_bytes():
     cost = ps.CostModel(forward=1e-3, backward=2e-3, recompute=1e-3, recompute_bytes=1e6)
     timeline = ps.simulate(ps.compile_program("1f1b", 2, 2, recompute=True), cost)
     line = title_text(timeline).split("\n")[1]
-    assert "ms per stage" in line and "R=1 " in line and "held after R=1e+06B" in line, line
+    assert "ms per stage" in line and "R=1 " in line and "held after R=1000000B" in line  # whole bytes, line
 
 
 # ---- hand-computed: 1f1b, p=2, m=2, F=1, B=2, latency 0.5, send overhead 0.1 -----------------------------------

@@ -126,13 +126,14 @@ class SingleProcessWarning(UserWarning):
     """A ``Pipeline`` built where nothing launched other ranks: it has one rank and splits nothing."""
 
 
-def warn_if_unlaunched(stacklevel: int = 4) -> None:
+def warn_if_unlaunched() -> None:
     """Warn (:class:`SingleProcessWarning`) when no launcher started this process: no default process group is
     initialized and ``WORLD_SIZE`` is not in the environment (``python train.py`` without torchrun), so the pipeline
     gets one rank and the whole model runs here. Silent under torchrun or :func:`~pipesched.runtime.launch` (even
     with one process) and when the caller initialized a default group itself (one process on purpose); once a
-    ``Pipeline`` has created its own default group, later ones in the process are silent too. ``stacklevel``
-    points the warning at the caller's ``Pipeline(...)`` line (this function, ``_setup``, ``__init__``)."""
+    ``Pipeline`` has created its own default group, later ones in the process are silent too. The warning points
+    at the first frame outside pipesched: the caller's ``Pipeline(...)`` line, however many of pipesched's own
+    frames (a decorator, a subclass's ``super().__init__``) lie between."""
     if (dist.is_available() and dist.is_initialized()) or "WORLD_SIZE" in os.environ:
         return
     script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else "train.py"
@@ -142,7 +143,17 @@ def warn_if_unlaunched(stacklevel: int = 4) -> None:
         f"process. To pipeline it over N processes, launch them: `torchrun --nproc-per-node N {script}`, or from "
         "Python `pipesched.runtime.launch(fn, N)`. To run one process on purpose without this warning, call "
         "torch.distributed.init_process_group first (or use torchrun --nproc-per-node 1).",
-        SingleProcessWarning, stacklevel=stacklevel)
+        SingleProcessWarning, stacklevel=outside_pipesched())
+
+
+def outside_pipesched() -> int:
+    """The ``stacklevel`` of the caller's first frame outside the pipesched package, as seen from a function of
+    pipesched that calls ``warnings.warn`` and then this (1: that function itself)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1  # the function that warns (stacklevel 1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def init_default_group(device: torch.device, timeout: float = 300.0) -> None:
