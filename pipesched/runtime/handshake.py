@@ -174,24 +174,25 @@ class Handshake:
         is refused on every one (else the others would run it and their data-parallel all-reduce would meet the
         refusing replica's next step): ``Rejected`` also where another replica refused or made another call.
         """
+        amp = caller_autocast(self.device, self.autocast)
         try:
-            decided, rejected = self._decide(x, train, to_device, settings, clip, verdict, refusal), None
+            decided, rejected = self._decide(x, train, to_device, settings, clip, verdict, refusal, amp), None
         except Rejected as exc:
             decided, rejected = None, exc
         if self.dp_group is not None:  # decided[0]: the StepKey, whose batch size every pipeline rank learned
-            self._agree_replicas(train, rejected, 0 if decided is None else decided[0].batch_size)
+            self._agree_replicas(train, rejected, amp, 0 if decided is None else decided[0].batch_size)
         if rejected is not None:
             raise rejected
         return decided
 
-    def _agree_replicas(self, train: bool, refusal: Rejected | None, batch: int = 0) -> None:
+    def _agree_replicas(self, train: bool, refusal: Rejected | None, amp: int, batch: int = 0) -> None:
         """One all-gather over the data-parallel group of ``[REPLICA_MARK, train, refused, *its text, autocast,
         batch]`` (``refused``: 0, or the :data:`REFUSAL_KINDS` code of the exception it raises; ``autocast``: the
-        caller's, :func:`~pipesched.runtime.settings.caller_autocast`, which every pipeline rank of the replica
-        shares once its opening passed; ``batch``, the last word: this replica's batch size, 0 where refused). The
-        replicas' batch sizes, by replica, are kept in :attr:`replica_batches`: the step weights its loss in backward
-        by them (``step_run.loss_weights``), so that the data-parallel average is the whole batch's gradient where
-        replicas got different batch sizes.
+        caller's, :func:`~pipesched.runtime.settings.caller_autocast` word ``amp``, which every pipeline rank of
+        the replica shares once its opening passed; ``batch``, the last word: this replica's batch size, 0 where
+        refused). The replicas' batch sizes, by replica, are kept in :attr:`replica_batches`: the step weights its
+        loss in backward by them (``step_run.loss_weights``), so that the data-parallel average is the whole batch's
+        gradient where replicas got different batch sizes.
 
         Raises:
             Rejected: replicas made different calls (names each replica's); or another replica refused its step
@@ -199,7 +200,6 @@ class Handshake:
                 raises its own; replicas under different autocast (their gradients would be averaged across two
                 precisions).
         """
-        amp = caller_autocast(self.device, self.autocast)
         mine = encode_text([REPLICA_MARK, int(train), 0 if refusal is None else kind_code(refusal.kind)],
                            str(refusal or ""), SIG_LEN - 2) + [amp, batch]
         rows = gather_rows(mine, self.dp_group, self.program.dp_size, torch.int64, self.device,
@@ -215,14 +215,12 @@ class Handshake:
             raise Rejected(f"replica {refused[0]} refused its step: {decode_text(row)}",
                            REFUSAL_KINDS.get(row[2], ValueError))
         if not refused and len({row[-2] for row in rows}) > 1:
-            raise Rejected(f"{calls[train]} was called under different autocast settings: " + ", ".join(
-                f"replica {k} {describe_autocast(row[-2], self.device.type)}" for k, row in enumerate(rows))
-                + "; enter the same torch.autocast on every rank, or pass autocast= to Pipeline (then the caller's "
-                "is ignored)")
+            raise autocast_differs(calls[train], {f"replica {k}": row[-2] for k, row in enumerate(rows)},
+                                   self.device.type)
         self.replica_batches = [row[-1] for row in rows]
 
     def _decide(self, x, train: bool, to_device, settings: int, clip, verdict: TargetVerdict | None,
-                refusal: Exception | None = None):
+                refusal: Exception | None, amp: int):
         """What every rank of the pipeline decides alike from the opening's all-gather (see :meth:`signature`)."""
         first = self.program.stage_to_rank[0]
         m = self.program.num_microbatches
@@ -240,7 +238,7 @@ class Handshake:
                 text = str(exc) + (EVAL_TAIL if isinstance(exc, TooFewSamples) and not train else "")
                 words = encode_text([1, int(train), m], text)
         rows = self._gather([OPENING_MARK, settings, int(train), int(train and not torch.is_grad_enabled()),
-                             *clip, caller_autocast(self.device, self.autocast)]
+                             *clip, amp]
                             + words + verdict_words(verdict if train else None))
         check_rows_meet([row[:1] + row[4:5] for row in rows], OPENING_MARK)
         self.clip_words = [row[4:7] for row in rows]
@@ -264,10 +262,8 @@ class Handshake:
                            f"(inside torch.no_grad() or torch.inference_mode()); call step() outside it, or use "
                            f"forward() for evaluation")
         if len(set(amp)) > 1:  # stages at different precisions: neither the fp32 nor the autocast model's values
-            kind = self.device.type
-            raise Rejected(f"{calls[train]} was called under different autocast settings: " + ", ".join(
-                f"pipeline rank {r} {describe_autocast(a, kind)}" for r, a in enumerate(amp)) + "; enter the same "
-                "torch.autocast on every rank, or pass autocast= to Pipeline (then the caller's is ignored)")
+            raise autocast_differs(calls[train], {f"pipeline rank {r}": a for r, a in enumerate(amp)},
+                                   self.device.type)
         if train:
             judge_target(last_verdict, words[3], self.program.stage_to_rank[-1], self.pp_rank, verdict)
         return StepKey(tuple(words[1:]), tuple(row[0] for row in rows)), micro, container
@@ -297,3 +293,11 @@ def encode_signature(train, m, micro, container) -> list[int]:
     if len(words) > SIG_LEN:
         raise ValueError(f"x has too many tensors or dimensions to describe ({len(words)} > {SIG_LEN} words)")
     return words + [0] * (SIG_LEN - len(words))
+
+
+def autocast_differs(call: str, words: dict, kind: str) -> Rejected:
+    """The refusal of a ``call`` made under different autocast settings: ``words`` maps who (``pipeline rank 1``,
+    ``replica 0``) to its :func:`~pipesched.runtime.settings.caller_autocast` word on device type ``kind``."""
+    return Rejected(f"{call} was called under different autocast settings: " + ", ".join(
+        f"{who} {describe_autocast(a, kind)}" for who, a in words.items()) + "; enter the same torch.autocast on "
+        "every rank, or pass autocast= to Pipeline (then the caller's is ignored)")

@@ -173,8 +173,7 @@ def test_replicas_agreement_row_carries_the_batch_size_on_the_device(device):
     group = FakeGroup(2, replica_one)
     shake = Handshake.__new__(Handshake)
     shake.dp_group, shake.program, shake.device = group, types.SimpleNamespace(dp_size=2), torch.device(device)
-    shake.autocast = None  # the caller's autocast is compared (off here, on every replica)
-    shake._agree_replicas(True, None, 5)
+    shake._agree_replicas(True, None, 0, 5)  # the caller's autocast word 0 (off), as on the other replica
     (dev, dtype, shape, _), = group.seen
     assert (dev.type, dtype, shape) == (device, torch.int64, (SIG_LEN,))
     assert shake.replica_batches == [5, 3]
