@@ -243,7 +243,8 @@ class Handshake:
         check_rows_meet([row[:1] + row[4:5] for row in rows], OPENING_MARK)
         self.clip_words = [row[4:7] for row in rows]
         amp = [row[7] for row in rows]
-        judge_own_checks([row[HEAD:HEAD + SIG_LEN] for row in rows], self.pp_rank, refusal)
+        judge_own_checks([row[HEAD:HEAD + SIG_LEN] for row in rows], self.pp_rank, refusal,
+                         "step" if train else "forward()")
         last_verdict = rows[self.program.stage_to_rank[-1]][HEAD + SIG_LEN:]
         rows = [row[1:4] + row[HEAD:HEAD + SIG_LEN] for row in rows]  # settings, train, no_grad, signature
         words = rows[first][3:]

@@ -379,7 +379,10 @@ class Pipeline(PipelineCalls, PipelineCollectives, PipelineMeasured, Sealed):
         m = self.program.num_microbatches  # merged after the step: a merge error leaves the pipeline usable
         return merge([outputs[i] for i in range(m)])
 
-    __call__ = forward
+    def __call__(self, *args, **kwargs):
+        """``pipe(x)`` is ``pipe.forward(x)``, a subclass's own ``forward`` included (any misfit in the
+        arguments is ``forward``'s to refuse, on every rank)."""
+        return self.forward(*args, **kwargs)
 
     def close(self) -> None:
         """Destroy this pipeline's process groups (collective: call it on every rank); the Pipeline is

@@ -105,14 +105,16 @@ def kind_code(kind: type) -> int:
     return 2 if issubclass(kind, TypeError) else 1
 
 
-def judge_own_checks(blocks: list[list[int]], pp_rank: int, refusal: Exception | None) -> None:
+def judge_own_checks(blocks: list[list[int]], pp_rank: int, refusal: Exception | None,
+                     call: str = "step") -> None:
     """Every rank's ruling on the ranks' refusals of their own calls (``blocks``: each pipeline rank's signature
-    block from the opening; ``refusal``: this rank's own exception, ``None`` if its checks passed).
+    block from the opening; ``refusal``: this rank's own exception, ``None`` if its checks passed; ``call``: what
+    the ranks called, ``step`` or ``forward()``).
 
     Raises:
         Rejected: some rank refused. Every rank refused alike (the same type and text: the same bad argument
             everywhere): each raises its own message, as it did before the opening. Else every rank raises the
-            first refusing rank's type with ``pipeline rank R refused its step: <its text>`` (naming the other
+            first refusing rank's type with ``pipeline rank R refused its <call>: <its text>`` (naming the other
             refusing ranks), caused on ``R`` by its own exception; so no rank waits for one that raised alone.
     """
     refused = [r for r, words in enumerate(blocks) if words[0] == OWN_REFUSAL]
@@ -123,7 +125,7 @@ def judge_own_checks(blocks: list[list[int]], pp_rank: int, refusal: Exception |
         raise Rejected(str(refusal), REFUSAL_KINDS[kind_code(type(refusal))]) from refusal
     first = refused[0]
     also = f" (pipeline ranks {refused[1:]} refused theirs too)" if len(refused) > 1 else ""
-    raise Rejected(f"pipeline rank {first} refused its step{also}: {decode_text(blocks[first])}",
+    raise Rejected(f"pipeline rank {first} refused its {call}{also}: {decode_text(blocks[first])}",
                    REFUSAL_KINDS.get(blocks[first][1], ValueError)) from (refusal if pp_rank == first else None)
 
 

@@ -28,6 +28,10 @@ class TaggedPipeline(Pipeline):
     def step(self, x=None, target=None, tag=None):
         return super().step(x, target)
 
+    def forward(self, x=None, tag=None):
+        out = super().forward(x)
+        return None if out is None else (tag, out)
+
 
 def misfits(rank, folder):
     """Rank 1 alone misspells a keyword of each collective call; rank 0 calls it right. Returns
@@ -48,6 +52,10 @@ def misfits(rank, folder):
     out["subclass step"] = outcome(lambda: sub.step(x, y, "tag", "extra") if bad else sub.step(x, y, "tag"))
     out["subclass next step"] = float(sub.step(x, y, "tag"))
     out["subclass reference"] = float(reference_step(sub_ref, x, y, M))
+    called = sub(x, "tag")  # pipe(x) is the subclass's own forward
+    merged = torch.cat([sub_ref(c) for c in x.chunk(M)])  # the unsplit model, one microbatch at a time
+    out["subclass call"] = called if called is None else (called[0], torch.equal(called[1], merged))
+    out["subclass call misfit"] = outcome(lambda: sub(x, "tag", "extra") if bad else sub(x, "tag"))
     sub.close()
     out["reference step"] = float(reference_step(ref, x, y, M))
     out["clip_grad_norm_"] = outcome(lambda: pipe.clip_grad_norm_(1e-3, norm=2.0) if bad else

@@ -88,6 +88,13 @@ def test_a_subclass_s_own_step_is_guarded_too(results):
         assert res["subclass next step"] == res["subclass reference"]
 
 
+def test_calling_a_subclass_runs_its_own_forward_and_its_misfit_is_refused_on_both(results):
+    # Pipeline.__call__ was Pipeline.forward itself: sub(x, "tag") bypassed the subclass's forward (a misfit)
+    assert [res["subclass call"] for res in results] == [None, ("tag", True)]  # rank 1 holds the last stage
+    text = "TypeError: pipeline rank 1 refused its forward(): TaggedPipeline.forward() too many positional arguments"
+    assert [res["subclass call misfit"] for res in results] == [text, text]
+
+
 def test_the_ranks_stay_in_step_after_the_refused_calls(results):
     for res in results:
         assert res["total"] == pytest.approx(res["reference total"], rel=1e-6)

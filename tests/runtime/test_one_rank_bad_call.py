@@ -65,7 +65,7 @@ EXPECTED = {
     "one argument too many": (
         "TypeError: pipeline rank 1 refused its step: Pipeline.step() too many positional arguments",) * 2,
     "forward() misspelled keyword": (
-        "TypeError: pipeline rank 1 refused its step: Pipeline.forward() got an unexpected keyword argument "
+        "TypeError: pipeline rank 1 refused its forward(): Pipeline.forward() got an unexpected keyword argument "
         "'batch'",) * 2,
     # its stages would run in bf16 and the others' in fp32: a loss neither model gives (it ran, before)
     "autocast on rank 1 only": (
