@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from .checks import is_real, plain_number
@@ -94,9 +94,9 @@ class CostModel:
             if value is None or is_real(value):
                 _check_finite(name, value)
                 continue
-            if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
-                raise CostError(name, f"cost {name} must be a number or a sequence of numbers (one per stage), "
-                                      f"got {value!r}")
+            if isinstance(value, (str, bytes, Mapping, Set)) or not hasattr(value, "__len__"):
+                raise CostError(name, f"cost {name} must be a number or a sequence of numbers (one per stage, in "
+                                      f"stage order: a list, tuple or 1-d array), got {value!r}")
             for item in value:
                 _check_finite(name, item)
         for name in _SCALAR_SECONDS:
@@ -115,14 +115,15 @@ class CostModel:
                 object.__setattr__(self, name, value.item())
 
     def _hold_plain_numbers(self) -> None:
-        """A numpy number given (``np.int64(4)``, an array of them) is held as a plain int or float (a sequence
-        holding one as a tuple of them), so that none reaches a timeline, JSON or torch."""
+        """A numpy number given (``np.int64(4)``, an array of them) is held as a plain int or float, and every
+        per-stage sequence as a tuple of them (a copy: a list changed after construction does not change the checked
+        costs, and the model stays hashable), so that no numpy number reaches a timeline, JSON or torch."""
         for name in _PER_STAGE + ("latency", "bandwidth", "send_overhead"):
             value = getattr(self, name)
             if is_real(value):
                 if type(value) not in (int, float):
                     object.__setattr__(self, name, plain_number(value))
-            elif value is not None and any(type(v) not in (int, float) for v in value):
+            elif value is not None:
                 object.__setattr__(self, name, tuple(plain_number(v) for v in value))
 
     def _check_recompute_holds_input(self) -> None:
@@ -142,8 +143,11 @@ class CostModel:
         """The named field as one float per stage (defaults resolved).
 
         Raises:
+            ValueError: ``name`` is not a per-stage field (names the valid ones).
             CostError: a sequence whose length is not ``num_stages``.
         """
+        if name not in _PER_STAGE:
+            raise ValueError(f"per_stage: name {name!r} is not a per-stage cost; valid: {', '.join(_PER_STAGE)}")
         value = getattr(self, name)
         if value is None:
             return self._default(name, num_stages)
@@ -179,7 +183,13 @@ class CostModel:
         raise ValueError(f"cost {name} has no default")
 
     def message_seconds(self, nbytes: float) -> float:
-        """Latency plus transfer time of one message of ``nbytes`` bytes."""
+        """Latency plus transfer time of one message of ``nbytes`` bytes (seconds).
+
+        Raises:
+            ValueError: ``nbytes`` is negative or not a finite number.
+        """
+        if not (is_real(nbytes) and math.isfinite(nbytes) and nbytes >= 0):
+            raise ValueError(f"message_seconds: nbytes must be a finite number of bytes >= 0, got {nbytes!r}")
         return self.latency + (0.0 if math.isinf(self.bandwidth) else nbytes / self.bandwidth)
 
     def overflow_error(self, num_stages: int, count: int, seconds: bool = True) -> CostError:

@@ -37,7 +37,7 @@ from . import engine
 from .checks import as_int
 from .errors import DependencyError, InvalidProgramError
 from .gcpause import paused_gc
-from .ir import Op, Program
+from .ir import Instr, Op, Program
 from .checks import check_program
 from .ties import check_ties
 from .overlap_check import explain_overlap, overlap_passes
@@ -99,12 +99,25 @@ def check_structure(program: Program) -> engine.Plan:
     bad = [r for r in program.stage_to_rank if not 0 <= r < p]
     if bad:
         raise InvalidProgramError(f"stage_to_rank names rank {bad[0]}, but the program has ranks 0..{p - 1}")
+    _check_instructions(program)
     try:
         plan = engine.Plan(program)
     except engine.NoSuchStage:
         plan = None
     _decide(STRUCTURE, program, plan)
     return plan
+
+
+def _check_instructions(program: Program) -> None:
+    """Every instruction is an :class:`~pipesched.ir.Instr` (a string such as ``"F0.0"`` or a plain tuple would
+    fail deep inside the checks with a TypeError or AttributeError that names neither the rank nor the way out)."""
+    for rank, stream in enumerate(program.ranks):
+        for index, instr in enumerate(stream):
+            if type(instr) is not Instr:
+                raise InvalidProgramError(
+                    f"rank {rank}, instruction {index}: must be a pipesched.Instr, got {instr!r} "
+                    f"({type(instr).__name__}); parse text with pipesched.Instr.parse('F0.0'), or a whole program "
+                    f"with pipesched.loads(text)")
 
 
 def check_complete(program: Program, plan: engine.Plan | None = None) -> None:

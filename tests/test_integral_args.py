@@ -146,8 +146,9 @@ def test_cost_model_holds_numpy_numbers_as_plain_ones():
     assert (cost.latency, type(cost.latency), cost.bandwidth, type(cost.bandwidth)) == (0, int, 1000, int)
     assert numpy_values(cost) == []
     assert cost.describe() == "F=[1,2] B=[2,3] act=4B grads=[8,8]B bw=1e+03B/s"
-    assert CostModel(forward=[1, 2]).forward == [1, 2]  # plain values are held as given
-    with pytest.raises(CostError, match=r"cost activation_bytes must be a number or a sequence of numbers \(one per stage\), got True") as info:
+    assert CostModel(forward=[1, 2]).forward == (1, 2)  # plain values as given, a list as a tuple (a copy)
+    with pytest.raises(CostError, match=r"cost activation_bytes must be a number or a sequence of numbers \(one per "
+                                        r"stage, in stage order: a list, tuple or 1-d array\), got True") as info:
         CostModel(activation_bytes=True)
     assert info.value.field == "activation_bytes"
 

@@ -95,7 +95,14 @@ def test_deadlock_is_the_validators_error():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"forward": float("inf")}, "cost forward must be a finite number >= 0 (seconds), got inf"),
-    ({"forward": "1"}, "cost forward must be a number or a sequence of numbers (one per stage), got '1'"),
+    ({"forward": "1"}, "cost forward must be a number or a sequence of numbers (one per stage, in stage order: a list, "
+                       "tuple or 1-d array), got '1'"),
+    # a mapping's keys were taken as the costs (forward={0: 7.0, 1: 7.0} simulated F = 0 and 1 s), a set's order is
+    # arbitrary: both refused (the docstring audit)
+    ({"forward": {0: 7.0, 1: 7.0}}, "cost forward must be a number or a sequence of numbers (one per stage, in stage "
+                                    "order: a list, tuple or 1-d array), got {0: 7.0, 1: 7.0}"),
+    ({"backward": {2.0, 3.0}}, "cost backward must be a number or a sequence of numbers (one per stage, in stage "
+                               "order: a list, tuple or 1-d array), got {2.0, 3.0}"),
     ({"backward": [1, -2]}, "cost backward must be a finite number >= 0 (seconds), got -2"),
     ({"latency": -1}, "cost latency must be a finite number >= 0 (seconds), got -1"),
     ({"bandwidth": 0}, "cost bandwidth must be a number of bytes/s > 0 (inf: free transfers), got 0"),
@@ -103,6 +110,23 @@ def test_deadlock_is_the_validators_error():
 def test_bad_costs_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         CostModel(**kwargs)
+
+
+def test_a_cost_list_changed_after_construction_does_not_change_the_checked_costs():
+    forward = [1.0, 1.0]
+    costs = CostModel(forward=forward)
+    forward[0] = -50.0  # the list was held by reference: a bubble fraction of 1.79 followed
+    assert costs.forward == (1.0, 1.0)
+    assert hash(costs) == hash(CostModel(forward=(1.0, 1.0)))  # frozen and hashable, equal to the tuple form
+    assert costs == CostModel(forward=(1.0, 1.0))
+
+
+def test_per_stage_and_message_seconds_refuse_what_is_not_theirs():
+    with pytest.raises(ValueError, match=r"per_stage: name 'nope' is not a per-stage cost; valid: forward, backward"):
+        CostModel().per_stage("nope", 2)
+    with pytest.raises(ValueError, match=r"message_seconds: nbytes must be a finite number of bytes >= 0, got -5"):
+        CostModel(latency=0.5).message_seconds(-5)
+    assert CostModel(latency=0.5, bandwidth=10.0).message_seconds(5) == 1.0
 
 
 def test_a_timeline_of_one_rank_leaves_the_others_bubbles_unknown_not_idle():

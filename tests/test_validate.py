@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from pipesched import (SCHEDULES, DeadlockError, DependencyError, InvalidProgramError, PairingError, ScheduleError,
                        build, compile_program, engine, loads, validate)
-from pipesched.ir import COMM_OPS, Instr, Op
+from pipesched.ir import COMM_OPS, Instr, Op, Program
 
 checks = importlib.import_module("pipesched.validate")  # the module (``pipesched.validate`` is the function)
 
@@ -259,3 +259,15 @@ def test_fast_and_exact_checks_and_the_engine_agree():
     agree()
     # not vacuous: the edits reach every check's failure, deadlocks and valid programs
     assert seen == {"structure", "completeness", "ties", "order", "pairing", "overlap", "deadlock", "valid"}
+
+
+@pytest.mark.parametrize("instr", ["F0.0", (Op.F, 0, 0)])
+def test_an_instruction_that_is_not_an_instr_is_named_with_the_way_out(instr):
+    # a string or a plain tuple failed deep inside the checks (TypeError: '>=' not supported between 'str' and
+    # 'int'; AttributeError: 'tuple' object has no attribute 'op'), naming neither the rank nor the fix
+    program = Program(((Instr(Op.F, 0, 1), instr),), (0,), 2)
+    with pytest.raises(InvalidProgramError) as info:
+        validate(program)
+    assert str(info.value) == (f"rank 0, instruction 1: must be a pipesched.Instr, got {instr!r} "
+                               f"({type(instr).__name__}); parse text with pipesched.Instr.parse('F0.0'), or a "
+                               f"whole program with pipesched.loads(text)")
