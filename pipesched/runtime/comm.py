@@ -238,14 +238,28 @@ def _new_groups(grid: Grid, timeout: float, device: torch.device):
 
 # ---- metas -----------------------------------------------------------------------------------------
 
-Meta = tuple  # (container, ((shape, dtype, requires_grad), ...), (layout, ...))
+Meta = tuple  # (container, ((shape, dtype, requires_grad), ...), (layout, ...), (shares, ...))
 
 
 def meta_of(tensors, container: int) -> Meta:
-    """The meta of a message: ``(container, ((shape, dtype, requires_grad), ...), (layout, ...))``, each layout a
-    dim order or a :class:`~pipesched.runtime.layout.Gapped` (:func:`~pipesched.runtime.layout.activation_layout`)."""
+    """The meta of a message: ``(container, ((shape, dtype, requires_grad), ...), (layout, ...), (shares, ...))``,
+    each layout a dim order or a :class:`~pipesched.runtime.layout.Gapped`
+    (:func:`~pipesched.runtime.layout.activation_layout`), each ``shares`` the index of the first earlier tensor of
+    the message whose memory it shares (the same tensor twice, or a view of it; :func:`shared_memory`), else -1."""
     return (container, tuple((tuple(t.shape), t.dtype, bool(t.requires_grad)) for t in tensors),
-            tuple(activation_layout(t) for t in tensors))
+            tuple(activation_layout(t) for t in tensors), shared_memory(tensors))
+
+
+def shared_memory(tensors) -> tuple[int, ...]:
+    """For each tensor, the index of the first earlier one on the same storage, else -1 (an empty tensor shares
+    nothing). They arrive on another rank as separate copies, so the receiving stage must not write to them in
+    place (the executor checks: a write that the unsplit model would see through both names)."""
+    first: dict = {}
+    shares = []
+    for k, t in enumerate(tensors):
+        ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+        shares.append(first.setdefault(ptr, k) if ptr else -1)
+    return tuple(-1 if j == k else j for k, j in enumerate(shares))
 
 
 def grad_specs(meta) -> list:
@@ -266,7 +280,14 @@ def describe_change(what: str, now: Meta, before: Meta) -> str:
         for name, a, b in zip(("shape", "dtype", "requires_grad"), old, new):
             if a != b:
                 changes.append(f"element {k} of {what}: {name} {a} -> {b}")
+    for k, (new, old) in enumerate(zip(now[3], before[3])):
+        if new != old:
+            changes.append(f"element {k} of {what}: shares memory with {_sharer(old)} -> {_sharer(new)}")
     return "; ".join(changes)
+
+
+def _sharer(index: int) -> str:
+    return "no other element" if index < 0 else f"element {index}"
 
 
 def encode_meta(meta: Meta) -> torch.Tensor:
@@ -275,13 +296,14 @@ def encode_meta(meta: Meta) -> torch.Tensor:
     Raises:
         ValueError: a dtype that cannot be sent, or a message too large to describe (too many tensors/dims).
     """
-    container, parts, layouts = meta
+    container, parts, layouts, shares = meta
     words = [int(container), len(parts)]
-    for (shape, dtype, requires_grad), layout in zip(parts, layouts):
+    for (shape, dtype, requires_grad), layout, share in zip(parts, layouts, shares):
         if dtype not in DTYPE_CODE:
             raise ValueError(unsendable(dtype))
         gapped = isinstance(layout, Gapped)
-        words += [DTYPE_CODE[dtype], int(requires_grad), len(shape) | (_GAPPED if gapped else 0), *shape,
+        flags = int(requires_grad) | (share + 1) << 1  # bit 0: requires_grad; above: 1 + the shared element, or 0
+        words += [DTYPE_CODE[dtype], flags, len(shape) | (_GAPPED if gapped else 0), *shape,
                   *((*layout.strides, layout.offset) if gapped else layout)]
     if len(words) > HEADER_LEN:
         raise ValueError(f"a stage output with {len(parts)} tensors is too large to describe "
@@ -292,9 +314,10 @@ def encode_meta(meta: Meta) -> torch.Tensor:
 def decode_meta(header: torch.Tensor) -> Meta:
     """Inverse of :func:`encode_meta`."""
     words = header.tolist()
-    container, count, pos, parts, layouts = words[0], words[1], 2, [], []
+    container, count, pos, parts, layouts, shares = words[0], words[1], 2, [], [], []
     for _ in range(count):
         code, requires_grad, ndim = words[pos:pos + 3]
+        requires_grad, share = requires_grad & 1, (requires_grad >> 1) - 1
         gapped, ndim = bool(ndim & _GAPPED), ndim & ~_GAPPED
         shape = tuple(words[pos + 3:pos + 3 + ndim])
         layout = tuple(words[pos + 3 + ndim:pos + 3 + 2 * ndim])
@@ -304,8 +327,9 @@ def decode_meta(header: torch.Tensor) -> Meta:
             raise ValueError(f"a peer sent a tensor of dtype {name}, which this torch ({torch.__version__}) lacks: "
                              f"run the same torch version on every rank")
         parts.append((shape, DTYPES[code], bool(requires_grad)))
+        shares.append(share)
         pos += 3 + 2 * ndim + gapped
-    return (container, tuple(parts), tuple(layouts))
+    return (container, tuple(parts), tuple(layouts), tuple(shares))
 
 
 # ---- packing ---------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, meta_of, unsendable
 from .messages import MessageHandlers
 from .microbatch import as_tuple, as_value, stage_output
 from .received import loss_input_text, stage_input_text
+from .shared_inputs import check_shared_writes, shared_versions
 from .recompute import check_no_forward_hooks, keep_nothing, replay_rng, rng_state, scratch_buffers
 from .split import SplitPlans, backward_input, backward_weight
 from .stage import call_stage
@@ -179,6 +180,7 @@ class Executor(MessageHandlers):
         s, mb, st = instr.stage, instr.microbatch, self.step
         inputs, container = self._stage_input(s, mb)
         module, arg = self.stages[s], as_value(inputs, container)
+        shared = self._shared_before(s, mb, inputs)
         if not st.io.train:
             with torch.no_grad(), self.autocast():
                 try:
@@ -186,6 +188,8 @@ class Executor(MessageHandlers):
                 except Exception:
                     self.failed_input = (instr, self._input_text(s, mb, inputs, container))
                     raise
+            if shared:
+                check_shared_writes(s, mb, *shared, inputs)
             if s == self.last:
                 st.outputs[mb] = out
             else:
@@ -205,6 +209,8 @@ class Executor(MessageHandlers):
                 self.failed_input = (instr, self._input_text(s, mb, inputs, container))
                 raise
             loss = self._loss(out, mb) if s == self.last else None
+        if shared:
+            check_shared_writes(s, mb, *shared, inputs)
         saved = self.counter.take()
         st.inputs[(s, mb)] = (inputs, container)
         if loss is not None:
@@ -215,6 +221,15 @@ class Executor(MessageHandlers):
         if not redo:
             st.roots[(s, mb)] = roots
         self._hold((s, mb), tensor_bytes(inputs) if redo else saved)
+
+    def _shared_before(self, s, mb, inputs):
+        """``(meta, versions)`` of a received input whose elements shared memory on the sending rank, for
+        :func:`~pipesched.runtime.shared_inputs.check_shared_writes` after the forward; else ``None``."""
+        if s == 0 or s - 1 in self.local:  # the microbatch itself, or outputs handed over on this rank: one memory
+            return None
+        meta = self.step.io.metas[("in", s, mb)]
+        versions = shared_versions(meta, inputs)
+        return None if versions is None else (meta, versions)
 
     def _input_text(self, s, mb, inputs, container):
         """What stage ``s`` received for microbatch ``mb`` (:func:`~pipesched.runtime.received.stage_input_text`)."""
