@@ -172,10 +172,11 @@ def compile_program(
 def _lowered(program: Program) -> Program:
     """:func:`~pipesched.lower.add_send_recv` without validating first (the lowered program is validated); when it
     fails, the builder's program is validated to name its own fault (a missing or misordered instruction of a
-    user's schedule), not the deadlock the timing ran into."""
+    user's schedule), not the deadlock the timing ran into, nor the IndexError a stage or rank that does not exist
+    raised in the lowering."""
     try:
         return lower.add_send_recv(program, check=False)
-    except ScheduleError:
+    except (ScheduleError, IndexError):
         validate(program)
         raise
 

@@ -93,7 +93,7 @@ def _report_valid(args, program) -> int:
                           **({"backend": args.backend} if args.backend else {})}))
     else:
         kind = ("complete, ordered, send/recv-paired and deadlock-free"
-                if has_comm(program) or program.num_ranks == 1 else
+                if has_comm(program) or len(set(program.stage_to_rank)) == 1 else
                 "complete, ordered and deadlock-free as a compute-only program (no SEND/RECV: transfers between "
                 "ranks are implicit; lower it with pipesched.add_send_recv before running it)")
         if args.backend:

@@ -41,6 +41,11 @@ def dp_size_for(schedule, dp_size: int) -> int:
     """
     if not isinstance(schedule, Program):
         return dp_size
+    if schedule.dp_size == 1 and dp_size != 1:  # a program without the replicas' all-reduce: say how to add it
+        raise ValueError(f"dp_size={dp_size!r}, but the program runs 1 data-parallel replica (program.dp_size, no "
+                         f"ALL_REDUCE); add the replicas' all-reduce to it: pipesched.add_all_reduce(program, "
+                         f"{dp_size!r}) (a torch CSV: pipesched.interop.from_torch_csv(..., dp_size={dp_size!r})), "
+                         f"or leave dp_size at its default")
     _agree("dp_size", dp_size, schedule.dp_size, "data-parallel replicas")
     return schedule.dp_size
 
@@ -99,9 +104,13 @@ def check_user_program(program: Program, num_ranks: int, num_microbatches: int, 
 def _check_shape(program: Program, num_ranks: int, dp_size: int) -> None:
     """A lowered training program without ties, for ``num_ranks`` pipeline ranks."""
     if program.num_ranks != num_ranks:
+        world, replicas = num_ranks * dp_size, divmod(num_ranks * dp_size, program.num_ranks)
+        data_parallel = (f", or run {replicas[0]} data-parallel replicas of it: pipesched.add_all_reduce(program, "
+                         f"{replicas[0]}) (a torch CSV: from_torch_csv(..., dp_size={replicas[0]}))"
+                         if program.dp_size == 1 and replicas[0] > 1 and not replicas[1] else "")
         raise ValueError(f"the program has {program.num_ranks} ranks (num_ranks) but the pipeline has {num_ranks} "
-                         f"(world size {num_ranks * dp_size} / dp_size {dp_size}); launch "
-                         f"{program.num_ranks} x dp_size processes, or use a program for {num_ranks} ranks")
+                         f"(world size {world} / dp_size {dp_size}); launch {program.num_ranks} x dp_size "
+                         f"processes, or use a program for {num_ranks} ranks{data_parallel}")
     check_pipeline_program(program)
 
 
@@ -109,12 +118,13 @@ def check_pipeline_program(program: Program) -> None:
     """``program`` is one a ``Pipeline`` runs (whatever its ranks): a lowered training program.
 
     Raises:
-        ValueError: ``program`` is forward-only, or compute-only with more than one rank (says what to do).
+        ValueError: ``program`` is forward-only, or compute-only with stages on more than one rank (says what to
+            do; stages all on one rank need no message, the other ranks idle).
     """
     if program.forward_only:
         raise ValueError("the program is forward-only (forward_only=True); a Pipeline needs the training program "
                          "and derives the forward-only one itself")
-    if program.num_ranks > 1 and not has_comm(program):
+    if len(set(program.stage_to_rank)) > 1 and not has_comm(program):
         raise ValueError("the program is compute-only (no SEND/RECV); lower it first: "
                          "pipesched.add_send_recv(program), or register its builder (pipesched.register_schedule)")
 

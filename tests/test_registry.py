@@ -261,7 +261,9 @@ def test_a_user_program_the_pipeline_cannot_run_is_refused_naming_why():
     program = ps.load(HANDWRITTEN)
     cases = [
         (dict(num_ranks=4), "the program has 2 ranks (num_ranks) but the pipeline has 4 (world size 4 / dp_size 1); "
-                            "launch 2 x dp_size processes, or use a program for 4 ranks"),
+                            "launch 2 x dp_size processes, or use a program for 4 ranks, or run 2 data-parallel "
+                            "replicas of it: pipesched.add_all_reduce(program, 2) (a torch CSV: "
+                            "from_torch_csv(..., dp_size=2))"),
         (dict(num_microbatches=4), "num_microbatches=4, but the program runs 3 microbatches "
                                    "(program.num_microbatches); leave num_microbatches at its default or pass 3"),
         (dict(virtual_stages=2), "virtual_stages=2, but the program places its 2 stages on its ranks as its "
@@ -276,8 +278,15 @@ def test_a_user_program_the_pipeline_cannot_run_is_refused_naming_why():
         with pytest.raises(ValueError) as info:
             check_user_program(program, **args)
         assert message in str(info.value), (change, str(info.value))
-    with pytest.raises(ValueError, match=r"dp_size=3, but the program runs 1 data-parallel replicas"):
+    with pytest.raises(ValueError) as info:  # the way out named: before, the advice was only to drop dp_size
         dp_size_for(program, 3)
+    assert str(info.value) == ("dp_size=3, but the program runs 1 data-parallel replica (program.dp_size, no "
+                               "ALL_REDUCE); add the replicas' all-reduce to it: pipesched.add_all_reduce(program, 3) "
+                               "(a torch CSV: pipesched.interop.from_torch_csv(..., dp_size=3)), or leave dp_size at "
+                               "its default")
+    with_dp = ps.add_all_reduce(program, 2)
+    with pytest.raises(ValueError, match=r"^dp_size=3, but the program runs 2 data-parallel replicas \(program"):
+        dp_size_for(with_dp, 3)
     with pytest.raises(TypeError, match="schedule must be a schedule name .* or a lowered pipesched.Program, got int"):
         program_for(3, 2, 1, None, 1)
 
@@ -331,3 +340,18 @@ def test_a_users_faulty_builder_is_named_by_the_validator_not_a_deadlock(clean_r
                                        "faulty_builder_is_named_by_the_validator_not_a_deadlock.<locals>.<lambda> "
                                        "returned list, not a pipesched.Program (it must return the compute-only "
                                        "program)\n")
+
+
+def test_a_builder_placing_a_stage_on_no_rank_is_named_by_the_validator_not_an_index_error(clean_registry):
+    # the lowering ran before the validator and raised IndexError / NoSuchStage (a hunt of user programs)
+    from pipesched import Instr, Op, Program
+
+    ps.register_schedule("bad-rank", lambda p, m, v: Program([[Instr(Op.F, 0, 0)], []], stage_to_rank=(0, 5),
+                                                              num_microbatches=m), "d")
+    with pytest.raises(ps.InvalidProgramError, match=r"^stage_to_rank names rank 5, but the program has ranks 0\.\.1$"):
+        ps.compile_program("bad-rank", 2, 1)
+    ps.register_schedule("bad-stage", lambda p, m, v: Program([[Instr(Op.F, 0, 0), Instr(Op.F, 7, 0)],
+                                                                [Instr(Op.F, 1, 0)]], stage_to_rank=(0, 1),
+                                                               num_microbatches=m), "d")
+    with pytest.raises(ps.InvalidProgramError, match=r"^rank 0, F7\.0: stage 7 does not exist \(stages 0\.\.1\)"):
+        ps.compile_program("bad-stage", 2, 1)

@@ -124,6 +124,20 @@ def test_programs_a_pipeline_does_not_take(capsys, tmp_path, program, message):
                                              "rank": None, "instruction": None, "reason": message, "backend": "gloo"}
 
 
+def test_stages_all_on_one_rank_need_no_lowering(capsys, tmp_path):
+    # rank 1 idle, no edge between ranks: add_send_recv returns it unchanged, so "lower it first" looped (a hunt)
+    m = 2
+    work = [ps.Instr(ps.Op.F, s, mb) for mb in range(m) for s in range(2)]
+    work += [ps.Instr(ps.Op.B, s, mb) for mb in range(m) for s in (1, 0)]
+    program = ps.Program((tuple(work), ()), (0, 0), m)
+    assert ps.add_send_recv(program) == program
+    path = tmp_path / "p.txt"
+    path.write_text(ps.to_text(program))
+    code, out, _ = run(capsys, "validate", path, "--backend", "gloo")
+    assert code == 0 and "complete, ordered, send/recv-paired and deadlock-free" in out
+    assert "a Pipeline on gloo runs it" in out
+
+
 def test_an_invalid_program_is_reported_as_before(capsys):
     code, _, err = run(capsys, "validate", EXAMPLES / "broken-deadlock.txt", "--backend", "nccl")
     assert code == 1 and err.startswith(f"invalid: {EXAMPLES / 'broken-deadlock.txt'}: DeadlockError: ")

@@ -87,6 +87,10 @@ def agree(store, world_rank: int, world_size: int, description: dict, timeout: f
         for field, mine in description.items():
             if theirs.get(field) != mine:
                 detail = difference(store, key, world_rank, rank, spec, timeout) if field == "model" and spec else ""
+                if field == "program fingerprint":  # every argument agreed: the program itself differs
+                    detail = (" (the schedule, sizes and options agree: the schedule's builder gave these ranks "
+                              "other instructions, so it must not depend on random draws, the time or the rank; or the "
+                              "Program passed as schedule= differs between them)")
                 raise ValueError(f"world rank {rank} built its Pipeline with {field}={theirs.get(field)!r} but world "
                                  f"rank {world_rank} with {field}={mine!r}{detail}; every rank must construct "
                                  f"Pipeline with the same arguments (and the same model)")

@@ -101,5 +101,8 @@ def suite(rank):
     results["ranks"] = refused(rank, ps.compile_program("1f1b", 4, 2))
     results["microbatches"] = refused(rank, handwritten, num_microbatches=4)
     results["recompute"] = refused(rank, handwritten, recompute=True)
+    ps.register_schedule("by-rank", lambda p, m, v: ps.build("1f1b" if rank == 0 else "gpipe", p, m),
+                         "a builder whose program depends on the rank (as one drawing random numbers would)")
+    results["by-rank"] = refused(rank, "by-rank", num_microbatches=4)
     results["after"] = against_unsplit(rank, handwritten, steps=1)  # nothing left waiting: the next one runs
     return results

@@ -76,3 +76,16 @@ def test_programs_the_pipeline_cannot_run_are_refused_on_every_rank(results):
     for res in results:
         for case, (kind, message) in expect.items():
             assert res[case] == (kind, message), (case, res[case])
+
+
+def test_a_builder_giving_the_ranks_other_programs_is_named_as_such_on_every_rank(results):
+    # the arguments were identical, yet the message said only "every rank must construct Pipeline with the same
+    # arguments" (a hunt of user schedules)
+    for rank, res in enumerate(results):
+        kind, message = res["by-rank"]
+        assert kind == "ValueError"
+        assert message.startswith(f"world rank {1 - rank} built its Pipeline with program fingerprint=")
+        assert message.endswith(" (the schedule, sizes and options agree: the schedule's builder gave these ranks "
+                                "other instructions, so it must not depend on random draws, the time or the rank; or "
+                                "the Program passed as schedule= differs between them); every rank must construct "
+                                "Pipeline with the same arguments (and the same model)")
