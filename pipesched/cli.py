@@ -226,6 +226,14 @@ def make_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
+def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The subparser of ``command`` (``pipesched show``'s for ``show``), else ``parser`` itself."""
+    for action in parser._actions:  # argparse keeps its subparsers here (no public accessor)
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(command, parser)
+    return parser
+
+
 def _add_optional_commands(sub) -> None:
     """Subcommands whose modules import matplotlib or torch, which load only when those commands run."""
     try:
@@ -267,8 +275,8 @@ def decided(args, status: int) -> int:
 def main(argv=None) -> int:
     parser = make_parser(json_errors=asks_json(sys.argv[1:] if argv is None else argv))
     args, extra = parser.parse_known_args(argv)
-    if extra and not getattr(args, "passes_options", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra and not getattr(args, "passes_options", False):  # the command's own usage, not the top level's
+        command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     args.decided_status = 0
     try:

@@ -176,8 +176,10 @@ class Registry:
             if info is not None:
                 return info
         raise UnknownScheduleError(f"unknown schedule {name!r}; valid names: {', '.join(sorted(self.names()))} "
-                                   f"(a schedule of your own: import the module that registers it first; on the "
-                                   f"command line, --schedule-module MODULE)")
+                                   f"(a schedule of your own: import the module that registers it first, at the "
+                                   f"top of your script, not under `if __name__ == '__main__':`: each rank process "
+                                   f"of launch() or torchrun imports it afresh; on the command line, "
+                                   f"--schedule-module MODULE)")
 
     def registered(self) -> tuple[str, ...]:
         """The names registered into this object (user schedules, including those loaded from entry points)."""

@@ -21,9 +21,10 @@ def run(capsys, *argv):
      "pipesched show"),
     (("simulate", "--json", "1f1b", "-p", "2", "-m", "four"),
      "argument --microbatches/-m: invalid int value: 'four'", "pipesched simulate"),
+    # the command's own usage and name (the top level's printed "usage: pipesched [-h] ... COMMAND ...")
     (("simulate", "1f1b", "-p", "2", "-m", "4", "--json", "--bogus"), "unrecognized arguments: --bogus",
-     "pipesched"),
-    (("list", "--json", "--bogus", "x"), "unrecognized arguments: --bogus x", "pipesched"),
+     "pipesched simulate"),
+    (("list", "--json", "--bogus", "x"), "unrecognized arguments: --bogus x", "pipesched list"),
     (("show", "--json"), "the following arguments are required: SCHEDULE", "pipesched show"),
     (("show", "1f1b", "-p", "2", "-m", "4", "--format", "svg", "--json"),
      "argument --format: invalid choice: 'svg' (choose from 'grid', 'text')", "pipesched show"),
@@ -39,7 +40,7 @@ def test_usage_errors_under_json_are_json_on_stdout(capsys, argv, message, prog)
     data = json.loads(out)  # one JSON object, nothing else on stdout
     assert set(data) == {"error", "exit_status"} and data["exit_status"] == 2
     assert data["error"].startswith(message)
-    assert f"{prog}: error: {message}" in err and err.startswith("usage: ")  # argparse's text, unchanged
+    assert f"{prog}: error: {message}" in err and err.startswith(f"usage: {prog} ")  # argparse's text
     plain = [a for a in argv if a not in ("--json", "--js")]
     code, out, err = run(capsys, *plain)
     assert code == 2 and out == "" and f"{prog}: error: {message}" in err  # without --json: as argparse prints

@@ -230,8 +230,9 @@ def test_cli_bad_schedule_module_exits_2_naming_it(capsys):
     assert main(["show", "no-such-schedule", "-p", "2"]) == 2
     err = capsys.readouterr().err
     assert "unknown schedule 'no-such-schedule'; valid names:" in err
-    assert err.endswith("(a schedule of your own: import the module that registers it first; on the command line, "
-                        "--schedule-module MODULE)\n")
+    assert err.endswith("(a schedule of your own: import the module that registers it first, at the top of your "
+                        "script, not under `if __name__ == '__main__':`: each rank process of launch() or torchrun "
+                        "imports it afresh; on the command line, --schedule-module MODULE)\n")
 
 
 # ---- property test of the example builder ----------------------------------------------------------------------

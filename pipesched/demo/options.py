@@ -58,7 +58,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                              "needs at least one")
     parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the initial weights, the batches drawn and the sample (default 0)")
     parser.add_argument("--data", default=None, help="text file or folder (default: the stdlib's source)")
     parser.add_argument("--corpus-bytes", type=byte_count, default=2_000_000,
                         help="bytes of text to use, e.g. 500000 or 5e5 (default 2e6)")
@@ -66,8 +67,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
     """:func:`options`'s options: the run: output, timeout, tying, clipping, autocast, checkpoints."""
-    parser.add_argument("--out", default="out/demo", help="folder for the timeline pictures and trace")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a stuck rank gives up")
+    parser.add_argument("--out", default="out/demo",
+                        help="folder for the timeline pictures and trace (default out/demo)")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds before a stuck rank gives up (default 120)")
     parser.add_argument("--untied", action="store_true", help="give the LM head its own weight (default: tied to "
                         "the token embedding, summed across the first and last rank)")
     parser.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm over every "
