@@ -126,6 +126,8 @@ class Instr(_Fields):
 
     def __new__(cls, op: Op | str, stage: int, microbatch: int | None = None, peer: int | None = None) -> "Instr":
         if not isinstance(op, Op):
+            if op not in Op._value2member_map_:
+                raise ValueError(f"op must be one of {', '.join(Op.__members__)} (an Op or its name), got {op!r}")
             op = Op(op)
         if type(stage) is not int or type(microbatch) not in _INDEX_TYPES or type(peer) not in _INDEX_TYPES:
             stage, microbatch, peer = _index("stage", stage), _index("microbatch", microbatch), _index("peer", peer)
@@ -170,7 +172,10 @@ class Instr(_Fields):
 
     @classmethod
     def parse(cls, text: str) -> "Instr":
-        """Parse the text form (see the class docstring). Raises ``ValueError`` naming the bad token."""
+        """Parse the text form (see the class docstring). Raises ``ValueError`` naming the bad token, ``TypeError``
+        for a ``text`` that is not a ``str``."""
+        if not isinstance(text, str):
+            raise TypeError(f"Instr.parse: text must be a str such as 'F0.3', got {type(text).__name__} {text!r}")
         match = _TOKEN.match(text.strip())
         if match is None or match["op"] not in Op.__members__:
             raise ValueError(

@@ -70,6 +70,8 @@ def schedule_names(schedules) -> tuple[str, ...]:
 
 def check_model(profile, num_layers, layer_names) -> None:
     """``num_layers`` and/or ``layer_names`` against the profile (``layer_names`` alone: its length is the count)."""
+    if num_layers is not None:  # "8" or -1 was reported as "the profile is of another model"
+        num_layers = check_positive("num_layers", num_layers)
     if layer_names is not None:
         if isinstance(layer_names, str) or not all(isinstance(n, str) for n in layer_names):
             raise ScheduleArgumentError(f"layer_names must be a list of layer class names, got {layer_names!r}",

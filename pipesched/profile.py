@@ -217,9 +217,13 @@ class LayerProfile:
         """Refuse a profile of another model.
 
         Raises:
+            TypeError: ``num_layers`` is not an ``int``.
             ValueError: the layer count differs, or (both known) the layers' class names differ; the message
                 names the first differing layer.
         """
+        if type(num_layers) is not int:  # a string "8" is not the model's 8 layers (the message said it was)
+            raise TypeError(f"num_layers must be an int (the model's layer count), got {type(num_layers).__name__} "
+                            f"{num_layers!r}")
         if num_layers != self.num_layers:
             raise ValueError(f"profile has {self.num_layers} layers but the model has {num_layers}: the profile is "
                              f"of another model (profile the model with pipesched.runtime.profile_layers)")

@@ -67,3 +67,14 @@ def test_replace_checks_the_new_fields():
     assert Instr(Op.F, 1, 2)._replace(stage=3) == Instr(Op.F, 3, 2)
     with pytest.raises(ValueError, match="stage must be >= 0"):
         Instr(Op.F, 1, 2)._replace(stage=-1)
+
+
+def test_an_unknown_kind_or_a_non_string_text_names_what_is_valid():
+    # Instr("Q", 0, 0) raised the enum's own "'Q' is not a valid Op"; Instr.parse(5) an AttributeError (an audit)
+    with pytest.raises(ValueError) as info:
+        Instr("Q", 0, 0)
+    assert str(info.value) == ("op must be one of F, B, I, W, R, SEND_F, RECV_F, SEND_B, RECV_B, ALL_REDUCE, "
+                               "TIE_REDUCE (an Op or its name), got 'Q'")
+    assert Instr("F", 0, 1) == Instr(Op.F, 0, 1)
+    with pytest.raises(TypeError, match=r"^Instr.parse: text must be a str such as 'F0.3', got int 5$"):
+        Instr.parse(5)

@@ -161,6 +161,9 @@ def test_memory_pressure_makes_it_recompute_then_fail():
     (dict(memory_per_rank=-1), ["memory_per_rank", "-1"]),
     (dict(schedules=["nope"]), ["schedules", "nope", "1f1b"]),
     (dict(num_layers=5), ["5", "8 layers", "another model"]),
+    # a count that is no count: "profile has 8 layers but the model has 8: the profile is of another model" before
+    (dict(num_layers="8"), ["num_layers must be an integer >= 1, got '8'"]),
+    (dict(num_layers=-1), ["num_layers must be an integer >= 1, got -1"]),
     (dict(optimizer_states=-1), ["optimizer_states", "-1"]),
 ])
 def test_bad_input_names_the_argument(kwargs, words):

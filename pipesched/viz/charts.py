@@ -10,8 +10,9 @@ from ..errors import ScheduleError
 from ..schedules import SCHEDULES
 from ..sim import simulate
 
+#: a power in floats: p**p**p in integers took unbounded time and memory; in floats it overflows at once (None)
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.Mod: operator.mod, ast.Pow: operator.pow, ast.Eq: operator.eq, ast.NotEq: operator.ne,
+        ast.Mod: operator.mod, ast.Pow: lambda a, b: float(a) ** b, ast.Eq: operator.eq, ast.NotEq: operator.ne,
         ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge}
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 COLOURS = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000", "#F0E442")
@@ -24,8 +25,8 @@ def closed_form_bubble(formula: str, p: int, m: float, v: int = 1) -> float | No
     checked when ``m`` is an integer; the value is returned only where the condition holds.
 
     Returns:
-        The bubble fraction (0..1), or ``None`` when the text is not such a formula (e.g. prose) or the
-        condition fails.
+        The bubble fraction (0..1), or ``None`` when the text is not such a formula (e.g. prose), the
+        condition fails, or the value is no real number (an overflow, a complex power).
     """
     expression, _, condition = formula.partition(" for ")
     names = {"p": p, "m": m, "v": v}
@@ -33,9 +34,9 @@ def closed_form_bubble(formula: str, p: int, m: float, v: int = 1) -> float | No
         if condition and float(m).is_integer() and not _evaluate(condition.strip(), names):
             return None
         value = _evaluate(expression.strip(), names)
-    except (ValueError, ZeroDivisionError, SyntaxError):
+    except (ValueError, ZeroDivisionError, SyntaxError, OverflowError):
         return None
-    return float(value)
+    return float(value) if isinstance(value, (int, float)) else None  # a negative base's fractional power: complex
 
 
 def plot_bubble_vs_microbatches(num_ranks: int = 4, microbatches=None, schedules=None,

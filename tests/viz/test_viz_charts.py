@@ -48,3 +48,10 @@ def test_chart_rejects_bad_sizes():
         plot_bubble_vs_microbatches(0)
     with pytest.raises(ValueError, match="empty"):
         plot_bubble_vs_microbatches(4, microbatches=[])
+
+
+def test_a_closed_form_that_is_no_real_number_is_none_at_once():
+    # p**p**p was evaluated in integers: it never returned (an audit); a negative base's root is complex
+    assert closed_form_bubble("p**p**p", 9, 1) is None
+    assert closed_form_bubble("(-1)**0.5", 4, 8) is None
+    assert closed_form_bubble("(p-1)**2/(m*p)", 4, 8) == 9 / 32
