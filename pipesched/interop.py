@@ -35,6 +35,8 @@ from .lower import add_all_reduce
 from .interop_order import torch_runnable
 from .torch_action import COMM_KINDS, COMPUTE_KINDS, FSDP_KINDS, OVERLAP_F_B, REDUCE_GRAD, TorchAction, parse_action
 
+__all__ = ["TorchCsvWarning", "from_torch_csv", "to_torch_csv"]
+
 #: ``program.meta`` key of the adjacent instruction groups torch runs as one OVERLAP_F_B: :data:`pipesched.ir.OVERLAP_PAIRS`
 OVERLAP_META = OVERLAP_PAIRS
 #: ``program.meta`` key of a program read from a CSV: ``{"path", "form", "dropped": {kind: count}}``
@@ -68,11 +70,17 @@ def from_torch_csv(path, num_ranks: int | None = None, stage_to_rank=None, num_m
     lowers it).
 
     Args:
-        path: the CSV file (row ``r`` is rank ``r``'s actions; empty cells, torch's idle slots, are skipped).
+        path: the CSV file (row ``r`` is rank ``r``'s actions; empty cells, torch's idle slots, are skipped). A
+            line without actions (a blank line: what torch's ``_dump_csv``, and :func:`to_torch_csv`, write for a
+            rank without work) is a rank without actions, as torch's ``_load_csv`` reads it; without
+            ``num_ranks``, a :class:`TorchCsvWarning` names each such line (a stray blank line would add a rank, or
+            shift the ranks of the rows after it). Such lines after the last row with actions and past
+            ``num_ranks`` are ignored (torch would refuse them as ranks past its group's).
         num_ranks: pipeline ranks; default the number of rows (more gives the extra ranks empty streams).
         stage_to_rank: ``stage_to_rank[s]`` is the rank of stage ``s``; default: where the file runs each stage
             (torch infers it the same way), which needs an action of every stage.
-        num_microbatches: ``m``; default the largest microbatch index in the file + 1.
+        num_microbatches: ``m``; default the largest microbatch index in the file + 1 (every microbatch below it
+            must then have an action: else the first action past the gap is named, a likely typo).
         dp_size: data-parallel replicas; with ``dp_size > 1`` each REDUCE_GRAD becomes an ALL_REDUCE (or, in a
             file without any, :func:`pipesched.add_all_reduce` places them).
         schedule: the program's label.
@@ -83,12 +91,13 @@ def from_torch_csv(path, num_ranks: int | None = None, stage_to_rank=None, num_m
 
     Warns:
         TorchCsvWarning: UNSHARD/RESHARD (FSDP-only) actions were dropped; REDUCE_GRAD actions were dropped
-            (``dp_size=1``).
+            (``dp_size=1``); lines without actions were read as ranks without work (``num_ranks`` not given).
 
     Raises:
         ProgramFormatError: a cell that is not a torch action, a stage on two ranks or not on the rank
             ``stage_to_rank`` gives, a SEND/RECV without a neighbour stage, a stage with no action and no
-            ``stage_to_rank`` (each names the file, line, column and action).
+            ``stage_to_rank`` or a microbatch with no action and no ``num_microbatches`` (naming the first action
+            of a stage or microbatch past the gap), each naming the file, line, column and action.
         ValueError: ``num_ranks``, ``num_microbatches`` or ``dp_size`` not an integer >= 1, ``num_ranks``
             below the file's rows, ``num_ranks x num_microbatches`` above :data:`~pipesched.checks.MAX_PROGRAM_SIZE`
             (a ``ScheduleArgumentError``), or ``stage_to_rank`` naming a rank past them.
@@ -117,9 +126,17 @@ def from_torch_csv(path, num_ranks: int | None = None, stage_to_rank=None, num_m
             raise ValueError(f"from_torch_csv: stage_to_rank={short(tuple(stage_to_rank))} must hold integer ranks "
                              f"(one per stage): {described(bad)} is not an integer{kind}")
         stage_to_rank = ranks
-    rows = _read_rows(path)
+    rows, lines = _read_rows(path)
+    used = max((r + 1 for r, row in enumerate(rows) if row), default=0)  # rows up to the last with actions
+    if num_ranks is not None and used <= num_ranks < len(rows):  # lines without actions past the ranks given
+        del rows[num_ranks:], lines[num_ranks:]
     if num_ranks is not None and num_ranks < len(rows):
-        raise ValueError(f"from_torch_csv: num_ranks={num_ranks}, but {path} has {len(rows)} rows (one per rank)")
+        raise ValueError(f"from_torch_csv: num_ranks={num_ranks}, but {path} has {len(rows)} rows (one per rank"
+                         f"{_idle_note(rows[:used], lines)})")
+    if num_ranks is None and used:  # a blank line is a rank, as torch reads it, but likelier a stray: say so
+        note = _idle_note(rows, lines, used)
+        if note:
+            warnings.warn(f"{path}: {note}", TorchCsvWarning, stacklevel=2)
     rows += [[] for _ in range((num_ranks or len(rows)) - len(rows))]
     if stage_to_rank is not None and any(not 0 <= r < len(rows) for r in stage_to_rank):
         raise ValueError(f"from_torch_csv: stage_to_rank={tuple(stage_to_rank)} names a rank outside 0..{len(rows) - 1}"
@@ -127,8 +144,18 @@ def from_torch_csv(path, num_ranks: int | None = None, stage_to_rank=None, num_m
     if not any(rows):
         raise ProgramFormatError(f"{path}: no actions (a torch schedule CSV has one row of actions per rank)")
     s2r = _placement(rows, stage_to_rank, path)
-    m = num_microbatches or 1 + max(leaf.microbatch for row in rows for c in row for leaf in c.leaves()
-                                    if leaf.microbatch is not None)
+    if num_microbatches is None:  # m is the largest microbatch + 1: a microbatch below it without an action is a typo
+        gap = _gap(rows, lambda leaf: leaf.microbatch)
+        if gap is not None:
+            missing, past, count, appear = gap
+            raise ProgramFormatError(f"{past.where(path)}: microbatch {missing} has no action (microbatches {appear} "
+                                     f"appear, and m is the largest + 1; {_past_the_gap(count, 'microbatch', missing)})"
+                                     f"; pass num_microbatches to read the file as it is")
+    numbered = [leaf.microbatch for row in rows for c in row for leaf in c.leaves() if leaf.microbatch is not None]
+    if num_microbatches is None and not numbered:
+        raise ProgramFormatError(f"{path}: no action names a microbatch (only {', '.join(sorted(_kinds(rows)))}), so "
+                                 f"the number of microbatches is unknown; pass num_microbatches")
+    m = num_microbatches or 1 + max(numbered)
     streams, groups, dropped = _convert(rows, s2r, dp_size, path)
     form = "compute_comms" if _kinds(rows) - set(COMPUTE_KINDS) else "compute_only"
     meta = {TORCH_META: {"path": os.fspath(path), "form": form, "dropped": dict(dropped)}, OVERLAP_META: groups}
@@ -155,7 +182,29 @@ def _dropped_messages(path, dropped: Counter) -> list[str]:
     return out
 
 
-def _read_rows(path) -> list[list[_Cell]]:
+def _idle_note(rows, lines, used: int | None = None) -> str:
+    """What the rows without actions are read as (``""`` if none): with ``used`` (the rows up to the last with
+    actions), the warning of :func:`from_torch_csv`; without, a note for the error of a ``num_ranks`` too small."""
+    idle = [r for r, row in enumerate(rows) if not row]
+    if not idle:
+        return ""
+    one = len(idle) == 1
+    where = (f"line{'' if one else 's'} {', '.join(str(lines[r]) for r in idle)} "
+             f"{'has' if one else 'have'} no actions")
+    if used is None:
+        return (f"; {where}: torch reads {'it as a rank' if one else 'them as ranks'} without work too; if "
+                f"{'it is a stray line, delete it' if one else 'they are stray lines, delete them'}")
+    trailing = [r for r in idle if r >= used]
+    after = ("" if not trailing else f", or pass num_ranks={used} to ignore "
+             + ("it" if one else "those after the last row with actions" if len(trailing) < len(idle) else "them"))
+    return (f"{where}: read as rank{'' if one else 's'} {', '.join(map(str, idle))}, "
+            f"{'a rank' if one else 'ranks'} without work, as torch's _load_csv reads a blank line (its _dump_csv "
+            f"writes a rank without actions so); if "
+            f"{'it is a stray line, delete it' if one else 'they are stray lines, delete them'} (each row is a rank, "
+            f"in order){after}")
+
+
+def _read_rows(path) -> tuple[list[list[_Cell]], list[int]]:
     try:
         return _decode_rows(path)
     except UnicodeDecodeError as exc:
@@ -166,8 +215,9 @@ def _read_rows(path) -> list[list[_Cell]]:
 _OWN_FORM_STARTS = ("#", "{", "schedule:", "microbatches:", "stage_to_rank:", "dp_size:", "rank 0:")
 
 
-def _decode_rows(path) -> list[list[_Cell]]:
-    rows = []
+def _decode_rows(path) -> tuple[list[list[_Cell]], list[int]]:
+    """The actions of each row, and the line each row ends on."""
+    rows, lines = [], []
     with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.reader(f)
         for rank, row in enumerate(reader):
@@ -185,7 +235,8 @@ def _decode_rows(path) -> list[list[_Cell]]:
                 if action is not None:
                     cells.append(_Cell(action, reader.line_num, column, rank))
             rows.append(cells)
-    return rows
+            lines.append(reader.line_num)
+    return rows, lines
 
 
 def _kinds(rows) -> set[str]:
@@ -209,11 +260,48 @@ def _placement(rows, stage_to_rank, path) -> tuple[int, ...]:
                                              f"but this action of it is on rank {cell.rank}")
     if stage_to_rank is not None:
         return tuple(stage_to_rank)
-    missing = [s for s in range(max(seen) + 1) if s not in seen]
-    if missing:
-        raise ProgramFormatError(f"{path}: stage {missing[0]} has no action, so its rank is unknown (stages "
-                                 f"0..{max(seen)} appear); pass stage_to_rank")
+    gap = _gap(rows, lambda leaf: leaf.stage)
+    if gap is not None:
+        missing, past, count, appear = gap
+        raise ProgramFormatError(f"{past.where(path)}: stage {missing} has no action, so its rank is unknown (stages "
+                                 f"{appear} appear; {_past_the_gap(count, 'stage', missing)}); pass stage_to_rank "
+                                 f"to read the file as it is")
     return tuple(seen[s].rank for s in range(len(seen)))
+
+
+def _gap(rows, number):
+    """``None`` if the numbers (``number(leaf)``: a stage or a microbatch) of the file's actions run 0..max without a
+    gap, else ``(the first number missing, the first cell in the file of the least number past it, how many
+    actions are past it, the numbers that appear as ranges)``: that cell is where a typo would most likely be."""
+    cells: dict[int, list[_Cell]] = {}
+    for row in rows:
+        for cell in row:
+            for leaf in cell.leaves():
+                if number(leaf) is not None:
+                    cells.setdefault(number(leaf), []).append(cell)
+    missing = next((n for n in range(max(cells) + 1) if n not in cells), None) if cells else None
+    if missing is None:
+        return None
+    past = min(n for n in cells if n > missing)
+    count = sum(len(c) for n, c in cells.items() if n > missing)
+    return missing, min(cells[past], key=lambda c: (c.line, c.column)), count, _ranges(sorted(cells))
+
+
+def _past_the_gap(count: int, what: str, missing: int) -> str:
+    plural = "microbatches" if what == "microbatch" else f"{what}s"
+    return (f"this is the only action of a {what} above {missing}: a typo?" if count == 1 else
+            f"this is the first of the {count} actions of {plural} above {missing}")
+
+
+def _ranges(numbers: list[int]) -> str:
+    """``[0, 1, 2, 3, 9]`` as ``"0..3, 9"``."""
+    out, start = [], 0
+    for k in range(1, len(numbers) + 1):
+        if k == len(numbers) or numbers[k] != numbers[k - 1] + 1:
+            a, b = numbers[start], numbers[k - 1]
+            out.append(str(a) if a == b else f"{a}, {b}" if b == a + 1 else f"{a}..{b}")
+            start = k
+    return ", ".join(out)
 
 
 def _convert(rows, s2r, dp_size: int, path):

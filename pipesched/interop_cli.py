@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import warnings
 
@@ -80,9 +81,13 @@ def load_for_validate(args: argparse.Namespace):
                 "; pass num_ranks for more", ": one row of actions per rank, so --stage-to-rank names ranks of "
                                              "those rows only")
             raise ValueError(f"--stage-to-rank {shown}: {message}") from None
-    for warning in caught:
-        print(f"note: {warning.message}", file=sys.stderr)
+    for warning in caught:  # the API's num_ranks has no option here: its hint goes (a stray line is deleted)
+        print(f"note: {_NUM_RANKS_HINT.sub('', str(warning.message))}", file=sys.stderr)
     return program
+
+
+#: from_torch_csv's hint for blank lines after the last rank, which names its num_ranks argument
+_NUM_RANKS_HINT = re.compile(r", or pass num_ranks=[0-9]+ to ignore [a-z ]+$")
 
 
 def add_show_args(parser: argparse.ArgumentParser) -> None:

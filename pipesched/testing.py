@@ -25,12 +25,15 @@ except ModuleNotFoundError as exc:  # the test extra is not installed
 
 from . import program_io
 from .api import compile_program
+from .checks import as_int, check_flag, described
 from .cost import CostModel
 from .ir import Program
 from .registry import get_schedule
 from .schedules import SCHEDULES
 from .sim import simulate
 from .validate import validate
+
+__all__ = ["check_program", "cost_models", "schedule_configs"]
 
 
 @dataclass(frozen=True)
@@ -49,17 +52,59 @@ class ScheduleConfig:
                                dp_size=self.dp_size, recompute=self.recompute)
 
 
-@st.composite
-def schedule_configs(draw, names=None, max_ranks: int = 16, max_microbatches: int = 64,
-                     max_virtual_stages: int = 4, max_dp: int = 4, recompute: bool | None = None):
+def schedule_configs(names=None, max_ranks: int = 16, max_microbatches: int = 64, max_virtual_stages: int = 4,
+                     max_dp: int = 4, recompute: bool | None = None):
     """Strategy of :class:`ScheduleConfig` over the built-in schedules (or ``names``, which may name registered ones).
 
-    ``virtual_stages`` is drawn in 1..max_virtual_stages for schedules whose default is > 1, else it is the
+    ``names``: a list (any iterable but a string) of schedule names; names unknown when a config is drawn raise
+    ``UnknownScheduleError`` then (a schedule may be registered after the strategy is made).
+    ``num_ranks`` is drawn in 1..max_ranks, ``num_microbatches`` in 1..max_microbatches, ``dp_size`` in 1..max_dp;
+    ``virtual_stages`` in 1..max_virtual_stages for schedules whose default is > 1, else it is the
     default (also for a schedule with ``fixed_virtual_stages``, e.g. ``zbv``: 2).
     ``recompute``: ``None`` draws it, a bool fixes it.
+
+    Raises (when called, not when drawn):
+        TypeError: ``names`` a string or not an iterable of strings, a ``max_*`` not an integer (a bool is not),
+            ``recompute`` not ``None`` or a bool.
+        ValueError: ``names`` empty, a ``max_*`` below 1.
     """
-    name = draw(st.sampled_from(sorted(names or SCHEDULES)))
-    info = get_schedule(name)  # a built-in or a registered user schedule
+    where = "schedule_configs: "
+    if names is not None:
+        if isinstance(names, (str, bytes)) or not hasattr(names, "__iter__"):
+            hint = f" (for one schedule: names=[{names!r}])" if isinstance(names, str) else ""
+            raise TypeError(f"{where}names must be None (every built-in schedule) or a list of schedule names, got "
+                            f"{described(names)}{hint}")
+        names = tuple(names)
+        bad = next((n for n in names if not isinstance(n, str)), None)
+        if bad is not None:
+            raise TypeError(f"{where}names must hold schedule names (str), got {described(bad)} in {names!r}")
+        if not names:
+            raise ValueError(f"{where}names is empty: give at least one schedule name, or None for every built-in "
+                             f"schedule")
+    sizes = {}
+    for name, value in (("max_ranks", max_ranks), ("max_microbatches", max_microbatches),
+                        ("max_virtual_stages", max_virtual_stages), ("max_dp", max_dp)):
+        sizes[name] = _at_least_one(value, name, where)
+    check_flag(recompute, "recompute", where=where, none="drawn")
+    return _schedule_configs(tuple(sorted(names or SCHEDULES)), recompute=recompute, **sizes)
+
+
+def _at_least_one(value, name: str, where: str) -> int:
+    number = as_int(value)
+    if number is None:
+        kind = " (a bool is not a count)" if isinstance(value, bool) else ""
+        raise TypeError(f"{where}{name} must be an integer >= 1, got {described(value)}{kind}")
+    if number < 1:
+        raise ValueError(f"{where}{name} must be an integer >= 1, got {value!r}")
+    return number
+
+
+def _draw_config(draw, names: tuple[str, ...], max_ranks: int, max_microbatches: int, max_virtual_stages: int,
+                 max_dp: int, recompute: bool | None):
+    for known in names:  # each, not only the one drawn: a typo among several is told at the first draw
+        get_schedule(known)  # a built-in or a registered user schedule
+    name = draw(st.sampled_from(names))
+    info = get_schedule(name)
     multi = info.default_virtual_stages > 1 and not info.fixed_virtual_stages
     return ScheduleConfig(
         schedule=name,
@@ -71,17 +116,37 @@ def schedule_configs(draw, names=None, max_ranks: int = 16, max_microbatches: in
     )
 
 
+def _composite(draw_function, public_name: str):
+    """``st.composite(draw_function)``, shown in reprs (hypothesis's messages) under the public name."""
+    draw_function.__name__ = draw_function.__qualname__ = public_name
+    return st.composite(draw_function)
+
+
+_schedule_configs = _composite(_draw_config, "schedule_configs")
+
+
 def _per_stage(num_stages: int, low: float, high: float):
     return st.lists(st.floats(low, high, allow_nan=False), min_size=num_stages, max_size=num_stages)
 
 
-@st.composite
-def cost_models(draw, num_stages: int, uniform: bool = False, with_comm: bool = True):
+def cost_models(num_stages: int, uniform: bool = False, with_comm: bool = True):
     """Strategy of :class:`CostModel` with positive per-stage seconds (0.1 to 10) for ``num_stages`` stages.
 
     ``uniform``: one forward and one backward cost for every stage (the closed forms' assumption) and
     free messages. ``with_comm``: draw latency, send overhead, bandwidth and activation sizes too.
+
+    Raises (when called, not when drawn):
+        TypeError: ``num_stages`` not an integer (a bool is not), ``uniform`` or ``with_comm`` not a bool.
+        ValueError: ``num_stages`` below 1.
     """
+    where = "cost_models: "
+    num_stages = _at_least_one(num_stages, "num_stages", where)
+    check_flag(uniform, "uniform", where=where)
+    check_flag(with_comm, "with_comm", where=where)
+    return _cost_models(num_stages, uniform, with_comm)
+
+
+def _draw_cost(draw, num_stages: int, uniform: bool, with_comm: bool):
     if uniform:
         return CostModel(forward=draw(st.floats(0.1, 10)), backward=draw(st.floats(0.1, 10)))
     return CostModel(
@@ -93,6 +158,9 @@ def cost_models(draw, num_stages: int, uniform: bool = False, with_comm: bool = 
         activation_bytes=draw(_per_stage(num_stages, 0, 1e6)) if with_comm else 0.0,
         send_overhead=draw(st.floats(0, 0.5)) if with_comm else 0.0,
     )
+
+
+_cost_models = _composite(_draw_cost, "cost_models")
 
 
 def check_program(program: Program, cost: CostModel | None = None) -> None:

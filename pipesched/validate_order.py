@@ -84,6 +84,18 @@ def paired(program: Program, plan: engine.Plan) -> bool:
     return sends == recvs
 
 
+def _unmatched(program: Program, src: int, dst: int, out, inn, smsg, rmsg) -> str:
+    """Where the mismatch is rather a missing message (a deleted line, the likeliest hand edit): the receive's
+    message is never sent, or the send's message never received, on this channel."""
+    if rmsg not in {m for _, m in out}:
+        pos = next(p for p, m in inn if m == rmsg)
+        return f"; rank {src} never sends what {program.ranks[dst][pos]} receives: a send may be missing"
+    if smsg not in {m for _, m in inn}:
+        pos = next(p for p, m in out if m == smsg)
+        return f"; rank {dst} never receives what {program.ranks[src][pos]} sends: a receive may be missing"
+    return ""
+
+
 def explain_pairing(program: Program) -> None:
     """Raise the error :func:`~pipesched.validate.check_pairing` reports (if any): the first channel whose sends and
     receives differ."""
@@ -103,7 +115,8 @@ def explain_pairing(program: Program) -> None:
                 raise PairingError(
                     f"receives from rank {src} are posted out of the order of its sends: rank {src} sends "
                     f"{program.ranks[src][spos]} here, but rank {dst}'s matching receive is "
-                    f"{program.ranks[dst][rpos]} (messages between two ranks match first in, first out)",
+                    f"{program.ranks[dst][rpos]} (messages between two ranks match first in, first out)"
+                    + _unmatched(program, src, dst, out, inn, smsg, rmsg),
                     src, program.ranks[src][spos], render_grid(program.ranks, {src: spos, dst: rpos}),
                 )
         if len(out) > len(inn):

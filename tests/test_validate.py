@@ -271,3 +271,21 @@ def test_an_instruction_that_is_not_an_instr_is_named_with_the_way_out(instr):
     assert str(info.value) == (f"rank 0, instruction 1: must be a pipesched.Instr, got {instr!r} "
                                f"({type(instr).__name__}); parse text with pipesched.Instr.parse('F0.0'), or a "
                                f"whole program with pipesched.loads(text)")
+
+
+def test_a_send_deleted_mid_channel_is_named_as_missing_not_only_as_out_of_order():
+    # the likeliest hand edit, a deleted line, read as "posted out of the order of its sends" alone (a fuzz)
+    program = compile_program("1f1b", 2, 3)
+    edited = program.replace([[i for i in program.ranks[0] if str(i) != "SEND_F0.1>1"], program.ranks[1]])
+    with pytest.raises(PairingError) as info:
+        validate(edited)
+    assert str(info.value).splitlines()[0] == (
+        "rank 0, SEND_F0.2>1: receives from rank 0 are posted out of the order of its sends: rank 0 sends "
+        "SEND_F0.2>1 here, but rank 1's matching receive is RECV_F1.1<0 (messages between two ranks match first in, "
+        "first out); rank 0 never sends what RECV_F1.1<0 receives: a send may be missing")
+    swapped = list(program.ranks[0])
+    a, b = (swapped.index(Instr.parse(t)) for t in ("SEND_F0.1>1", "SEND_F0.2>1"))
+    swapped[a], swapped[b] = swapped[b], swapped[a]
+    with pytest.raises(ScheduleError) as info:  # a true reordering keeps the plain wording
+        validate(program.replace([swapped, program.ranks[1]]))
+    assert "may be missing" not in str(info.value)
