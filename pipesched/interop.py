@@ -32,6 +32,7 @@ from .errors import ProgramFormatError
 from .strict_json import not_text
 from .ir import COMM_OPS, OVERLAP_PAIRS, Instr, Op, Program
 from .lower import add_all_reduce
+from .interop_gaps import idle_note, refuse_gap
 from .interop_order import torch_runnable
 from .torch_action import COMM_KINDS, COMPUTE_KINDS, FSDP_KINDS, OVERLAP_F_B, REDUCE_GRAD, TorchAction, parse_action
 
@@ -132,9 +133,9 @@ def from_torch_csv(path, num_ranks: int | None = None, stage_to_rank=None, num_m
         del rows[num_ranks:], lines[num_ranks:]
     if num_ranks is not None and num_ranks < len(rows):
         raise ValueError(f"from_torch_csv: num_ranks={num_ranks}, but {path} has {len(rows)} rows (one per rank"
-                         f"{_idle_note(rows[:used], lines)})")
+                         f"{idle_note(rows[:used], lines)})")
     if num_ranks is None and used:  # a blank line is a rank, as torch reads it, but likelier a stray: say so
-        note = _idle_note(rows, lines, used)
+        note = idle_note(rows, lines, used)
         if note:
             warnings.warn(f"{path}: {note}", TorchCsvWarning, stacklevel=2)
     rows += [[] for _ in range((num_ranks or len(rows)) - len(rows))]
@@ -145,12 +146,8 @@ def from_torch_csv(path, num_ranks: int | None = None, stage_to_rank=None, num_m
         raise ProgramFormatError(f"{path}: no actions (a torch schedule CSV has one row of actions per rank)")
     s2r = _placement(rows, stage_to_rank, path)
     if num_microbatches is None:  # m is the largest microbatch + 1: a microbatch below it without an action is a typo
-        gap = _gap(rows, lambda leaf: leaf.microbatch)
-        if gap is not None:
-            missing, past, count, appear = gap
-            raise ProgramFormatError(f"{past.where(path)}: microbatch {missing} has no action (microbatches {appear} "
-                                     f"appear, and m is the largest + 1; {_past_the_gap(count, 'microbatch', missing)})"
-                                     f"; pass num_microbatches to read the file as it is")
+        refuse_gap(rows, "microbatch", lambda leaf: leaf.microbatch, path, ("", ", and m is the largest + 1"),
+                   "num_microbatches")
     numbered = [leaf.microbatch for row in rows for c in row for leaf in c.leaves() if leaf.microbatch is not None]
     if num_microbatches is None and not numbered:
         raise ProgramFormatError(f"{path}: no action names a microbatch (only {', '.join(sorted(_kinds(rows)))}), so "
@@ -180,28 +177,6 @@ def _dropped_messages(path, dropped: Counter) -> list[str]:
                    f"reduce gradients over (torch's REDUCE_GRAD also scales them by 1/m, which pipesched's loss "
                    f"does); give dp_size (--dp N) to read each as its stage's ALL_REDUCE")
     return out
-
-
-def _idle_note(rows, lines, used: int | None = None) -> str:
-    """What the rows without actions are read as (``""`` if none): with ``used`` (the rows up to the last with
-    actions), the warning of :func:`from_torch_csv`; without, a note for the error of a ``num_ranks`` too small."""
-    idle = [r for r, row in enumerate(rows) if not row]
-    if not idle:
-        return ""
-    one = len(idle) == 1
-    where = (f"line{'' if one else 's'} {', '.join(str(lines[r]) for r in idle)} "
-             f"{'has' if one else 'have'} no actions")
-    if used is None:
-        return (f"; {where}: torch reads {'it as a rank' if one else 'them as ranks'} without work too; if "
-                f"{'it is a stray line, delete it' if one else 'they are stray lines, delete them'}")
-    trailing = [r for r in idle if r >= used]
-    after = ("" if not trailing else f", or pass num_ranks={used} to ignore "
-             + ("it" if one else "those after the last row with actions" if len(trailing) < len(idle) else "them"))
-    return (f"{where}: read as rank{'' if one else 's'} {', '.join(map(str, idle))}, "
-            f"{'a rank' if one else 'ranks'} without work, as torch's _load_csv reads a blank line (its _dump_csv "
-            f"writes a rank without actions so); if "
-            f"{'it is a stray line, delete it' if one else 'they are stray lines, delete them'} (each row is a rank, "
-            f"in order){after}")
 
 
 def _read_rows(path) -> tuple[list[list[_Cell]], list[int]]:
@@ -260,48 +235,8 @@ def _placement(rows, stage_to_rank, path) -> tuple[int, ...]:
                                              f"but this action of it is on rank {cell.rank}")
     if stage_to_rank is not None:
         return tuple(stage_to_rank)
-    gap = _gap(rows, lambda leaf: leaf.stage)
-    if gap is not None:
-        missing, past, count, appear = gap
-        raise ProgramFormatError(f"{past.where(path)}: stage {missing} has no action, so its rank is unknown (stages "
-                                 f"{appear} appear; {_past_the_gap(count, 'stage', missing)}); pass stage_to_rank "
-                                 f"to read the file as it is")
+    refuse_gap(rows, "stage", lambda leaf: leaf.stage, path, (", so its rank is unknown", ""), "stage_to_rank")
     return tuple(seen[s].rank for s in range(len(seen)))
-
-
-def _gap(rows, number):
-    """``None`` if the numbers (``number(leaf)``: a stage or a microbatch) of the file's actions run 0..max without a
-    gap, else ``(the first number missing, the first cell in the file of the least number past it, how many
-    actions are past it, the numbers that appear as ranges)``: that cell is where a typo would most likely be."""
-    cells: dict[int, list[_Cell]] = {}
-    for row in rows:
-        for cell in row:
-            for leaf in cell.leaves():
-                if number(leaf) is not None:
-                    cells.setdefault(number(leaf), []).append(cell)
-    missing = next((n for n in range(max(cells) + 1) if n not in cells), None) if cells else None
-    if missing is None:
-        return None
-    past = min(n for n in cells if n > missing)
-    count = sum(len(c) for n, c in cells.items() if n > missing)
-    return missing, min(cells[past], key=lambda c: (c.line, c.column)), count, _ranges(sorted(cells))
-
-
-def _past_the_gap(count: int, what: str, missing: int) -> str:
-    plural = "microbatches" if what == "microbatch" else f"{what}s"
-    return (f"this is the only action of a {what} above {missing}: a typo?" if count == 1 else
-            f"this is the first of the {count} actions of {plural} above {missing}")
-
-
-def _ranges(numbers: list[int]) -> str:
-    """``[0, 1, 2, 3, 9]`` as ``"0..3, 9"``."""
-    out, start = [], 0
-    for k in range(1, len(numbers) + 1):
-        if k == len(numbers) or numbers[k] != numbers[k - 1] + 1:
-            a, b = numbers[start], numbers[k - 1]
-            out.append(str(a) if a == b else f"{a}, {b}" if b == a + 1 else f"{a}..{b}")
-            start = k
-    return ", ".join(out)
 
 
 def _convert(rows, s2r, dp_size: int, path):
