@@ -9,6 +9,12 @@ import math
 from dataclasses import dataclass, field
 
 from .checks import as_int, is_real
+from .timeline import unknown_keys_message
+
+#: the keys of :meth:`Candidate.to_json`'s form (``layer_names`` may be left out); any other is refused
+_JSON_KEYS = ("schedule", "pp", "dp", "num_microbatches", "virtual_stages", "balance", "recompute", "split_backward",
+              "microbatch_size", "step_time", "bubble_fraction", "peak_memory", "layer_names")
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -21,7 +27,7 @@ class Candidate:
         recompute: one bool per stage: recompute its activations in backward.
         split_backward: split the fused backward into I and W (``compile_program``'s option).
         step_time: predicted seconds of one training step (the simulated makespan, all-reduce included).
-        bubble_fraction: predicted idle rank-seconds / (pp x step time).
+        bubble_fraction: predicted idle rank-seconds / (pp x step time), in [0, 1].
         peak_memory: predicted peak bytes per pipeline rank (every replica alike): parameters, gradients,
             optimizer state and the peak activation bytes.
         microbatch_size: samples per microbatch (global batch / (dp x m)).
@@ -29,8 +35,11 @@ class Candidate:
         layer_names: the profiled model's layer class names (``()``: unknown; not compared), so that
             ``Pipeline.from_plan`` refuses a model of other layer classes given a Candidate as given a Plan.
 
+    ``schedule`` is not looked up: a plan may name a schedule registered in the process that planned it.
+
     Raises:
-        ValueError: a field of the wrong type or size (names it, its value and what is valid).
+        ValueError: a field of the wrong type, size or range (``bubble_fraction`` outside [0, 1], a time or a byte
+            count negative or not finite, ...): names it, its value and what is valid.
     """
 
     schedule: str
@@ -75,13 +84,16 @@ class Candidate:
         ``layer_names`` may be absent (JSON of an older pipesched: the model is then checked by layer count only).
 
         Raises:
-            ValueError: a key is missing, or a value has the wrong type or size (names the key, its value and what
-                is valid).
+            ValueError: ``data`` is not a dict; a key is unknown (a typo such as ``split_backwards`` would otherwise
+                be dropped, and the plan run without what it names: refused first, naming the closest known key)
+                or missing; a value has the wrong type, size or range (names the key, its value and what is valid).
         """
         if not isinstance(data, dict):
             raise ValueError(f"a planned candidate is a JSON object (dict), got {type(data).__name__}")
-        names = ("schedule", "pp", "dp", "num_microbatches", "virtual_stages", "balance", "recompute",
-                 "split_backward", "microbatch_size", "step_time", "bubble_fraction", "peak_memory")
+        unknown = unknown_keys_message(data, _JSON_KEYS, "a candidate's")
+        if unknown:
+            raise ValueError(f"planned candidate JSON: {unknown}")
+        names = _JSON_KEYS[:-1]  # all but layer_names
         missing = [n for n in names if n not in data]
         if missing:
             raise ValueError(f"a planned candidate needs the keys {list(names)}; missing {missing}")
@@ -128,6 +140,7 @@ class Plan:
 
     @property
     def best(self) -> Candidate:
+        """The winner: the first candidate, the fastest predicted step (``candidates[0]``)."""
         return self.candidates[0]
 
     def __iter__(self):
@@ -175,6 +188,8 @@ def _check_candidate(c: Candidate) -> None:
     for name in ("step_time", "bubble_fraction"):
         if not number(getattr(c, name)):
             bad(name, "a number >= 0")
+    if c.bubble_fraction > 1:
+        bad("bubble_fraction", "a fraction in [0, 1] (idle rank-seconds / (pp x step time))")
     S = c.pp * c.virtual_stages
     if not isinstance(c.balance, (tuple, list)) or len(c.balance) != S or not all(integer(b, 1) for b in c.balance):
         bad("balance", f"a list of pp x virtual_stages = {S} layer counts >= 1")
