@@ -33,7 +33,8 @@ def explain_overlap(program: Program) -> None:
         if problem is not None:
             reason, rank, pos = problem
             head = (f"overlap pair {_group_text(group)} ({OVERLAP_PAIRS}: an F and the B or I of another microbatch it "
-                    f"overlaps, adjacent on one rank): {reason}")
+                    f"overlaps, adjacent on one rank): {reason}; to run them apart, drop the pair from the program's "
+                    f"{OVERLAP_PAIRS}: line (program.meta[{OVERLAP_PAIRS!r}])")
             raise InvalidProgramError(head) if rank is None else failure_at(InvalidProgramError, program, rank, pos, head)
         paired[group[0]] = paired[group[1]] = group
 
