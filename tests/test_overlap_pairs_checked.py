@@ -90,6 +90,8 @@ def test_validate_refuses_what_is_not_a_pair(pairs, rank, instr, says):
         ps.validate(program)
     assert info.value.reason.startswith(f"overlap pair {pairs.split()[-1]} (overlap_pairs: an F and the B or I")
     assert says in info.value.reason
+    assert info.value.reason.endswith("; to run them apart, drop the pair from the program's overlap_pairs: line "
+                                      "(program.meta['overlap_pairs'])")
     assert (info.value.rank, None if info.value.instr is None else str(info.value.instr)) == (rank, instr)
 
 
