@@ -12,19 +12,23 @@ after the others gave up on it (late by more than ``timeout``) raises ``TimeoutE
 from __future__ import annotations
 
 import hashlib
+import math
+import os
 import time
 
+import torch
 import torch.distributed as dist
 
 from ..ir import Op
 from ..program_io import fingerprint
-from .comm import groups_error_key
+from .comm import groups_error_key, init_default_group
 from .exchange import publish, read_all
 from .failure import FailureRecord, PipelineError
 from .failure import describe as describe_error
 from .model_difference import difference, publish_spec
 
 _PREFIX = "pipesched/construct"
+_JOIN_TO_REFUSE_S = 30.0  # refuse_construction's longest wait in the rendezvous
 _POLL_S = 0.05  # groups_failed's pause between two looks at its round's entries
 _CONNECTED = "pipesched/connected"  # the round after every rank created its Pipeline's process groups
 _LATE_CONNECTED = "finish creating their Pipeline's process groups within {timeout} s"
@@ -153,9 +157,27 @@ def refuse(store, world_rank: int, error: BaseException) -> None:
         pass
 
 
-def refuse_construction(error: Exception) -> None:
-    """This rank's ``Pipeline(...)`` failed before any communication (``error``): where the default process group
-    is up, file the refusal the other ranks' construction reads (:func:`refuse`), so
-    they raise it instead of waiting for this rank until the timeout."""
-    if dist.is_available() and dist.is_initialized():
+def refuse_construction(error: Exception, timeout=None) -> None:
+    """This rank's ``Pipeline(...)`` failed before any communication (``error``): file the refusal the other ranks'
+    construction reads (:func:`refuse`), so they raise it instead of waiting for this rank until the timeout.
+
+    Where no default process group is up yet but a launcher's environment is (torchrun, or ``MASTER_ADDR``,
+    ``RANK`` and ``WORLD_SIZE`` set by hand), this rank first joins the default group's rendezvous, which the
+    others wait in, for at most ``min(timeout, 30)`` seconds (``timeout``: the Pipeline's, 300 where it is not a
+    valid number); a rank that never came would otherwise keep them there until their timeout. Never raises: the
+    local error is what the caller raises."""
+    if not dist.is_available():
+        return
+    if not dist.is_initialized() and all(name in os.environ for name in ("MASTER_ADDR", "RANK", "WORLD_SIZE")):
+        try:  # gloo whatever the stages' device: this rank only files its refusal in the group's store
+            init_default_group(torch.device("cpu"), min(_valid_timeout(timeout), _JOIN_TO_REFUSE_S))
+        except Exception:  # noqa: BLE001 - the others did not come: they meet this rank's absence as before
+            return
+    if dist.is_initialized():
         refuse(dist.distributed_c10d._get_default_store(), dist.get_rank(), error)
+
+
+def _valid_timeout(timeout) -> float:
+    """``timeout`` as seconds where it is a positive finite number (not a bool), else the default 300."""
+    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < math.inf
+    return float(timeout) if ok else 300.0

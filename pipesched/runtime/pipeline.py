@@ -181,7 +181,7 @@ class Pipeline(PipelineCalls, PipelineCollectives, PipelineMeasured, Sealed):
             self._fuse_wgrad = check_flag(gradient_accumulation_fusion, "gradient_accumulation_fusion", "Pipeline: ")
             self._built = Built(model, self.stages, self.first_layers, self.layer_names)  # checked at each step
         except Exception as exc:
-            refuse_construction(exc)  # the other ranks must not wait for this one
+            refuse_construction(exc, timeout)  # the other ranks must not wait for this one
             raise
         init_default_group(self.device, self.timeout)  # communication starts here
         self._construction = agree(  # which of the job's Pipelines this is, the same on every rank (checkpoint.py)
