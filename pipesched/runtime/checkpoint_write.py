@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..checks import as_int
 from . import rng_state
-from .comm import as_bytes
+from .wire import as_bytes
 from .failure import CommError, describe
 from .optim_state import check_owned, flat_state
 from .torch_errors import peer_closed_connection, wait_timed_out

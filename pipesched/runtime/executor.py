@@ -14,7 +14,7 @@ from .accounting import SavedBytes, tensor_bytes
 from .grad_sum import finish_sum
 from .input_grads import input_gradients
 from .loss import checked_loss, step_total, weighted
-from .comm import DTYPE_CODE, DTYPES, TAG_LOSS, meta_of, unsendable
+from .wire import DTYPE_CODE, DTYPES, TAG_LOSS, meta_of, unsendable
 from .messages import MessageHandlers
 from .microbatch import as_tuple, as_value, stage_output
 from .received import loss_input_text, stage_input_text

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from .comm import DTYPE_CODE, unsendable
+from .wire import DTYPE_CODE, unsendable
 from .microbatch import TENSOR, TooFewSamples, split
 from .settings import caller_autocast, describe_autocast
 from .refusals import (OWN_REFUSAL, REFUSAL_KINDS, SIG_LEN, VERDICT_LEN, Rejected, TargetVerdict, decode_text,

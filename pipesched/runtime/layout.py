@@ -85,7 +85,7 @@ def _is_identity(order) -> bool:
 
 def to_wire(t: torch.Tensor, layout) -> torch.Tensor:
     """``t`` with its dims in the layout's order (a view): the tensor whose row-major values the message carries,
-    free for a tensor laid out in that order; :func:`~pipesched.runtime.comm.pack` copies any other one (and a
+    free for a tensor laid out in that order; :func:`~pipesched.runtime.wire.pack` copies any other one (and a
     :class:`Gapped` one, sent row-major)."""
     return t if isinstance(layout, Gapped) or _is_identity(layout) else t.permute(layout)
 

@@ -6,7 +6,7 @@ its tensors against it (a stage's outputs must follow from its input signature a
 from __future__ import annotations
 
 from .accounting import tensor_bytes
-from .comm import describe_change, grad_specs, meta_of, tag_of
+from .wire import describe_change, grad_specs, meta_of, tag_of
 from .grad_sum import start_sum
 from .settings import SETTINGS
 

@@ -18,7 +18,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from .comm import SAME_SIZE_INT, as_bytes
+from .wire import SAME_SIZE_INT, as_bytes
 from .transport import gather_rows
 
 BUCKET_BYTES = 256 << 20  # as DDP's broadcast of its module states (250 MiB): bounded extra memory
@@ -115,7 +115,7 @@ def copy_replica_zero(stages: dict, dp_group, grid, device=None) -> None:
 
 
 def _raw(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as a same-size integer view (written in place like it), as :func:`comm.as_bytes` reads it; a
+    """``tensor`` as a same-size integer view (written in place like it), as :func:`wire.as_bytes` reads it; a
     conjugate or negative view as itself (its storage does not hold its values)."""
     integer = SAME_SIZE_INT.get(tensor.element_size())
     if integer is None or tensor.is_conj() or tensor.is_neg():

@@ -7,7 +7,7 @@ import hashlib
 
 import torch
 
-from .comm import DTYPES, DTYPE_CODE
+from .wire import DTYPES, DTYPE_CODE
 
 #: the settings :func:`fingerprint` covers, in words (quoted by errors about metas that changed anyway)
 SETTINGS = ("requires_grad and dtype of each parameter, dtype of each buffer, train/eval mode of each module, "
@@ -42,7 +42,7 @@ def fingerprint(stages: dict, device: torch.device, autocast: torch.dtype | None
 def caller_autocast(device: torch.device, autocast: torch.dtype | None) -> int:
     """The autocast the caller entered around a ``step()``/``forward()`` on ``device``'s type, as one word of the
     step's opening row: 0 where it is off or the Pipeline's own ``autocast`` dtype overrides it (``autocast``
-    not None), else 1 + the dtype's :data:`~pipesched.runtime.comm.DTYPE_CODE`. Ranks whose words differ would
+    not None), else 1 + the dtype's :data:`~pipesched.runtime.wire.DTYPE_CODE`. Ranks whose words differ would
     run their stages at different precisions (the step is refused: ``Handshake``)."""
     kind = device.type
     if autocast is not None or not torch.is_autocast_enabled(kind):

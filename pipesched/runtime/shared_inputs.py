@@ -2,7 +2,7 @@
 view of it (``(h, mask, mask)``), hands the next stage names of one memory in the unsplit model: a write in place
 through one name shows through the other. Sent to another rank, each element arrives as its own copy, so such a
 write would silently give other values (a hunt found it: another loss and gradients, no error). The message's
-meta says which elements shared memory (:func:`~pipesched.runtime.comm.shared_memory`); the receiving stage's
+meta says which elements shared memory (:func:`~pipesched.runtime.wire.shared_memory`); the receiving stage's
 forward is refused if it writes to one of them in place. On one rank the elements are still one memory (the
 values are the unsplit model's), and where none is written in place nothing changes."""
 from __future__ import annotations

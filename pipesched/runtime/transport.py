@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm import HEADER_LEN, decode_meta, empty_for, encode_meta, pack, tag_of, unpack
+from .wire import HEADER_LEN, decode_meta, empty_for, encode_meta, pack, tag_of, unpack
 from .layout import from_wire, restride, to_wire, wire_order, wire_shape
 from .failure import CommError
 
@@ -37,7 +37,7 @@ class Transport:
         self.device = device
 
     def send(self, tensors, peer: int, tag: int):
-        """Start sending ``tensors`` (packed, see :func:`~pipesched.runtime.comm.pack`); returns
+        """Start sending ``tensors`` (packed, see :func:`~pipesched.runtime.wire.pack`); returns
         ``(work, buffer)`` — keep both until the work is waited for."""
         buf = pack(tensors)
         try:

@@ -7,7 +7,7 @@ import pytest
 
 from pipesched import compile_program, step_programs
 from pipesched.protocol import step_posts
-from pipesched.runtime.comm import TAG_LOSS, tag_of
+from pipesched.runtime.wire import TAG_LOSS, tag_of
 from rt_cases import SCHEDULES
 
 pytestmark = pytest.mark.multiprocess

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pipesched.runtime import launch
-from pipesched.runtime.comm import (DTYPE_CODE, DTYPE_NAMES, DTYPES, NATIVE_DTYPES, decode_meta, empty_for,
+from pipesched.runtime.wire import (DTYPE_CODE, DTYPE_NAMES, DTYPES, NATIVE_DTYPES, decode_meta, empty_for,
                                     encode_meta, meta_of, pack, unpack)
 from pipesched.runtime.handshake import encode_signature
 

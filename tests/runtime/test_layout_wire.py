@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipesched.runtime import launch
-from pipesched.runtime.comm import decode_meta, encode_meta, meta_of
+from pipesched.runtime.wire import decode_meta, encode_meta, meta_of
 from pipesched.runtime.layout import Gapped, activation_layout, from_wire, restride, to_wire, wire_order, \
     wire_shape
 from pipesched.runtime.input_grads import input_gradients

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pipesched.runtime import launch
-from pipesched.runtime.comm import encode_meta, meta_of
+from pipesched.runtime.wire import encode_meta, meta_of
 from pipesched.runtime.layout import from_wire, to_wire, wire_order, wire_shape
 
 import rt_layout_wire_hunt_s13 as hunt

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pipesched.runtime import Pipeline, PipelineError, launch
-from pipesched.runtime.comm import decode_meta, describe_change, encode_meta, meta_of
+from pipesched.runtime.wire import decode_meta, describe_change, encode_meta, meta_of
 from pipesched.runtime.microbatch import LIST, TENSOR, TUPLE, as_tuple, as_value
 
 

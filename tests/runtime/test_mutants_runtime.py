@@ -1,5 +1,5 @@
 """Runtime tests written to kill mutants that survived a mutation-testing pass (helper-86)."""
-from pipesched.runtime.comm import TAG_LOSS, tag_of
+from pipesched.runtime.wire import TAG_LOSS, tag_of
 
 
 def test_message_tags_are_exact_and_unique_per_kind_stage_and_microbatch():

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pipesched import PairingError, compile_program, protocol, step_programs
 from pipesched.protocol import NORM, Post, check_step, norm_end_posts, norm_post_position, step_posts
-from pipesched.runtime.comm import TAG_LOSS, tag_of
+from pipesched.runtime.wire import TAG_LOSS, tag_of
 from pipesched.runtime.norm_parts import ROW, TAG_NORM
 
 from dry_run import DryPipeline

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from pipesched import compile_program, step_programs
 from pipesched.engine import proven_run
 from pipesched.protocol import check_step, step_posts
-from pipesched.runtime.comm import TAG_LOSS, tag_of
+from pipesched.runtime.wire import TAG_LOSS, tag_of
 
 from dry_run import Boundary, DryPipeline
 

@@ -33,7 +33,7 @@ from torch import nn
 
 from pipesched.runtime import Pipeline, latest_checkpoint, launch, profile_layers
 from pipesched.runtime.handshake import REQUIRES_GRAD, encode_signature
-from pipesched.runtime.comm import DTYPE_CODE
+from pipesched.runtime.wire import DTYPE_CODE
 from pipesched.runtime.model_difference import first_difference
 
 import rt_s15_hunt

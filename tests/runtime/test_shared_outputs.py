@@ -2,7 +2,7 @@
 memory in the unsplit model. Across ranks each arrives as its own copy: before, a write in place through one name
 (``a.add_(1)`` on a mask also given as ``b``) silently gave another loss, other gradients and another forward()
 output (a hunt's finding: 0.7762 against the unsplit 1.1521). The message's meta now carries which elements
-shared memory (runtime/comm.py, shared_memory) and such a write is refused at the receiving stage's F
+shared memory (runtime/wire.py, shared_memory) and such a write is refused at the receiving stage's F
 (runtime/shared_inputs.py); reading both names stays bitwise the unsplit model's, and on one rank (zbv's stages 1
 and 2) the elements stay one memory, so even the write gives the unsplit values. 2 ranks, m=2
 (rt_shared_outputs.py)."""

@@ -2,7 +2,7 @@
 
 - replica_init.copy_replica_zero: a buffer of a sub-byte/bit dtype (uint4, int2, bits8, ...) made construction with
   dp_size > 1 fail ("copy_kernel" not implemented for 'UInt4'): every tensor now travels as its raw bytes (same-size
-  integer views, comm.as_bytes), ordinary dtypes bit for bit as before.
+  integer views, wire.as_bytes), ordinary dtypes bit for bit as before.
 - agreement.connected: a make_groups failure published by one rank ends the others' wait at once, naming it.
 """
 import pytest
@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import pipesched.runtime.replica_init as replica_init
-from pipesched.runtime.comm import Grid, as_bytes
+from pipesched.runtime.comm import Grid
+from pipesched.runtime.wire import as_bytes
 
 
 def _can_create(name):

@@ -8,7 +8,8 @@ from torch import nn
 
 from pipesched.errors import ScheduleArgumentError, UnknownScheduleError
 from pipesched.runtime import Pipeline, stage_activation_bytes
-from pipesched.runtime.comm import decode_meta, empty_for, encode_meta, make_grid, meta_of, pack, unpack
+from pipesched.runtime.comm import make_grid
+from pipesched.runtime.wire import decode_meta, empty_for, encode_meta, meta_of, pack, unpack
 from pipesched.runtime.microbatch import merge, split, split_sizes
 from pipesched.runtime.stage import min_max_partition, resolve_balance
 
