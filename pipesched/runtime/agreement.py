@@ -139,22 +139,27 @@ def groups_failed(store, world_rank: int, world_size: int, timeout: float, error
     construction's agreement ``timeout`` before it and gave up on it there. So the ranks leave a failed
     construction together and the job's next Pipeline meets on every rank. A best-effort call: it never raises."""
     try:
-        key = publish(store, _CONNECTED, world_rank, {"error": describe_error(error)})
-        keys = [f"{key}/{rank}" for rank in range(world_size)]
-        deadline = time.monotonic() + timeout
-        while not store.check(keys) and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
+        _await_round(store, publish(store, _CONNECTED, world_rank, {"error": describe_error(error)}), world_size,
+                     timeout)
     except Exception:  # noqa: BLE001 - the local error is what the caller raises
         pass
 
 
-def refuse(store, world_rank: int, error: BaseException) -> None:
+def _await_round(store, key: str, world_size: int, timeout: float) -> None:
+    """Wait until every world rank has filed its entry in round ``key``, at most ``timeout`` seconds."""
+    keys = [f"{key}/{rank}" for rank in range(world_size)]
+    deadline = time.monotonic() + timeout
+    while not store.check(keys) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+
+
+def refuse(store, world_rank: int, error: BaseException) -> str | None:
     """Publish that this rank's Pipeline construction failed with ``error``, so the other ranks' :func:`agree`
-    raises at once (a no-op-safe call: it never raises itself)."""
+    raises at once; returns the round's key (``None`` if the store did not take it: it never raises itself)."""
     try:
-        publish(store, _PREFIX, world_rank, {"error": f"{type(error).__name__}: {error}"})
+        return publish(store, _PREFIX, world_rank, {"error": f"{type(error).__name__}: {error}"})
     except Exception:  # noqa: BLE001 - best effort: the local error is what the caller raises
-        pass
+        return None
 
 
 def refuse_construction(error: Exception, timeout=None) -> None:
@@ -164,17 +169,27 @@ def refuse_construction(error: Exception, timeout=None) -> None:
     Where no default process group is up yet but a launcher's environment is (torchrun, or ``MASTER_ADDR``,
     ``RANK`` and ``WORLD_SIZE`` set by hand), this rank first joins the default group's rendezvous, which the
     others wait in, for at most ``min(timeout, 30)`` seconds (``timeout``: the Pipeline's, 300 where it is not a
-    valid number); a rank that never came would otherwise keep them there until their timeout. Never raises: the
-    local error is what the caller raises."""
+    valid number); a rank that never came would otherwise keep them there until their timeout. Having joined, it
+    then waits (as long again at most) until every rank has filed its entry of the round, so that its exit, which
+    may take the store with it (world rank 0 hosts it under a hand-set environment) or make torchrun stop the
+    others, comes after they have the refusal to read. Never raises: the local error is what the caller raises."""
     if not dist.is_available():
         return
+    joined, wait = False, min(_valid_timeout(timeout), _JOIN_TO_REFUSE_S)
     if not dist.is_initialized() and all(name in os.environ for name in ("MASTER_ADDR", "RANK", "WORLD_SIZE")):
         try:  # gloo whatever the stages' device: this rank only files its refusal in the group's store
-            init_default_group(torch.device("cpu"), min(_valid_timeout(timeout), _JOIN_TO_REFUSE_S))
+            init_default_group(torch.device("cpu"), wait)
         except Exception:  # noqa: BLE001 - the others did not come: they meet this rank's absence as before
             return
+        joined = True
     if dist.is_initialized():
-        refuse(dist.distributed_c10d._get_default_store(), dist.get_rank(), error)
+        store = dist.distributed_c10d._get_default_store()
+        key = refuse(store, dist.get_rank(), error)
+        if joined and key is not None:
+            try:
+                _await_round(store, key, dist.get_world_size(), wait)
+            except Exception:  # noqa: BLE001 - the store is gone: nobody is left to tell
+                pass
 
 
 def _valid_timeout(timeout) -> float:
