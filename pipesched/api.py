@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .checks import as_int, check_positive, check_program, check_program_size, described
+from .checks import as_int, check_callable, check_positive, check_program, check_program_size, described
 from .cost import CostModel
 from .errors import DependencyError, PairingError, ScheduleArgumentError, ScheduleError
 from .gcpause import paused_gc
@@ -37,8 +37,10 @@ def build(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: 
             too big (``num_ranks * num_microbatches * virtual_stages`` above
             :data:`~pipesched.checks.MAX_PROGRAM_SIZE`, refused before building); ``costs`` or ``memory_limit``
             given for a schedule that does not take them.
+        TypeError: ``score`` is neither callable nor None.
     """
     info = get_schedule(schedule)
+    check_callable(score, "score", where="build: ", none="the default: simulated_makespan")
     if virtual_stages is not None and not isinstance(virtual_stages, bool) and as_int(virtual_stages) is None:
         raise ScheduleArgumentError(  # a bool goes on to the schedule's own check ("a bool is not a count")
             f"virtual_stages must be an integer >= 1 or None (the schedule's default: "
@@ -52,7 +54,7 @@ def build(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: 
                                     f"{type(costs).__name__} {costs!r}", argument="costs")
     if getattr(info, "takes_costs", False):
         return info.build(num_ranks, num_microbatches, v, costs=costs, memory_limit=memory_limit,
-                          score=score or simulated_makespan)
+                          score=simulated_makespan if score is None else score)
     for name, value in (("costs", costs), ("memory_limit", memory_limit)):
         if value is not None:
             raise ScheduleArgumentError(f"{name}={value!r}: schedule {schedule!r} does not take {name}; only "

@@ -32,18 +32,19 @@ def plain_number(value):
     return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
-def check_positive(name: str, value, minimum: int = 1) -> int:
+def check_positive(name: str, value, minimum: int = 1, where: str = "") -> int:
     """``value`` as a plain ``int`` if it is an integer (not a bool; numpy integers and any ``numbers.Integral``
     are) >= ``minimum``. Callers use the returned value, not ``value``.
 
     Raises:
-        ScheduleArgumentError: anything else; the message names ``name``, the value and what is valid, and
-            ``argument`` is ``name``.
+        ScheduleArgumentError: anything else; the message (after ``where``) names ``name``, the value and what is
+            valid, and ``argument`` is ``name``.
     """
     number = as_int(value)
     if number is None or number < minimum:
         kind = " (a bool is not a count)" if isinstance(value, bool) else ""
-        raise ScheduleArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}{kind}", argument=name)
+        raise ScheduleArgumentError(f"{where}{name} must be an integer >= {minimum}, got {value!r}{kind}",
+                                    argument=name)
     return number
 
 
@@ -147,3 +148,29 @@ def check_cost(value, name: str = "cost", where: str = ""):
     hint = " (make one: pipesched.CostModel(**costs))" if isinstance(value, dict) else ""
     raise TypeError(f"{where}{name} must be a pipesched.CostModel or None (the default costs), got "
                     f"{described(value)}{hint}")
+
+
+def check_timeline(value, name: str = "timeline", where: str = ""):
+    """``value`` if it is a :class:`~pipesched.timeline.Timeline`: what the drawing and export functions check first
+    (``None`` would fail deep inside them with an AttributeError).
+
+    Raises:
+        TypeError: anything else, naming ``name``, the value and what is valid.
+    """
+    from .timeline import Timeline  # as check_program: imported here, not at the top
+
+    if isinstance(value, Timeline):
+        return value
+    raise TypeError(f"{where}{name} must be a pipesched.Timeline, got {described(value)}")
+
+
+def check_callable(value, name: str, where: str = "", none: str = ""):
+    """``value`` if it is callable (or ``None`` when ``none`` says what ``None`` means).
+
+    Raises:
+        TypeError: anything else, naming ``name``, the value and what is valid.
+    """
+    if callable(value) or (none and value is None):
+        return value
+    valid = f"callable or None ({none})" if none else "callable"
+    raise TypeError(f"{where}{name} must be {valid}, got {described(value)}")

@@ -228,10 +228,12 @@ class Program:
 
     @property
     def num_ranks(self) -> int:
+        """Pipeline ranks ``p``: one instruction stream each (``len(ranks)``)."""
         return len(self.ranks)
 
     @property
     def num_stages(self) -> int:
+        """Pipeline stages, over all ranks (``len(stage_to_rank)``: ``p * v`` for ``v`` stages per rank)."""
         return len(self.stage_to_rank)
 
     def stages_of(self, rank: int) -> tuple[int, ...]:

@@ -113,9 +113,11 @@ def rank_loads(values: Sequence[float], balance: Sequence[int], stage_to_rank: S
     :func:`balance_by_time` (``None``: stage ``s`` on rank ``s``).
 
     Raises:
-        ValueError: ``balance`` not a sequence of integers >= 1 summing to ``len(values)``, or ``stage_to_rank`` not
-            one integer rank >= 0 per stage (names the argument, its value and what is valid).
+        ValueError: ``values`` not a sequence of finite numbers >= 0 (names ``values[i]`` and its value: a negative,
+            NaN or infinite load), ``balance`` not a sequence of integers >= 1 summing to ``len(values)``, or
+            ``stage_to_rank`` not one integer rank >= 0 per stage (names the argument, its value and what is valid).
     """
+    _numbers("values", values)  # checked only: the sums keep the values' own numbers (a Fraction stays exact)
     balance, s2r = _checked_cut(values, balance, stage_to_rank)
     loads = [0] * (max(s2r) + 1)
     start = 0

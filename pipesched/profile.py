@@ -129,6 +129,7 @@ class LayerProfile:
 
     @property
     def num_layers(self) -> int:
+        """The profiled model's layer count: one per entry of ``forward`` (and of every per-layer field)."""
         return len(self.forward)
 
     def layer_seconds(self) -> tuple[float, ...]:
@@ -233,6 +234,8 @@ class LayerProfile:
                              f"the profile is of another model")
 
     def to_json(self) -> dict:
+        """The JSON form (``format``, ``version`` and every field; seconds, bytes, an infinite bandwidth as ``null``):
+        what :meth:`save` writes and :meth:`from_json` reads back."""
         data = asdict(self)
         data["bandwidth"] = None if math.isinf(self.bandwidth) else self.bandwidth
         return {"format": FORMAT, "version": VERSION, **data}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from itertools import accumulate
 
-from .checks import check_cost, check_flag, check_program
+from .checks import check_cost, check_flag, check_positive, check_program
 from .cost import CostModel
 from . import engine, progress
 from .deps import STASH_CHANGE
@@ -42,6 +42,8 @@ def simulate(program: Program, cost: CostModel | None = None, check: bool = True
             large that the step's seconds or held bytes add up past the largest float (names the fields).
         TypeError: ``program`` is not a :class:`Program`, ``cost`` not a :class:`CostModel` or None, or ``check`` not
             a bool.
+        ScheduleArgumentError (a ValueError): with ``check=False``, the program's ``num_microbatches`` or ``dp_size``
+            is not an integer >= 1 (``check=True`` reports it as an InvalidProgramError).
     """
     check_program(program)
     cost = check_cost(cost) or CostModel()
@@ -84,6 +86,9 @@ def makespan(program: Program, cost: CostModel | None = None, check: bool = True
 
 def _timed(program: Program, cost: CostModel, check: bool):
     """The plan, starts, ends and peak activation bytes of :func:`simulate`, with its overflow checks."""
+    if not check:  # else validate() refuses them; unchecked, m=0 or dp_size=0 would divide by zero deep inside
+        for name in ("num_microbatches", "dp_size"):
+            check_positive(name, getattr(program, name), where="simulate(check=False): the program's ")
     plan, starts, ends = time_instructions(program, cost, check)
     if max(ends, default=0.0) == math.inf:  # finite costs whose sum overflows: never an inf makespan, silently
         raise cost.overflow_error(program.num_stages, len(ends))

@@ -69,7 +69,8 @@ def profile_layers(model, sample_input, target=None, loss_fn=None, repeat: int =
             of tensors, ``loss_fn`` not callable. ValueError: ``repeat`` not in 1..MAX_RUNS or ``warmup`` not in
             0..MAX_RUNS (:data:`pipesched.checks.MAX_RUNS`: far past any use, short of never finishing); ``sizes`` not
             ints in ``[1, microbatch_size]``; a layer's output (not the last's) is not a tensor or tuple of
-            tensors; ``loss_fn`` takes a target and ``target`` is None.
+            tensors; ``loss_fn`` takes a target and ``target`` is None; ``loss_fn`` raised on a ``target`` whose first
+            (batch) dimension is not the model output's (names both shapes; the loss's error is the ``__cause__``).
     Warns:
         UserWarning: on a CPU with more than one intra-op thread (times by wall clock; see above).
     """
@@ -247,7 +248,7 @@ def _measure(layer, inputs, container, loss, repeat, warmup, device):
         out = layer(cloned(arg) if fresh[0] else arg)
         root = out
         if loss is not None and loss[0] is not None:
-            root = loss[0](out, loss[1]) if loss[1] is not None else loss[0](out)
+            root = _loss(loss[0], out, loss[1])
         return out, root
 
     try:
@@ -281,6 +282,24 @@ def _measure(layer, inputs, container, loss, repeat, warmup, device):
     output_bytes = tensor_bytes(t for t in outputs if isinstance(t, torch.Tensor))
     return (statistics.median(f_times), statistics.median(i_times), statistics.median(w_times) if params else 0.0,
             float(saved), float(output_bytes), float(tensor_bytes(layer.parameters()))), counted, by_address
+
+
+def _loss(loss_fn, out, target):
+    """``loss_fn(out, target)`` (``loss_fn(out)`` without a target). A loss that raises on a ``target`` whose first
+    (batch) dimension is not ``out``'s gets a ValueError naming both shapes, its own error chained; any other error
+    is the loss's own."""
+    if target is None:
+        return loss_fn(out)
+    try:
+        return loss_fn(out, target)
+    except Exception as exc:  # noqa: BLE001 - torch's RuntimeError or ValueError, or a user loss's own
+        tensors = isinstance(out, torch.Tensor) and isinstance(target, torch.Tensor) and out.dim() and target.dim()
+        if not tensors or out.shape[0] == target.shape[0]:
+            raise
+        raise ValueError(f"profile_layers: target has shape {tuple(target.shape)} but the model's output has shape "
+                         f"{tuple(out.shape)}: their first (batch) dimensions differ ({target.shape[0]} vs "
+                         f"{out.shape[0]}), and loss_fn raised {type(exc).__name__}; pass the target of the sample "
+                         f"(one row per sample_input row)") from exc
 
 
 def _timed(fn, device):

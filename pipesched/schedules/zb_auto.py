@@ -46,7 +46,7 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from .. import placement, progress
-from ..checks import check_positive
+from ..checks import check_callable, check_positive
 from ..errors import ScheduleArgumentError
 from ..ir import Instr, Op, Program
 from ._common import check_one_stage_sizes, program
@@ -104,10 +104,12 @@ def build_zb_auto(num_ranks: int, num_microbatches: int, virtual_stages: int = 1
     Raises:
         ScheduleArgumentError: a size is not a positive integer, ``virtual_stages != 1``, or a bad ``memory_limit``.
         CostError: a per-stage cost whose length is not ``num_ranks``.
+        TypeError: ``score`` is neither callable nor None (checked before any candidate is built).
     """
+    check_callable(score, "score", where=f"{NAME}: ", none="the default: timed_makespan")
     p, m = check_one_stage_sizes(NAME, num_ranks, num_microbatches, virtual_stages)
     limit = check_memory_limit(memory_limit, p, m)
-    score = score or timed_makespan
+    score = timed_makespan if score is None else score
     scored, distinct = [], []  # distinct: (program, seconds) of each different program scored so far
     found = candidates(p, m, limit, costs)
     for number, (name, prog) in enumerate(found, 1):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import replace
 
+from ..checks import check_timeline
 from ..deps import message, needs
 from ..ir import BACKWARD_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Op
 from ..timeline import Event, Timeline
@@ -57,8 +58,10 @@ def bubble_breakdown(timeline: Timeline) -> dict:
         :func:`tolerance` (1e-12 x the makespan, not an absolute time) count as one. A timeline of some ranks only
         (``timeline.ranks``, e.g. ``Pipeline.timeline()``) is broken down over those: ``per_rank`` has
         ``None`` for the others.
+    Raises:
+        TypeError: ``timeline`` is not a :class:`~pipesched.timeline.Timeline`.
     """
-    span = timeline.makespan
+    span = check_timeline(timeline, where="bubble_breakdown: ").makespan
     held = range(timeline.num_ranks) if timeline.ranks is None else timeline.ranks
     shared = _Shared(timeline)
     rows = [_split_rank(timeline, rank, shared)[0] if rank in held else None for rank in range(timeline.num_ranks)]
@@ -84,9 +87,9 @@ def communication_waits(timeline: Timeline) -> list[list[tuple[float, float, str
 
     ``kind`` is ``"p2p"`` (a SEND/RECV message in flight) or ``"all-reduce"``; the intervals are those
     :func:`bubble_breakdown` counts as ``communication``, ordered by start (the rank's own send calls cut
-    out of them: see :func:`send_intervals`).
+    out of them: see :func:`send_intervals`). TypeError: ``timeline`` is not a Timeline.
     """
-    return waits_and_sends(timeline)[0]
+    return waits_and_sends(check_timeline(timeline, where="communication_waits: "))[0]
 
 
 def send_intervals(timeline: Timeline) -> list[list[tuple[float, float]]]:
@@ -94,8 +97,9 @@ def send_intervals(timeline: Timeline) -> list[list[tuple[float, float]]]:
 
     They are the parts of the rank's ``SEND_F``/``SEND_B`` events that no compute event covers: those
     :func:`bubble_breakdown` counts as ``sending``, ordered by start; none where SEND events take no time.
+    TypeError: ``timeline`` is not a Timeline.
     """
-    return waits_and_sends(timeline)[1]
+    return waits_and_sends(check_timeline(timeline, where="send_intervals: "))[1]
 
 
 def send_seconds(timeline: Timeline) -> list[float]:
@@ -104,9 +108,10 @@ def send_seconds(timeline: Timeline) -> list[float]:
     Measured, a SEND event is the sending rank's time inside its send call (LogP's ``o``: what
     :func:`~pipesched.viz.compare.fit_cost` reads as ``send_overhead``, the median); simulated, it is
     ``CostModel.send_overhead``. Unlike :func:`send_intervals` nothing is cut out (a compute overlapping a send
-    does not shorten it), and zero-length SEND events count as 0.0. ``[]`` without SEND events.
+    does not shorten it), and zero-length SEND events count as 0.0. ``[]`` without SEND events. TypeError:
+    ``timeline`` is not a Timeline.
     """
-    return [e.duration for e in timeline.events if e.instr.op in SEND_OPS]
+    return [e.duration for e in check_timeline(timeline, where="send_seconds: ").events if e.instr.op in SEND_OPS]
 
 
 def waits_and_sends(timeline: Timeline) -> tuple[list, list]:

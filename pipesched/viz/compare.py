@@ -4,6 +4,7 @@ from __future__ import annotations
 import statistics
 
 from ..api import compile_program
+from ..checks import check_timeline
 from ..cost import CostModel
 from ..ir import Op, Program
 from ..placement import looped
@@ -32,7 +33,9 @@ def fit_cost(measured: Timeline) -> CostModel:
     Raises:
         ValueError: the timeline has no forward (``F``) events, or holds only some ranks (``Pipeline.timeline()``:
             the other ranks' stages would be fitted as free, 0 s).
+        TypeError: ``measured`` is not a :class:`~pipesched.timeline.Timeline`.
     """
+    check_timeline(measured, "measured", where="fit_cost: ")
     if measured.ranks is not None and len(measured.ranks) < measured.num_ranks:
         raise ValueError(f"cannot fit costs: the measured timeline holds ranks {list(measured.ranks)} of "
                          f"{measured.num_ranks}, so the other ranks' stages have no times: save "
@@ -73,8 +76,9 @@ def predict_for(measured: Timeline, cost: CostModel | None = None) -> Timeline:
         ValueError: ``meta`` does not name a registered schedule and its sizes; the timeline holds only some
             ranks (``Pipeline.timeline()``).
         UnknownScheduleError, ScheduleArgumentError: as :func:`pipesched.compile_program`.
+        TypeError: ``measured`` is not a :class:`~pipesched.timeline.Timeline`.
     """
-    meta = measured.meta
+    meta = check_timeline(measured, "measured", where="predict_for: ").meta
     if measured.ranks is not None and len(measured.ranks) < measured.num_ranks:
         raise ValueError(f"the measured timeline holds ranks {list(measured.ranks)} of {measured.num_ranks}; a "
                          f"prediction needs every rank's costs: save Pipeline.gather_timeline(), not .timeline()")
@@ -119,7 +123,9 @@ def simulate_like(program, measured: Timeline, cost: CostModel | None = None) ->
     Raises:
         ValueError: the measured timeline has no forwards (cannot fit), or a cost does not fit the program.
         ScheduleError: the program is invalid.
+        TypeError: ``measured`` is not a :class:`~pipesched.timeline.Timeline`.
     """
+    check_timeline(measured, "measured", where="simulate_like: ")
     return simulate(program, cost or fit_cost(measured))
 
 
@@ -139,8 +145,11 @@ def plot_comparison(simulated: Timeline, measured: Timeline, mode: str = "side-b
     Returns:
         The headless (Agg) ``matplotlib.figure.Figure``.
     Raises:
+        TypeError: ``simulated`` or ``measured`` is not a :class:`~pipesched.timeline.Timeline`.
         ValueError: unknown ``mode``, an empty timeline, or different rank counts.
     """
+    check_timeline(simulated, "simulated", where="plot_comparison: ")
+    check_timeline(measured, "measured", where="plot_comparison: ")
     if mode not in ("side-by-side", "overlay"):
         raise ValueError(f"mode must be 'side-by-side' or 'overlay', got {mode!r}")
     if simulated.num_ranks != measured.num_ranks or not simulated.events or not measured.events:

@@ -171,6 +171,7 @@ def _write_readme(out: Path, entries: list[tuple[str, str]]) -> Path:
 
 
 def main(argv=None) -> int:
+    """``python -m pipesched.viz.gallery``: write the gallery (see :func:`build_gallery`) and print each file; 0."""
     parser = argparse.ArgumentParser(prog="python -m pipesched.viz.gallery", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="viz", help="folder to write (default: viz)")
     parser.add_argument("--measured", action="append", default=None, metavar="RUN.json",

@@ -1,6 +1,7 @@
 """Gantt chart of one timeline: a row per rank, a box per compute instruction, idle time as visible gaps."""
 from __future__ import annotations
 
+from ..checks import check_timeline
 from ..ir import Op
 from ..timeline import Timeline, peak_inflight
 from . import style
@@ -39,8 +40,10 @@ def plot_timeline(timeline: Timeline, ax=None, title: str | None = None):
     Returns:
         The ``matplotlib.figure.Figure`` (saving is the caller's: ``fig.savefig("x.png")``).
     Raises:
+        TypeError: ``timeline`` is not a :class:`~pipesched.timeline.Timeline`.
         ValueError: the timeline has no events or no ranks.
     """
+    check_timeline(timeline, where="plot_timeline: ")
     _check(timeline)
     own = ax is None
     if own:
@@ -342,6 +345,7 @@ def annotate_ranks(ax, timeline: Timeline, offset: float = 0.0) -> None:
 
 
 def rank_axis(ax, num_ranks: int) -> None:
+    """Label ``ax``'s y axis with one row per rank, rank 0 on top, and hide the frame but the bottom."""
     ax.set_ylim(num_ranks - 0.5, -0.5)
     ax.set_yticks(range(num_ranks))
     ax.set_yticklabels([f"rank {r}" for r in range(num_ranks)], fontsize=8)
@@ -351,6 +355,7 @@ def rank_axis(ax, num_ranks: int) -> None:
 
 
 def time_axis(ax, timeline: Timeline, unit: str | None = None) -> None:
+    """Label ``ax``'s x axis as time from step start in ``unit`` (default: the makespan's, see ``time_unit``)."""
     unit = unit or style.time_unit(timeline.makespan)[0]
     ax.set_xlabel(f"time from step start ({unit})", fontsize=8)
     ax.tick_params(axis="x", labelsize=7.5)

@@ -48,6 +48,7 @@ def chunk_hatch(chunk: int) -> str:
 
 
 def text_colour(op: Op, chunk: int) -> str:
+    """The colour of the microbatch number inside a box of ``op`` on virtual stage ``chunk``: readable on its fill."""
     return "white" if op in DARK_TEXT and chunk == 0 else "black"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from ..checks import check_path
+from ..checks import check_path, check_timeline
 from ..ir import COMPUTE_OPS, RECV_OPS, SEND_OPS, Op
 from ..timeline import Timeline
 
@@ -27,8 +27,10 @@ def to_chrome_trace(timeline: Timeline) -> dict:
     order. Labels (schedule, sizes, costs, source, bubble) go to ``otherData``.
 
     Raises:
+        TypeError: ``timeline`` is not a :class:`~pipesched.timeline.Timeline`.
         ValueError: an event's rank is outside ``[0, num_ranks)``.
     """
+    check_timeline(timeline, where="to_chrome_trace: ")
     lanes = _assign_lanes(timeline)
     meta_events, events = [], []
     for rank in range(timeline.num_ranks):
@@ -60,9 +62,11 @@ def save_chrome_trace(timeline: Timeline, path) -> None:
     """Write :func:`to_chrome_trace` of ``timeline`` to ``path`` as JSON.
 
     Raises:
-        OSError: the file cannot be written. TypeError: ``path`` is not a str or os.PathLike (an int would be
-            taken for a file descriptor).
+        OSError: the file cannot be written. TypeError: ``timeline`` is not a :class:`~pipesched.timeline.Timeline`
+            (checked before the file is opened), or ``path`` not a str or os.PathLike (an int would be taken for a
+            file descriptor).
     """
+    check_timeline(timeline, where="save_chrome_trace: ")  # before open(): no empty file left behind
     check_path(path, where="save_chrome_trace: ")  # an int would be taken for a file descriptor
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(to_chrome_trace(timeline), handle)
