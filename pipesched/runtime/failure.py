@@ -108,14 +108,14 @@ def world_ranks_text(ranks) -> str:
 
 
 def describe(exc: BaseException) -> str:
-    """``"ExceptionType: message"``; where the exception's ``str()`` itself raises, its type and what ``str()``
-    raised instead, so the record of a failure is always published (a failure that cannot be described must
-    still end every rank)."""
+    """``"ExceptionType: message"`` (``"ExceptionType"`` alone for an empty message: a bare ``KeyboardInterrupt``);
+    where the exception's ``str()`` itself raises, its type and what ``str()`` raised instead, so the record of a
+    failure is always published (a failure that cannot be described must still end every rank)."""
     try:
         text = str(exc)
     except Exception as inner:  # noqa: BLE001 - a user's __str__ may raise anything
         text = f"<str() of this exception raised {type(inner).__name__}>"
-    return f"{type(exc).__name__}: {text}"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class PipelineError(RuntimeError):
@@ -254,10 +254,12 @@ class FailureChannel:
     def keep_alive_for(self, record: FailureRecord, world_size: int, grace_s: float) -> Linger | None:
         """This process published ``record`` first (or hosts the store): keep it up at interpreter exit until all
         ``world_size`` ranks have read it, at most ``grace_s`` seconds (a :class:`Linger` of its own, registered with
-        ``atexit``; returned, ``None`` when nobody else reads the record)."""
+        ``atexit``; returned, ``None`` when nobody else reads the record). Ranks the record names as stalled (alive,
+        but not at the step's point within the timeout: a hung layer) are not waited for: they cannot read it."""
         if world_size <= 1 or record.id is None:
             return None
         readers = world_size - 1 if record.lost or record.ended else world_size  # nor does a rank that left
+        readers -= len(set(record.stalled))
         wait = Linger(self.store, _seen_key(record), readers, grace_s)
         atexit.register(wait)
         return wait

@@ -51,6 +51,8 @@ class PipelineCalls:
             raise exc.kind(str(exc)) from exc.__cause__
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
             error = fail(self, exc, where)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):  # the others read the record; here Ctrl-C and
+                raise  # sys.exit() stay themselves, not a PipelineError that `except Exception` would swallow
             raise error from (None if isinstance(exc, CommError) else exc)
         finally:
             self._running -= 1

@@ -51,17 +51,35 @@ def fail(pipe, exc: BaseException, where: str | None = None) -> PipelineError:
             during = getattr(exc, "during", None) or (STEP if where is None else "this call")  # what was waited in
             note = stall_note(silent, grid.pp_size, pipe.timeout, during) + votes
             record = dataclasses.replace(record, cause=record.cause + note, stalled=tuple(silent)) if note else record
-    if not record.lost:
-        pipe._failures.publish(record)  # the origin's record, or passed on to this rank's other group (DP)
-    pipe._failures.seen(record)
-    if origin or me == store_host():  # world rank 0 under env:// (None: torchrun's agent or launch's parent)
-        pipe._failures.keep_alive_for(record, grid.world_size, _ORIGIN_GRACE_S)
+    publish_and_linger(pipe, record, origin)
     if exc.__traceback__ is not None:
         traceback.clear_frames(exc.__traceback__)  # drop frame references to pending messages
     forget(pipe._departure)  # its own record is published: nothing to announce at close() or exit
     teardown(pipe)
     pipe._broken = PipelineError(record, me, note)  # note: what this rank waited for
     return pipe._broken
+
+
+def publish_and_linger(pipe, record: FailureRecord, origin: bool):
+    """Publish ``record`` (this rank's own where ``origin``, else the one it read; passed on to this rank's other
+    group, DP), count this rank a reader of the record the job reads, and keep this process up at exit until that
+    record's readers have read it where it is this rank's own, or where this process hosts the store (world rank 0
+    under env://; not under torchrun's agent store or launch). Returns that :class:`~.failure.Linger`, or None."""
+    if not record.lost:
+        pipe._failures.publish(record)
+    first = _first(pipe, record) if origin else record  # what the others read: another's if it published first
+    pipe._failures.seen(first)
+    if first is record and origin or pipe.grid.world_rank == store_host():
+        return pipe._failures.keep_alive_for(first, pipe.grid.world_size, _ORIGIN_GRACE_S)
+    return None
+
+
+def _first(pipe, record: FailureRecord) -> FailureRecord:
+    """The record the job's ranks read after this rank published its own ``record``: another rank's where that rank
+    failed at the same time and published first (then this rank is one of its readers, and nobody reads
+    ``record``: this process must not linger at exit for readers of it)."""
+    found = pipe._failures.lookup()
+    return record if found is None or found.id == record.id else found
 
 
 def teardown(pipe) -> None:
