@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 
-from .checks import as_int, check_positive, check_program_size, is_real, plain_number
+from . import lower
+from .checks import as_int, check_positive, check_program_size, described, is_real, plain_number
 from .errors import ScheduleArgumentError, UnknownScheduleError
 from .plan_search import Search
 from .registry import get_schedule
@@ -42,6 +43,29 @@ def check_args(profile, world_size, memory_per_rank, global_batch, top, optimize
         raise ScheduleArgumentError(f"optimizer_states must be a number >= 0 (optimizer state bytes per parameter "
                                     f"byte; AdamW: 2), got {optimizer_states!r}", argument="optimizer_states")
     return world_size, memory_per_rank, global_batch, top, optimizer_states, max_microbatches
+
+
+def check_split_backward(value, none_ok: bool) -> None:
+    """``split_backward`` a bool (or None where ``none_ok``: :func:`pipesched.plan` tries both), not read by
+    truthiness (``"no"`` would split)."""
+    if isinstance(value, bool) or (none_ok and value is None):
+        return
+    valid = "None (try both), True or False" if none_ok else "True or False"
+    raise ScheduleArgumentError(f"split_backward must be {valid}, got {described(value)}", argument="split_backward")
+
+
+def check_recompute(value, num_stages: int) -> tuple[bool, ...]:
+    """``recompute`` as one bool per stage: a bool or a sequence of bools, checked as :func:`pipesched.compile_program`
+    checks it (:func:`pipesched.lower.stage_flags`: ``"no"``, ``1``, ``[0, 1]`` refused), then its length."""
+    sized = not isinstance(value, (bool, str, bytes)) and hasattr(value, "__len__")
+    try:
+        flags = lower.stage_flags(value, len(value) if sized else num_stages, "recompute")
+    except ValueError as exc:
+        raise ScheduleArgumentError(str(exc), argument="recompute") from None
+    if len(flags) != num_stages:
+        raise ScheduleArgumentError(f"recompute={flags} has {len(flags)} flags but there are {num_stages} stages: "
+                                    f"give a bool or one per stage", argument="recompute")
+    return tuple(flags)
 
 
 def _plain_number(value):

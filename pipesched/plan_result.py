@@ -34,6 +34,9 @@ class Candidate:
         timeline: the simulated :class:`~pipesched.Timeline` (not compared, not in the JSON form).
         layer_names: the profiled model's layer class names (``()``: unknown; not compared), so that
             ``Pipeline.from_plan`` refuses a model of other layer classes given a Candidate as given a Plan.
+        costs: the :class:`~pipesched.CostModel` (one microbatch, this balance) the plan simulated it with (``None``:
+            unknown, e.g. read from JSON; not compared, not in the JSON form). ``Pipeline.from_plan`` of a schedule
+            built from costs (``zb-auto``) passes it, so the pipeline runs the very program the plan simulated.
 
     ``schedule`` is not looked up: a plan may name a schedule registered in the process that planned it.
 
@@ -56,6 +59,7 @@ class Candidate:
     microbatch_size: int
     timeline: object = field(default=None, compare=False, repr=False)
     layer_names: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    costs: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_candidate(self)
@@ -121,7 +125,9 @@ class Plan:
     """Candidates that fit, best (fastest predicted step) first, and what they were planned for.
 
     Attributes:
-        candidates: :class:`Candidate` s, ranked by step time (ties: lower peak memory, then name and sizes).
+        candidates: :class:`Candidate` s, ranked by step time (to 9 significant digits; ties: lower peak memory,
+            then the simpler: fewer stages, no split backward, fewer recomputed stages; then name and sizes). Two
+            configurations that run the same (one pipeline rank: every schedule) are one row, the simpler.
         reason: one line on why the winner won.
         world_size, memory_per_rank (bytes), global_batch: the request.
         num_layers, layer_names: the profiled model's (``from_plan`` checks the model against them).

@@ -3,7 +3,9 @@
 A :class:`Config` is everything but the recompute choice (schedule, pp, dp, m, v, split backward, balance); its
 step-time lower bound (:func:`~pipesched.plan_bounds.step_time_bound`) holds for any recompute choice, so
 configurations are taken in order of that bound and the search stops as soon as the next bound exceeds the
-``top``-th best simulated step time. Torch-free; used through :func:`pipesched.plan`.
+``top``-th best simulated step time. Every comparison of step times (the stop, the ranking, the dedupe, the plan's
+reason) goes through :func:`time_key`, so the winner is the same for every ``top``. Torch-free; used through
+:func:`pipesched.plan`.
 """
 from __future__ import annotations
 
@@ -19,6 +21,24 @@ from .plan_bounds import (StageCosts, activation_bound, activation_peak, choose_
                           stage_costs, static_bytes, step_time_bound)
 from .registry import get_schedule
 from .sim import simulate
+
+
+#: relative float slack of a step-time bound: its sums run in another order than the simulator's, so a bound may
+#: exceed the step time it bounds by a few ulps (far less than this)
+BOUND_SLACK = 1e-12
+
+
+def time_key(seconds: float) -> float:
+    """A step time as the planner compares it, everywhere: to 9 significant digits (sums of the same times in
+    another order differ in the last bits). Two times with one key tie (memory, then the simpler, decide)."""
+    return float(f"{seconds:.9g}")
+
+
+def ranks_after(bound: float, seconds: float) -> bool:
+    """Whether every configuration whose step-time bound is ``bound`` ranks after a result taking ``seconds``:
+    its :func:`time_key` exceeds that of ``seconds`` even with the bound lowered by its float slack
+    (:data:`BOUND_SLACK`). Rounding is monotone, so no such configuration can tie with it."""
+    return time_key(bound * (1 - BOUND_SLACK)) > time_key(seconds)
 
 
 @dataclass(frozen=True)
@@ -56,10 +76,11 @@ class Evaluated:
 
     @property
     def rank_key(self) -> tuple:
-        """Faster first (to 9 significant digits: sums in another order differ in the last bits), then less
-        memory, then the simpler: fewer stages, no split backward, fewer recomputed stages; then by name."""
+        """Faster first (:func:`time_key`: to 9 significant digits, as sums in another order differ in the last
+        bits), then less memory, then the simpler: fewer stages, no split backward, fewer recomputed stages; then
+        by name."""
         c = self.config
-        return (float(f"{self.step_time:.9g}"), max(self.peak_memory), len(c.balance), c.split_backward,
+        return (time_key(self.step_time), max(self.peak_memory), len(c.balance), c.split_backward,
                 sum(self.recompute), c.key, self.recompute)
 
 
@@ -242,31 +263,40 @@ class Search:
 
 def best_first(search: Search, configs, budget: float, top: int) -> list[Evaluated]:
     """The ``top`` fastest configurations that fit ``budget`` (ranked), simulating in order of the step-time bound
-    and stopping once the next bound exceeds the ``top``-th best simulated step time."""
+    and stopping once the next bound ranks after the ``top``-th best simulated step time (:func:`ranks_after`:
+    a bound that ties with it to :func:`time_key` goes on, as a tie may hold less memory or be simpler)."""
     fitting = sorted((c for c in configs if c.memory_bound <= budget), key=lambda c: (c.time_bound, c.key))
     best: list = []  # (reversed rank key, result): a heap whose top is the worst kept result, at most `top`
     for config in fitting:
-        if len(best) == top and config.time_bound > best[0][1].step_time:
+        if len(best) == top and ranks_after(config.time_bound, best[0][1].step_time):
             break
         result = search.evaluate(config, budget)
-        if result is None or max(result.peak_memory) > budget:
-            continue
-        if any(_same_outcome(result, item[1]) for item in best):
-            continue  # e.g. every schedule on pp=1: one row, the first simulated
-        item = (_Neg(result.rank_key), result)
-        if len(best) < top:
-            heapq.heappush(best, item)
-        elif result.rank_key < best[0][1].rank_key:
-            heapq.heapreplace(best, item)
+        if result is not None and max(result.peak_memory) <= budget:
+            _keep(best, result, top)
     return sorted((item[1] for item in best), key=lambda e: e.rank_key)
 
 
+def _keep(best: list, result: Evaluated, top: int) -> None:
+    """Put ``result`` in the heap ``best`` if it ranks among the ``top`` best; of two with the same outcome
+    (:func:`_same_outcome`: e.g. every schedule on pp=1) only the one ranked first, whichever came first."""
+    item = (_Neg(result.rank_key), result)
+    twin = next((kept for kept in best if _same_outcome(result, kept[1])), None)
+    if twin is not None:
+        if result.rank_key < twin[1].rank_key:  # the rank key's tie rule: the simpler one stays
+            best[best.index(twin)] = item
+            heapq.heapify(best)
+    elif len(best) < top:
+        heapq.heappush(best, item)
+    elif result.rank_key < best[0][1].rank_key:
+        heapq.heapreplace(best, item)
+
+
 def _same_outcome(a: Evaluated, b: Evaluated) -> bool:
-    """Two configurations that run the same: sizes, cut, recompute, predicted time and memory (schedules that
-    coincide, as all do on one pipeline rank)."""
+    """Two configurations that run the same: sizes, cut, recompute, predicted time (:func:`time_key`) and memory
+    (schedules that coincide, as all do on one pipeline rank; split backward or not, when it changes nothing)."""
     ca, cb = a.config, b.config
-    return (ca.pp, ca.dp, ca.num_microbatches, ca.balance, a.recompute, a.step_time, a.peak_memory) == \
-        (cb.pp, cb.dp, cb.num_microbatches, cb.balance, b.recompute, b.step_time, b.peak_memory)
+    return (ca.pp, ca.dp, ca.num_microbatches, ca.balance, a.recompute, time_key(a.step_time), a.peak_memory) == \
+        (cb.pp, cb.dp, cb.num_microbatches, cb.balance, b.recompute, time_key(b.step_time), b.peak_memory)
 
 
 def smallest_fit(search: Search, configs) -> tuple[float, Config] | None:

@@ -28,14 +28,16 @@ from __future__ import annotations
 
 import math
 
-from .checks import as_int, check_positive, check_program_size, described
+from .checks import as_int, check_positive, check_program_size
 from .gcpause import paused_gc
 from .partition import balance_by_time
-from .plan_args import check_args, check_model, nothing_runs, schedule_names, virtual_stage_choices
+from .plan_args import (check_args, check_model, check_recompute, check_split_backward, nothing_runs, schedule_names,
+                        virtual_stage_choices)
 from .plan_result import Candidate, Plan, PlanError
-from .plan_search import Evaluated, Search, best_first, even, smallest_fit
+from .plan_search import Evaluated, Search, best_first, even, smallest_fit, time_key
 from .errors import ScheduleArgumentError, UnknownScheduleError
 from .registry import get_schedule
+from .schedules.zb_auto import NAME as ZB_AUTO, default_memory_limit
 
 
 @paused_gc()
@@ -73,9 +75,7 @@ def plan(profile, world_size: int, memory_per_rank: float, global_batch: int, sc
     world_size, memory_per_rank, global_batch, top, optimizer_states, max_microbatches = check_args(
         profile, world_size, memory_per_rank, global_batch, top, optimizer_states, max_microbatches)
     check_model(profile, num_layers, layer_names)
-    if split_backward is not None and not isinstance(split_backward, bool):  # not truthiness: "no" would split
-        raise ScheduleArgumentError(f"split_backward must be None (try both), True or False, got "
-                                    f"{described(split_backward)}", argument="split_backward")
+    check_split_backward(split_backward, none_ok=True)
     names = schedule_names(schedules)
     names, vs = virtual_stage_choices(virtual_stages, names, schedules is None, profile.num_layers)
     search = Search(profile, world_size, global_batch, names, optimizer_states, max_microbatches, vs,
@@ -87,7 +87,7 @@ def plan(profile, world_size: int, memory_per_rank: float, global_batch: int, sc
     ranked = sorted((e for e in ranked if max(e.peak_memory) <= memory_per_rank), key=lambda e: e.rank_key)
     if not ranked:
         _no_fit(search, configs, memory_per_rank)
-    candidates = tuple(_candidate(e, global_batch, profile.layer_names) for e in ranked)
+    candidates = tuple(_candidate(e, search, profile.layer_names) for e in ranked)
     return Plan(candidates, _reason(candidates, search), world_size, float(memory_per_rank), global_batch,
                 profile.num_layers, tuple(profile.layer_names), search.simulated, search.considered)
 
@@ -102,7 +102,9 @@ def predict(profile, global_batch: int, schedule: str, pp: int, dp: int = 1, num
     Raises:
         ValueError (ScheduleArgumentError, ``argument`` names it): sizes that are not integers >= 1, more stages
             (pp x v) than the profile's layers, sizes the schedule cannot run, a global_batch dp x m does not
-            divide, a ``balance`` or ``recompute`` not of pp x v stages, an unknown schedule.
+            divide, a ``balance`` not of pp x v stages, a ``recompute`` that is not a bool or one bool per stage
+            (as :func:`pipesched.compile_program`: ``"no"``, ``1``, ``[0, 1]`` are refused), a ``split_backward``
+            that is not a bool, an unknown schedule.
     """
     _, _, global_batch, _, optimizer_states, _ = check_args(profile, 1, 1.0, global_batch, 1, optimizer_states, None)
     pp, dp, num_microbatches = (check_positive(name, value) for name, value in
@@ -130,19 +132,21 @@ def predict(profile, global_batch: int, schedule: str, pp: int, dp: int = 1, num
     if len(balance) != S or sum(balance) != L:
         raise ScheduleArgumentError(f"balance={list(balance)} must be pp x virtual_stages = {pp} x {v} = {S} layer "
                                     f"counts summing to the profile's {L} layers", argument="balance")
-    flags = (bool(recompute),) * S if isinstance(recompute, bool) else tuple(recompute)
-    if len(flags) != S:
-        raise ScheduleArgumentError(f"recompute={list(flags)} has {len(flags)} flags but there are {S} stages: give "
-                                    f"a bool or one per stage", argument="recompute")
+    check_split_backward(split_backward, none_ok=False)
+    flags = check_recompute(recompute, S)
     config = search.make_config(schedule, pp, dp, num_microbatches, v, split_backward or shape[2], balance, shape[0],
                             split_backward)
-    return _candidate(search.confirm(search.evaluate(config, math.inf, flags)), global_batch, profile.layer_names)
+    return _candidate(search.confirm(search.evaluate(config, math.inf, flags)), search, profile.layer_names)
 
 
 def pipeline_kwargs(plan_or_candidate, num_layers: int, world_size: int, layer_names=None, extra=None) -> dict:
     """The ``Pipeline`` arguments (schedule, num_microbatches, virtual_stages, balance, recompute, split_backward,
     dp_size) of a :class:`Plan`'s winner or a :class:`Candidate`, checked against the model and the job, merged with
     the caller's other arguments ``extra`` (``Pipeline.from_plan``'s ``**kwargs``: loss_fn, device, timeout, ...).
+    For a schedule built from costs (``zb-auto``) also ``costs`` (:attr:`Candidate.costs`, what the plan simulated
+    it with) and ``memory_limit`` (the in-flight limit the plan built it for, ``min(pp, m)`` per rank), so the
+    pipeline compiles the plan's program rather than one from the costs its first step measures; a candidate read
+    from JSON has no costs: then only ``memory_limit`` (the runtime measures the costs).
 
     Raises:
         TypeError: not a Plan or Candidate. ValueError: the model has another layer count (or layer classes) than
@@ -182,14 +186,25 @@ def _planned_kwargs(plan_or_candidate, num_layers: int, world_size: int, layer_n
     return {"schedule": candidate.schedule, "num_microbatches": candidate.num_microbatches,
             "virtual_stages": candidate.virtual_stages, "balance": list(candidate.balance),
             "recompute": list(candidate.recompute) if any(candidate.recompute) else False,
-            "split_backward": candidate.split_backward, "dp_size": candidate.dp}
+            "split_backward": candidate.split_backward, "dp_size": candidate.dp, **_built_from_costs(candidate)}
 
 
-def _candidate(e: Evaluated, global_batch: int, layer_names=()) -> Candidate:
-    c = e.config
+def _built_from_costs(candidate: Candidate) -> dict:
+    """``costs`` (when known) and ``memory_limit`` of a ``zb-auto`` candidate, as the plan built it (the default
+    limit: the planner passes none); nothing for other schedules (they refuse both)."""
+    if candidate.schedule != ZB_AUTO:
+        return {}
+    limit = {"memory_limit": list(default_memory_limit(candidate.pp, candidate.num_microbatches))}
+    return limit if candidate.costs is None else {"costs": candidate.costs, **limit}
+
+
+def _candidate(e: Evaluated, search: Search, layer_names=()) -> Candidate:
+    """The :class:`Candidate` of a confirmed result, with the :class:`~pipesched.CostModel` it was simulated with."""
+    c, global_batch = e.config, search.global_batch
+    costs = search.scaled_costs(c.balance, c.dp, c.num_microbatches)
     return Candidate(c.schedule, c.pp, c.dp, c.num_microbatches, c.virtual_stages, c.balance, e.recompute,
                      c.split_backward, e.step_time, e.bubble_fraction, e.peak_memory,
-                     global_batch // (c.dp * c.num_microbatches), e.timeline, tuple(layer_names))
+                     global_batch // (c.dp * c.num_microbatches), e.timeline, tuple(layer_names), costs)
 
 
 def _reason(candidates, search: Search) -> str:
@@ -203,10 +218,10 @@ def _reason(candidates, search: Search) -> str:
 
 
 def _versus(win: Candidate, other: Candidate) -> str:
-    """``"1.2% ahead of <other>"`` or, equal to float rounding (as ranked: 9 significant digits), ``"ties with
+    """``"1.2% ahead of <other>"`` or, equal as ranked (:func:`~pipesched.plan_search.time_key`), ``"ties with
     <other>"`` and what broke the tie; then what tells them apart when their descriptions read the same."""
     a, b = win.step_time, other.step_time
-    tie = abs(b - a) <= 1e-9 * max(abs(a), abs(b)) or float(f"{a:.9g}") == float(f"{b:.9g}")
+    tie = time_key(a) == time_key(b)
     if tie:
         text = f"ties with {other.describe()}"
     else:
@@ -232,10 +247,16 @@ def _no_fit(search: Search, configs, memory_per_rank) -> None:
     S = len(config.stage_to_rank)
     flags = tuple(True for _ in range(S))
     e = search.confirm(search.evaluate(config, math.inf, flags))
-    candidate = _candidate(e, search.global_batch, search.profile.layer_names)
+    candidate = _candidate(e, search, search.profile.layer_names)
     raise PlanError(f"memory_per_rank={format_bytes(memory_per_rank)}: no configuration fits; the smallest memory "
-                    f"per rank that fits is {format_bytes(need)} ({int(math.ceil(need))} bytes), with "
-                    f"{candidate.describe()} (every stage recomputed)", need, candidate)
+                    f"per rank that fits is {format_bytes(need)} ({int(math.ceil(need))} bytes) against "
+                    f"{_byte_count(memory_per_rank)} bytes given, with {candidate.describe()} (every stage "
+                    f"recomputed)", need, candidate)
+
+
+def _byte_count(n: float) -> str:
+    """A byte count in full: ``10485759`` (a whole number of bytes, as an int), ``1.5`` otherwise."""
+    return str(int(n)) if float(n).is_integer() else repr(float(n))
 
 
 def format_bytes(n: float) -> str:

@@ -225,7 +225,11 @@ def test_a_tie_reads_as_a_tie_and_names_what_differs():
     result = plan(three, 2, 1e12, 12, schedules=["zbv"], top=2)
     win, second = result[0], result[1]
     assert second.step_time == pytest.approx(win.step_time, rel=1e-12) and win.describe() == second.describe()
-    assert result.reason.endswith("; ties with zbv pp=1 dp=2 m=1 v=2 (balance 2,1 against the winner's 1,2)")
+    # the winner holds the least memory of the ties (before: m=1 at 192 MiB won, as the search stopped on a bound
+    # one ulp above the kept time before it simulated m=6 at 72 MiB)
+    assert (win.num_microbatches, win.balance, max(win.peak_memory)) == (6, (1, 2), 72 * MiB)
+    assert result.reason.endswith("; ties with zbv pp=1 dp=2 m=6 v=2 (balance 2,1 against the winner's 1,2; peak 80 "
+                                  "MiB against the winner's 72 MiB)")
     assert "ahead" not in result.reason
 
 
