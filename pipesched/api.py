@@ -35,8 +35,8 @@ def build(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: 
         UnknownScheduleError: ``schedule`` is not registered (lists the valid names).
         ScheduleArgumentError: a size the schedule cannot run (names the argument and what is valid); a program
             too big (``num_ranks * num_microbatches * virtual_stages`` above
-            :data:`~pipesched.checks.MAX_PROGRAM_SIZE`, refused before building); ``costs`` or ``memory_limit``
-            given for a schedule that does not take them.
+            :data:`~pipesched.checks.MAX_PROGRAM_SIZE`, refused before building); ``costs``, ``memory_limit`` or
+            ``score`` given for a schedule that does not take them.
         TypeError: ``score`` is neither callable nor None.
     """
     info = get_schedule(schedule)
@@ -55,8 +55,8 @@ def build(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: 
     if getattr(info, "takes_costs", False):
         return info.build(num_ranks, num_microbatches, v, costs=costs, memory_limit=memory_limit,
                           score=simulated_makespan if score is None else score)
-    for name, value in (("costs", costs), ("memory_limit", memory_limit)):
-        if value is not None:
+    for name, value in (("costs", costs), ("memory_limit", memory_limit), ("score", score)):
+        if value is not None:  # a score would rank nothing here: told, as costs are, not ignored
             raise ScheduleArgumentError(f"{name}={value!r}: schedule {schedule!r} does not take {name}; only "
                                         f"schedules built from costs do (zb-auto)", argument=name)
     return info.build(num_ranks, num_microbatches, v)

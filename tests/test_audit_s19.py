@@ -168,3 +168,12 @@ def test_public_properties_have_docstrings():
     documented = [Event.duration, Program.num_ranks, Program.num_stages, Plan.best, Timeline.from_json_dict,
                   LayerProfile.num_layers, LayerProfile.to_json]
     assert [thing for thing in documented if not (thing.__doc__ or "").strip()] == []
+
+
+def test_build_refuses_a_score_for_a_schedule_that_does_not_rank_candidates():
+    with pytest.raises(ScheduleArgumentError) as info:
+        pipesched.build("1f1b", 2, 4, score=lambda program, costs: 0.0)
+    assert str(info.value).startswith("score=<function ")
+    assert str(info.value).endswith(": schedule '1f1b' does not take score; only schedules built from costs do "
+                                    "(zb-auto)")
+    assert info.value.argument == "score"
