@@ -190,7 +190,8 @@ class MessageFlights:
         self.sent = {message(e.instr): e.start for e in events if e.instr.op in SEND_OPS}
         self.windows = {(e.rank, message(e.instr)): (self.sent.get(message(e.instr), e.start), e.end)
                         for e in events if e.instr.op in RECV_OPS}
-        self.num_stages = 1 + max((e.instr.stage for e in events), default=-1)
+        self.num_stages = stage_count(timeline)
+
 
     def of(self, event: Event) -> tuple[float, float] | None:
         """The flight window of the message the compute ``event`` consumes from another rank, or ``None``."""
@@ -205,6 +206,18 @@ class MessageFlights:
     def durations(self) -> list[float]:
         """Seconds from each SEND's start to its RECV's end, for the messages with both events."""
         return [max(0.0, landed - start) for (_, item), (start, landed) in self.windows.items() if item in self.sent]
+
+
+def stage_count(timeline: Timeline) -> int:
+    """How many stages the timeline's program has, also where it holds some ranks only (``Pipeline.timeline()``):
+    a ``SEND_F`` or ``RECV_B`` of stage ``s`` says stage ``s + 1`` exists, and ``meta``'s ranks x virtual stages is
+    a floor. (The highest stage seen alone made a rank without the last stage take its own for the last: its
+    compute then needed no gradient message, so its waits for one were read as warmup or cooldown.)"""
+    seen = 1 + max((e.instr.stage + (e.instr.op in (Op.SEND_F, Op.RECV_B)) for e in timeline.events), default=-1)
+    meta = timeline.meta or {}
+    ranks, virtual = meta.get("ranks"), meta.get("virtual_stages")
+    floor = ranks * virtual if isinstance(ranks, int) and isinstance(virtual, int) else 0
+    return max(seen, floor)
 
 
 class _Shared:
