@@ -141,11 +141,16 @@ class Timeline:
         return max(e.end for e in self.events) - min(e.start for e in self.events)
 
     def busy_per_rank(self) -> tuple[float, ...]:
-        """Seconds each rank spent computing (F, B, I, W, R); waiting on communication is not busy."""
+        """Seconds each rank spent computing (F, B, I, W, R); waiting on communication is not busy. Compute
+        events of one rank that overlap (an executor running a pair of them at once) count their union, so idle
+        time stays makespan - busy."""
         busy = [0.0] * self.num_ranks
+        reach = [-math.inf] * self.num_ranks  # how far each rank's computes so far reach (events in start order)
         for event in self.events:
             if event.instr.op in COMPUTE_OPS:
-                busy[event.rank] += event.duration
+                r = event.rank
+                busy[r] += max(0.0, event.end - max(event.start, reach[r]))
+                reach[r] = max(reach[r], event.end)
         return tuple(busy)
 
     def bubble_per_rank(self) -> tuple[float, ...]:
@@ -321,7 +326,23 @@ def _checked(events, num_ranks, source, meta, peak_inflight, peak_bytes, ranks, 
             events = InTimelineOrder(_each_checked(events, n, held, where))
     elif events and (thorough or not _plainly_valid(events, n, held)):
         events = _each_checked(events, n, held, where)  # raises naming the first bad event
+    if not isinstance(events, InTimelineOrder):
+        _refuse_repeats(events, where)
     return events, labels
+
+
+def _refuse_repeats(events, where: str) -> None:
+    """Raise ValueError naming the first instruction a rank runs twice (a timeline is one step: each instruction
+    once per rank; a repeat, e.g. from two files merged, counted its time twice in the busy time and the bubble)."""
+    pairs = [(e.rank, e.instr) for e in events]
+    if len(set(pairs)) == len(pairs):
+        return
+    seen: dict = {}
+    for i, pair in enumerate(pairs):
+        if pair in seen:
+            raise ValueError(f"{where}events[{i}] ({pair[1]}): rank {pair[0]} runs {pair[1]} twice (also "
+                             f"events[{seen[pair]}]); a timeline is one step, each instruction once per rank")
+        seen[pair] = i
 
 
 def _plainly_valid(events, num_ranks: int, held) -> bool:
@@ -340,10 +361,18 @@ def _plainly_valid(events, num_ranks: int, held) -> bool:
     except TypeError:
         return False
     if type(first) not in (int, float) or type(last) not in (int, float) \
-            or not (math.isfinite(first) and math.isfinite(last)) or not all(map(le, starts, ends)):
+            or not (_finite(first) and _finite(last)) or not all(map(le, starts, ends)):
         return False
     seen = set(ranks)
     return seen <= set(held) if held is not None else _ranks_in_range(min(seen), max(seen), num_ranks)
+
+
+def _finite(value) -> bool:
+    """``math.isfinite(value)``, False for an int too large for a float (which isfinite raises OverflowError on)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _ranks_in_range(lowest, highest, num_ranks: int) -> bool:
@@ -372,8 +401,8 @@ def _each_checked(events, num_ranks: int, held, where: str) -> list:
         for name, value in (("start", start), ("end", end)):
             if not is_real(value):
                 raise TypeError(f"{at}: {name} must be a number (seconds), got {described(value)}")
-            if not math.isfinite(value):
-                raise ValueError(f"{at}: {name} must be finite (seconds from the step's start), got {value!r}")
+            if not _finite(value):
+                raise ValueError(f"{at}: {name} must be finite (seconds from the step's start), got {short(value)}")
         if end < start:
             raise ValueError(f"{at}: end {end!r} is before start {start!r} (an event's end must be >= its start)")
         plain = (number, instr, plain_number(start), plain_number(end))

@@ -242,3 +242,35 @@ def test_render_trace_of_a_bad_file_exits_2_naming_the_file_and_field(tmp_path, 
     err = capsys.readouterr().err
     assert f"{path} is not a saved Timeline: unknown key 'split'" in err
     assert not (tmp_path / "x.png").exists()
+
+
+# ---- session 19 (viz hunt) -----------------------------------------------------------------------------------
+
+def test_an_instruction_run_twice_on_a_rank_is_refused():
+    from pipesched import Event, Instr, Timeline
+
+    events = (Event(0, Instr.parse("F0.0"), 0.0, 1.0), Event(0, Instr.parse("F0.0"), 1.0, 2.0),
+              Event(0, Instr.parse("B0.0"), 2.0, 4.0))
+    with pytest.raises(ValueError) as info:
+        Timeline(events, num_ranks=1)
+    assert str(info.value) == ("Timeline: events[1] (F0.0): rank 0 runs F0.0 twice (also events[0]); a timeline is "
+                               "one step, each instruction once per rank")
+
+
+def test_overlapping_computes_count_once_in_the_busy_time_and_the_bubble():
+    from pipesched import Event, Instr, Timeline
+
+    # F0.1 runs 1..3 while B0.0 runs 2..4 (an executor overlapping a pair): busy 0..4 = 4 s of a 6 s makespan
+    events = (Event(0, Instr.parse("F0.0"), 0.0, 1.0), Event(0, Instr.parse("F0.1"), 1.0, 3.0),
+              Event(0, Instr.parse("B0.0"), 2.0, 4.0), Event(0, Instr.parse("B0.1"), 5.0, 6.0))
+    timeline = Timeline(events, num_ranks=1)
+    assert timeline.busy_per_rank() == (5.0,)
+    assert timeline.bubble_fraction == pytest.approx(1 / 6)
+
+
+def test_a_time_too_large_for_a_float_is_named_not_an_overflow_error():
+    from pipesched import Event, Instr, Timeline
+
+    with pytest.raises(ValueError, match=r"^Timeline: events\[0\] \(F0\.0\): end must be finite \(seconds from the "
+                                         r"step's start\), got 1000000"):
+        Timeline((Event(0, Instr.parse("F0.0"), 0, 10 ** 400),), num_ranks=1)
