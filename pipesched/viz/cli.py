@@ -7,12 +7,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from .. import progress
 
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf")
+#: the range of ``--dpi``: below 20 the smallest text cannot be drawn (FreeType); 600 is print quality (a
+#: 22-inch-wide chart is then 13200 pixels wide)
+DPI_RANGE = (20, 600)
+
+
+def _dpi(text: str) -> int:
+    """``--dpi``: an integer in :data:`DPI_RANGE` (argparse names the option in its error)."""
+    low, high = DPI_RANGE
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high}, got {text!r}") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"dots per inch must be from {low} to {high} (print quality is 300 to "
+                                         f"600), got {value}")
+    return value
 
 
 def add_render_parser(subparsers) -> argparse.ArgumentParser:
@@ -40,7 +57,8 @@ def add_render_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--output", "-o", required=True, metavar="FILE",
                         help="FILE.png|.svg|.pdf|.json (missing folders are created)")
     parser.add_argument("--title", default=None, help="replace the first title line")
-    parser.add_argument("--dpi", type=int, default=110, help="dots per inch of a .png (default 110)")
+    parser.add_argument("--dpi", type=_dpi, default=110,
+                        help=f"dots per inch of a .png, {DPI_RANGE[0]} to {DPI_RANGE[1]} (default 110)")
     parser.set_defaults(func=run_render)
     return parser
 
@@ -73,6 +91,10 @@ def _render(args: argparse.Namespace) -> int:
         raise ValueError("give a SCHEDULE to simulate or --trace MEASURED.json, exactly one of them")
     if args.compare and (args.trace is None or suffix == ".json"):
         raise ValueError("--compare needs --trace and an image output (.png/.svg/.pdf)")
+    _refuse_ignored(args)
+    if args.trace is not None and _same_file(out, Path(args.trace)):
+        raise ValueError(f"-o/--output {out} is the --trace file {args.trace}: writing it would replace the measured "
+                         f"run; choose another output file")
     timeline = _load(args.trace, args.as_recorded) if args.trace else _simulate(args)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -104,9 +126,72 @@ def _render(args: argparse.Namespace) -> int:
 
         figure = plot_timeline(timeline, title=args.title)
         what = f"{timeline.source} timeline, bubble fraction {timeline.bubble_fraction:.4f}"
-    _write(out, lambda: figure.savefig(out, dpi=args.dpi))
+    try:
+        _write(out, lambda: figure.savefig(out, dpi=args.dpi))
+    except MemoryError:  # a huge chart (thousands of ranks) at a high --dpi
+        width, height = (round(x * args.dpi) for x in figure.get_size_inches())
+        raise ValueError(f"--dpi {args.dpi}: the {width}x{height}-pixel picture does not fit in memory; lower --dpi, "
+                         f"or write .svg or .pdf") from None
     print(f"wrote {out}: {what}")
     return 0
+
+
+def _refuse_ignored(args: argparse.Namespace) -> None:
+    """Refuse the options render would ignore (given, not at their defaults, as ``pipesched show`` refuses a cost
+    option): the schedule and cost options with ``--trace`` (the program and, with ``--compare``, the costs come
+    from the file), ``--mode`` without ``--compare``, ``--as-recorded`` without ``--trace``.
+
+    Raises:
+        ValueError: naming every ignored option.
+    """
+    if args.trace is not None:
+        given = _given_schedule_options(args)
+        if given:
+            fitted = " (and, with --compare, the costs fitted from it)" if args.compare else ""
+            raise ValueError(f"--trace {args.trace} draws the saved run: its program{fitted} comes from the file, "
+                             f"so render would ignore {', '.join(given)}; drop {'it' if len(given) == 1 else 'them'} "
+                             f"(schedule and cost options are for render SCHEDULE)")
+    if args.mode != "side-by-side" and not args.compare:
+        raise ValueError(f"--mode {args.mode} lays out --compare, and it was not given: add --compare (with --trace), "
+                         f"or drop --mode")
+    if args.as_recorded and args.trace is None:
+        raise ValueError("--as-recorded keeps the compute events of a --trace file as they were recorded; a simulated "
+                         "SCHEDULE has none: drop --as-recorded")
+
+
+def _given_schedule_options(args: argparse.Namespace) -> list[str]:
+    """The schedule and cost options ``args`` holds at other than their defaults, as typed (``--ranks 7``)."""
+    from ..cli import add_schedule_args
+    from ..cli_costs import given_costs
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_schedule_args(parser, optional_name=True)
+    flags = {a.dest: a.option_strings[-1] if a.option_strings[-1].startswith("--") else a.option_strings[0]
+             for a in parser._actions if a.option_strings}
+    given = []
+    for dest, default in vars(parser.parse_args([])).items():
+        value = getattr(args, dest, default)
+        if dest in ("schedule", "schedule_modules") or value == default:
+            continue
+        if isinstance(value, bool):
+            given.append(flags[dest])
+        elif dest == "ties":
+            given.append(f"{flags[dest]} {' '.join(','.join(map(str, t)) for t in value)}")
+        elif isinstance(value, list):
+            given.append(f"{flags[dest]} {','.join(map(str, value))}")
+        else:
+            given.append(f"{flags[dest]} {value}")
+    return given + given_costs(args)
+
+
+def _same_file(out: Path, trace: Path) -> bool:
+    """Whether ``out`` names the file ``trace`` names (the same file when both exist, else the same resolved path)."""
+    try:
+        if out.exists() and trace.exists():
+            return os.path.samefile(out, trace)
+        return out.resolve() == trace.resolve()
+    except OSError:
+        return False
 
 
 def _write(out: Path, write) -> None:
@@ -123,21 +208,28 @@ def _simulate(args: argparse.Namespace):
     return simulate_from_args(args)[1]
 
 
-def _load(path: str, as_recorded: bool):
+def load_saved(path, flag: str = "--trace"):
+    """``Timeline.load(path)``; the errors of a file that cannot be read or is not a saved Timeline become a
+    ValueError of one line (an unreadable file is named after ``flag``, the option that gave it, if any)."""
     from ..strict_json import DuplicateKeyError
     from ..timeline import Timeline
-    from .analysis import starts_after_receives
 
     try:
-        timeline = Timeline.load(path)
+        return Timeline.load(path)
     except OSError as exc:
-        raise ValueError(f"--trace {path}: cannot read it: {exc.strerror or exc}") from None
+        raise ValueError(f"{f'{flag} ' if flag else ''}{path}: cannot read it: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{exc.msg} (at line {exc.lineno})") from None  # names the file and its writer
     except DuplicateKeyError as exc:
         raise ValueError(f"{path}: {exc}") from None
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{path} is not a saved Timeline (missing or bad field {exc})") from None
+
+
+def _load(path: str, as_recorded: bool):
+    from .analysis import starts_after_receives
+
+    timeline = load_saved(path, "--trace")
     if as_recorded:
         return timeline
     aligned = starts_after_receives(timeline)

@@ -144,6 +144,26 @@ def render_measured_comparison(measured_path, out="viz", mode: str = "side-by-si
     return path
 
 
+def _check_measured(measured, flag: str = "--measured") -> str | None:
+    """Why one of the ``measured`` files cannot be drawn (it cannot be read, is not a saved Timeline, holds only
+    some ranks, or does not name a registered schedule and its sizes), as one line naming it (after ``flag``, the
+    option that gave it, if any); None when all can."""
+    from ..errors import ScheduleError
+    from .cli import load_saved
+    from .compare import predict_for
+
+    for path in measured:
+        try:
+            timeline = load_saved(path, flag)
+        except ValueError as exc:
+            return str(exc)
+        try:
+            predict_for(starts_after_receives(timeline))
+        except (ScheduleError, ValueError, KeyError, TypeError) as exc:
+            return f"{f'{flag} ' if flag else ''}{path}: {exc}"
+    return None
+
+
 def _write_readme(out: Path, entries: list[tuple[str, str]]) -> Path:
     lines = ["# Gallery", "",
              "Regenerate with `python -m pipesched.viz.gallery --out viz` (about 10 s). It simulates every built-in",
@@ -171,7 +191,8 @@ def _write_readme(out: Path, entries: list[tuple[str, str]]) -> Path:
 
 
 def main(argv=None) -> int:
-    """``python -m pipesched.viz.gallery``: write the gallery (see :func:`build_gallery`) and print each file; 0."""
+    """``python -m pipesched.viz.gallery``: write the gallery (see :func:`build_gallery`) and print each file; 0.
+    A measured file that cannot be drawn is reported on stderr before anything is written; 2."""
     parser = argparse.ArgumentParser(prog="python -m pipesched.viz.gallery", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="viz", help="folder to write (default: viz)")
     parser.add_argument("--measured", action="append", default=None, metavar="RUN.json",
@@ -183,6 +204,10 @@ def main(argv=None) -> int:
     if args.cpu_run and importlib.util.find_spec("torch") is None:
         print("note: torch is not installed: no fresh CPU run", file=sys.stderr)
         args.cpu_run = False
+    problem = _check_measured(measured, "--measured" if args.measured is not None else "")
+    if problem:  # before anything is written, as pipesched render reports a bad --trace
+        print(f"error: gallery: {problem}", file=sys.stderr)
+        return 2
     if not measured and not args.cpu_run:
         print("note: no measured timeline (no --measured, nothing in <out>/measured/): "
               "skipping the simulated-vs-measured chart", file=sys.stderr)
