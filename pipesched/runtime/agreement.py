@@ -12,7 +12,6 @@ after the others gave up on it (late by more than ``timeout``) raises ``TimeoutE
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import time
 
@@ -21,7 +20,7 @@ import torch.distributed as dist
 
 from ..ir import Op
 from ..program_io import fingerprint
-from .comm import groups_error_key, init_default_group
+from .comm import groups_error_key, init_default_group, timeout_ok
 from .exchange import publish, read_all
 from .failure import FailureRecord, PipelineError
 from .failure import describe as describe_error
@@ -193,6 +192,5 @@ def refuse_construction(error: Exception, timeout=None) -> None:
 
 
 def _valid_timeout(timeout) -> float:
-    """``timeout`` as seconds where it is a positive finite number (not a bool), else the default 300."""
-    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < math.inf
-    return float(timeout) if ok else 300.0
+    """``timeout`` as seconds where it is a valid Pipeline timeout (:func:`~.comm.timeout_ok`), else 300."""
+    return float(timeout) if timeout_ok(timeout) else 300.0

@@ -17,9 +17,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..checks import is_real
 from .elastic import attempt_store
 from .groups_failure import COUNT_KEY, ERROR_KEY, creation_failure
 
+
+MAX_TIMEOUT_S = 1e9  # seconds (~31 years): gloo keeps a timeout in int64 nanoseconds (overflows near 9.2e9 s)
+
+
+def timeout_ok(timeout) -> bool:
+    """Whether ``timeout`` is a valid ``Pipeline`` timeout: a number of seconds (not a bool) > 0 and at most
+    :data:`MAX_TIMEOUT_S`."""
+    return is_real(timeout) and 0 < timeout <= MAX_TIMEOUT_S
 
 @dataclass(frozen=True)
 class Grid:

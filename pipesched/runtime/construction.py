@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from ..api import StepPrograms, step_programs
-from ..checks import check_positive, is_real
+from ..checks import check_positive
 from ..ir import Op, Program
 from ..user_programs import dp_size_for, program_for, program_with_ties
-from .comm import backend_for, make_grid, warn_if_unlaunched, world_and_rank
+from .comm import MAX_TIMEOUT_S, backend_for, make_grid, timeout_ok, warn_if_unlaunched, world_and_rank
 from .devices import checked_device
 from .measured_costs import plan_for, safe_program
 from .recompute import refuse_forward_hooks
@@ -19,7 +19,6 @@ from .state import state_spec
 from .shared_buffers import checked_on, refuse_running_stats, shared_buffers
 from .ties import find_ties, program_ties
 
-MAX_TIMEOUT_S = 1e9  # seconds (~31 years): gloo keeps a timeout in int64 nanoseconds (overflows near 9.2e9 s)
 
 
 @dataclass
@@ -70,7 +69,7 @@ def local_setup(model, schedule, num_microbatches, loss_fn, virtual_stages, bala
     dp_size = check_positive("dp_size", dp_size, 1)
     if virtual_stages is not None:
         virtual_stages = check_positive("virtual_stages", virtual_stages, 1)
-    if not is_real(timeout) or not 0 < timeout <= MAX_TIMEOUT_S:
+    if not timeout_ok(timeout):
         raise ValueError(f"timeout must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:g} (about 31 years: "
                          f"the store and the process groups take no longer), got {timeout!r}")
     if loss_fn is not None and not callable(loss_fn):
