@@ -16,9 +16,12 @@ same lost rank instead of its direct peer. Who is lost, in order:
    (its children have ``PIPESCHED_LAUNCH_STORE=parent``), the store outlives every worker and this rule never
    applies (launch's children with ``PIPESCHED_LAUNCH_STORE=rank0`` have ``env://``'s layout);
 2. a point-to-point wait: the peer it waited on;
-3. a collective (the step-opening all-gather, the data-parallel all-reduce): the first member of this rank's
-   pipeline or data-parallel group whose connection is closed, found by posting a receive from each (gloo raises
-   at once on a closed connection); the store is read once more afterwards, in case a peer published meanwhile.
+3. a collective (the step-opening all-gather, the data-parallel all-reduce, DCP's): the first member of this rank's
+   pipeline, data-parallel or checkpoint group whose connection is closed, found by posting a receive from each
+   (gloo raises at once on a closed connection); the store is read once more afterwards, in case a peer published
+   meanwhile. A closed member that answered the roll call (:mod:`~pipesched.runtime.stalled`) is alive, its own
+   wait timed out: this rank answers too and takes the record that member publishes; so too where no probed member
+   is closed but some rank answered (the connection closed in a group not probed).
 
 Gloo only (CPU stages): NCCL reports a lost peer through its own watchdog, after ``timeout``.
 """
@@ -87,7 +90,8 @@ def lost_record(exc: CommError, grid, failures: FailureChannel, groups, device, 
         exc: the failed wait (``exc.peer``: the pipeline rank waited on, ``None`` for a collective).
         grid: this rank's :class:`~pipesched.runtime.comm.Grid`.
         failures: the failure channel (its ``unreachable`` flag says whether the store answered).
-        groups: ``(pipeline group, data-parallel group or None)`` of this rank, before teardown.
+        groups: ``(pipeline group, data-parallel group or None)`` of this rank, before teardown, and optionally a
+            third: a group over every world rank by world rank (the checkpoint's, :mod:`.checkpoint_group`) or None.
         device: the stages' device (probing needs gloo: CPU).
         away_s: how long this rank was away from the Pipeline before the failing call (since its last call ended);
             more than ``timeout`` (the Pipeline's) with the store host gone: the job most likely already ended.
@@ -114,19 +118,36 @@ def lost_record(exc: CommError, grid, failures: FailureChannel, groups, device, 
     elif exc.peer is not None:
         lost, how = grid.pipeline_ranks(grid.dp_rank)[exc.peer], "closed its connection"
     else:
-        pp_group, dp_group = groups
+        pp_group, dp_group, *every = groups
         closed = (closed_members(pp_group, grid.pipeline_ranks(grid.dp_rank), device)
-                  + closed_members(dp_group, grid.dp_ranks(grid.pp_rank), device))
+                  + closed_members(dp_group, grid.dp_ranks(grid.pp_rank), device)
+                  + closed_members(next(iter(every), None), range(grid.world_size), device))
         published = failures.lookup()
         if published is not None:
             return published
         if not closed:
-            return None
+            return _after_a_timed_out_rank(failures, grid)
         closed.sort(key=lambda r: answered_roll_call(failures, r))  # a member that did not answer first
         lost, how = closed[0], "closed its connection"
     if answered_roll_call(failures, lost):  # alive: its wait timed out; neither it nor this rank is the stalled one
         answer_roll_call(failures, grid.world_rank)
         return failures.lookup(wait_s=_TIMED_OUT_PEER_S)
+    return _named_lost(exc, grid, failures, lost, how, me)
+
+
+def _after_a_timed_out_rank(failures: FailureChannel, grid) -> FailureRecord | None:
+    """A collective's closed connection that no probed member accounts for (it closed in a group not probed: gloo
+    closes a rank's connections as that rank's own wait times out): if another rank answered the roll call, the
+    closing rank is alive and timed out, so this rank answers too (neither is the stalled one) and takes the record
+    it publishes (``None`` if none turns up within ``_TIMED_OUT_PEER_S``); ``None`` at once if nobody answered."""
+    if not any(answered_roll_call(failures, r) for r in range(grid.world_size) if r != grid.world_rank):
+        return None
+    answer_roll_call(failures, grid.world_rank)
+    return failures.lookup(wait_s=_TIMED_OUT_PEER_S)
+
+
+def _named_lost(exc: CommError, grid, failures: FailureChannel, lost: int, how: str, me: str) -> FailureRecord:
+    """The ``lost`` record naming world rank ``lost``, published (the first published wins and is returned)."""
     record = FailureRecord(
         rank=lost, pp_rank=lost % grid.pp_size, lost=True, id=f"lost:{lost}:{time.time_ns()}",
         cause=f"world rank {lost} (pipeline rank {lost % grid.pp_size}) was lost: its process ended in the middle of "

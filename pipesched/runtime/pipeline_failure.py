@@ -32,7 +32,7 @@ def fail(pipe, exc: BaseException, where: str | None = None) -> PipelineError:
             answer_roll_call(pipe._failures, me)
         record = adoptable(pipe._failures.lookup(wait_s=1.0), me)  # a record calling this live rank lost: not it
         if record is None and exc.connection_lost:  # a process was lost: name it (published for the others)
-            record = adoptable(lost_record(exc, grid, pipe._failures, (pipe._pp_group, pipe._dp_group), pipe.device,
+            record = adoptable(lost_record(exc, grid, pipe._failures, _probed_groups(pipe), pipe.device,
                                            away_s=getattr(pipe, "_away_s", 0.0), timeout=pipe.timeout), me)
     origin = record is None
     votes = votes_note(waiting_in_votes(pipe._failures.store, me, grid.world_size,  # rounds given up on since
@@ -58,6 +58,12 @@ def fail(pipe, exc: BaseException, where: str | None = None) -> PipelineError:
     teardown(pipe)
     pipe._broken = PipelineError(record, me, note)  # note: what this rank waited for
     return pipe._broken
+
+
+def _probed_groups(pipe) -> tuple:
+    """The groups :func:`~.lost_rank.lost_record` probes for a closed member: pipeline, data-parallel, and the
+    checkpoint's over every world rank (once a save or load made it: DCP's collectives run there)."""
+    return pipe._pp_group, pipe._dp_group, getattr(pipe, "_checkpoint_group", None)
 
 
 def publish_and_linger(pipe, record: FailureRecord, origin: bool):
