@@ -63,11 +63,24 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
 
 def given_costs(args: argparse.Namespace) -> list[str]:
     """The cost options of ``args`` set to something other than their default, as ``--option value``."""
+    return given_options(args, add_cost_args)
+
+
+def given_options(args: argparse.Namespace, add_args, skip=()) -> list[str]:
+    """The options ``add_args(parser)`` adds that ``args`` holds at other than their defaults, as typed: a flag
+    alone (``--recompute``), ``--ranks 7``, a comma list (``--forward 1,2``), space-separated groups (``--ties
+    0,3 1,2``); options whose dest is in ``skip`` are left out."""
     parser = argparse.ArgumentParser(add_help=False)
-    add_cost_args(parser)
+    add_args(parser)
     defaults = vars(parser.parse_args([]))
-    return [f"--{dest.replace('_', '-')} {show_value(getattr(args, dest))}" for dest, default in defaults.items()
-            if getattr(args, dest, default) != default]
+    given = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, defaults.get(action.dest))
+        if not action.option_strings or action.dest in skip or value == defaults.get(action.dest):
+            continue
+        flag = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
+        given.append(flag if isinstance(value, bool) else f"{flag} {show_value(value)}")
+    return given
 
 
 def cost_from_args(args: argparse.Namespace) -> CostModel:
@@ -93,6 +106,11 @@ def named_cost_error(exc: CostError) -> ValueError:
     return ValueError(f"{COST_FLAGS[exc.field]}: {exc}")
 
 
+
 def show_value(value) -> str:
-    """A cost option's value as typed: ``0.5``, ``1e+06`` or ``1,2``."""
-    return ",".join(f"{v:g}" for v in value) if isinstance(value, list) else f"{value:g}"
+    """An option's value as typed: ``0.5``, ``1e+06``, ``7``, ``1,2``, or groups ``0,3 1,2``."""
+    if isinstance(value, (list, tuple)):
+        if value and all(isinstance(v, (list, tuple)) for v in value):
+            return " ".join(show_value(v) for v in value)
+        return ",".join(show_value(v) for v in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)

@@ -162,26 +162,10 @@ def _refuse_ignored(args: argparse.Namespace) -> None:
 def _given_schedule_options(args: argparse.Namespace) -> list[str]:
     """The schedule and cost options ``args`` holds at other than their defaults, as typed (``--ranks 7``)."""
     from ..cli import add_schedule_args
-    from ..cli_costs import given_costs
+    from ..cli_costs import given_costs, given_options
 
-    parser = argparse.ArgumentParser(add_help=False)
-    add_schedule_args(parser, optional_name=True)
-    flags = {a.dest: a.option_strings[-1] if a.option_strings[-1].startswith("--") else a.option_strings[0]
-             for a in parser._actions if a.option_strings}
-    given = []
-    for dest, default in vars(parser.parse_args([])).items():
-        value = getattr(args, dest, default)
-        if dest in ("schedule", "schedule_modules") or value == default:
-            continue
-        if isinstance(value, bool):
-            given.append(flags[dest])
-        elif dest == "ties":
-            given.append(f"{flags[dest]} {' '.join(','.join(map(str, t)) for t in value)}")
-        elif isinstance(value, list):
-            given.append(f"{flags[dest]} {','.join(map(str, value))}")
-        else:
-            given.append(f"{flags[dest]} {value}")
-    return given + given_costs(args)
+    return given_options(args, lambda parser: add_schedule_args(parser, optional_name=True),
+                         skip=("schedule", "schedule_modules")) + given_costs(args)
 
 
 def _same_file(out: Path, trace: Path) -> bool:
