@@ -156,8 +156,10 @@ def pipeline_kwargs(plan_or_candidate, num_layers: int, world_size: int, layer_n
     planned = _planned_kwargs(plan_or_candidate, num_layers, world_size, layer_names)
     clash = sorted(set(planned) & set(extra or {}))
     if clash:
-        raise ValueError(f"Pipeline.from_plan: {', '.join(clash)} is decided by the plan ({clash[0]}="
-                         f"{planned[clash[0]]!r}); leave it out, or build Pipeline(...) yourself")
+        shown = ("the CostModel the plan simulated it with: candidate.costs" if clash[0] == "costs"
+                 else repr(planned[clash[0]]))  # a CostModel's repr runs to hundreds of characters
+        raise ValueError(f"Pipeline.from_plan: {', '.join(clash)} {'is' if len(clash) == 1 else 'are'} decided by the plan ({clash[0]}={shown}); "
+                         f"leave it out, or build Pipeline(...) yourself")
     return {**planned, **(extra or {})}
 
 
