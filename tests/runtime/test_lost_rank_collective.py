@@ -13,27 +13,13 @@ from pipesched.runtime.lost_rank import lost_record
 from pipesched.runtime.stalled import roll_call_keys
 
 from memory_store import MemoryStore
+from test_lost_rank import _Group  # a gloo group some of whose members closed their connections
 
 _CLOSED = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:63631")
 _WHAT = "DCP's collectives while reading '/tmp/ckpt'"
 # world rank 0 timed out, answered the roll call and named world rank 3 as stalled
 _THEIRS = FailureRecord(rank=0, pp_rank=0, id="0:7", stalled=(3,),
                         cause="CommError: DCP's collectives while reading '/tmp/ckpt': timed out; world rank 3 ...")
-
-
-class _Group:
-    """A gloo group of which members ``closed`` (group ranks) closed their connections."""
-
-    def __init__(self, me, closed=()):
-        self.me, self.closed = me, closed
-
-    def rank(self):
-        return self.me
-
-    def recv(self, tensors, src, tag):
-        if src in self.closed:
-            raise RuntimeError(f"[pair.cc:553] Connection closed by peer [127.0.0.1]:{4000 + src}")
-        return object()
 
 
 class _PublishingStore(MemoryStore):
@@ -69,7 +55,7 @@ def test_a_closed_checkpoint_group_member_that_answered_the_roll_call_is_not_nam
     monkeypatch.setattr(lost_rank, "_TIMED_OUT_PEER_S", 0.5)
     channel = _channel()
     # pipeline group (world 0, 1) and DP group (world 1, 3) all still open; in the checkpoint group world 0 closed
-    record = _world_rank_1(channel, (_Group(1), _Group(0), _Group(1, closed=(0,))))
+    record = _world_rank_1(channel, (_Group(1, ()), _Group(0, ()), _Group(1, closed=(0,))))
     assert record == _THEIRS
     assert channel.store.data["pipesched/job7/timed-out/1"] == "1"  # rank 1 answered: not the stalled one
 
@@ -77,20 +63,20 @@ def test_a_closed_checkpoint_group_member_that_answered_the_roll_call_is_not_nam
 def test_no_closed_member_found_but_a_rank_answered_the_roll_call_takes_its_record(monkeypatch):
     monkeypatch.setattr(lost_rank, "_TIMED_OUT_PEER_S", 0.5)
     channel = _channel()
-    record = _world_rank_1(channel, (_Group(1), _Group(0)))  # the closed connection is in a group not probed
+    record = _world_rank_1(channel, (_Group(1, ()), _Group(0, ())))  # the closed connection is in a group not probed
     assert record == _THEIRS
     assert channel.store.data["pipesched/job7/timed-out/1"] == "1"
 
 
 def test_no_closed_member_and_nobody_answered_gives_no_record_and_no_roll_call_answer():
     channel = _channel(answered=())
-    assert _world_rank_1(channel, (_Group(1), _Group(0), _Group(1))) is None
+    assert _world_rank_1(channel, (_Group(1, ()), _Group(0, ()), _Group(1, ()))) is None
     assert not [key for key in channel.store.data if "/timed-out/" in key]
 
 
 def test_a_closed_checkpoint_group_member_that_did_not_answer_is_named_lost():
     channel = _channel(answered=())
-    record = _world_rank_1(channel, (_Group(1), _Group(0), _Group(1, closed=(3,))))
+    record = _world_rank_1(channel, (_Group(1, ()), _Group(0, ()), _Group(1, closed=(3,))))
     assert (record.rank, record.pp_rank, record.lost) == (3, 1, True)
     assert record.cause.endswith(f"world rank 1 (pipeline rank 1) found it while waiting for {_WHAT}: it closed its "
                                  f"connection")
