@@ -6,7 +6,8 @@ import sys
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
-from .checks import is_real, plain_number
+from .checks import described, is_real, plain_number
+from .timeline import unknown_keys_message
 
 Number = float | int
 PerStage = Number | Sequence[Number]
@@ -156,6 +157,15 @@ class CostModel:
             raise CostError(name, f"cost {name} has {len(values)} values but the program has {num_stages} stages")
         return tuple(float(v) for v in values)
 
+    def check_stages(self, num_stages: int) -> None:
+        """Check that every per-stage cost resolves for ``num_stages`` stages (a list of that length, or a number).
+
+        Raises:
+            CostError: the first per-stage cost whose list has another length (names it and both counts).
+        """
+        for name in _PER_STAGE:
+            self.per_stage(name, num_stages)
+
     def _default(self, name: str, num_stages: int) -> tuple[float, ...]:
         if name in ("input_grad", "weight_grad"):  # the other half of B when one is given, else half of B
             other = "weight_grad" if name == "input_grad" else "input_grad"
@@ -220,6 +230,52 @@ class CostModel:
                                       f"({big:.3g}) over {count} {unit} ({'; '.join(map(shown, culprits))}); give "
                                       f"the costs in larger units (the bubble fraction does not depend on the unit)")
 
+    def to_json_dict(self) -> dict:
+        """A JSON-ready dict that :meth:`from_json_dict` reads back: every field by name, a per-stage sequence as a
+        list, an optional field left to its default as ``null``, and an infinite ``bandwidth`` (free transfers;
+        JSON has no infinity) as the string ``"inf"``."""
+        data = {}
+        for name in _JSON_KEYS:
+            value = getattr(self, name)
+            data[name] = list(value) if isinstance(value, tuple) else value
+        if math.isinf(self.bandwidth):
+            data["bandwidth"] = "inf"
+        return data
+
+    @classmethod
+    def from_json_dict(cls, data: dict) -> "CostModel":
+        """A cost model from its :meth:`to_json_dict` form, read strictly: each key a field of :class:`CostModel`
+        (one left out takes its default, as in ``CostModel(...)``), a per-stage field a JSON number or a list of
+        them (one per stage), an optional field ``null`` for its default, ``bandwidth`` a number > 0 or ``"inf"``.
+
+        Raises:
+            ValueError: ``data`` is not a dict; a key is unknown (named, with the closest known key); a value the
+                constructor refuses (a :class:`CostError` naming the field, its value and what is valid). The
+                message starts ``CostModel JSON:``.
+        """
+        return cls._from_json(data, "CostModel JSON: ")
+
+    @classmethod
+    def _from_json(cls, data, where: str) -> "CostModel":
+        """:meth:`from_json_dict`, its messages starting with ``where``."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}a cost model is a JSON object (as CostModel.to_json_dict writes), got "
+                             f"{described(data)}")
+        unknown = unknown_keys_message(data, _JSON_KEYS, "a CostModel's")
+        if unknown:
+            raise ValueError(where + unknown)
+        values = dict(data)
+        bandwidth = values.get("bandwidth", math.inf)
+        if bandwidth == "inf":
+            values["bandwidth"] = math.inf
+        elif not (is_real(bandwidth) and bandwidth > 0):
+            raise CostError("bandwidth", f"{where}cost bandwidth must be a number of bytes/s > 0 or \"inf\" (free "
+                                         f"transfers), got {bandwidth!r}")
+        try:
+            return cls(**values)
+        except CostError as exc:
+            raise CostError(exc.field, where + str(exc)) from None
+
     def describe(self) -> str:
         """A one-line summary for plot titles: the assumptions a timeline depends on (seconds; bytes given, as
         ``act=...B``)."""
@@ -247,6 +303,10 @@ _OPTIONAL = ("input_grad", "weight_grad", "recompute", "stash_bytes", "input_byt
 _HELD = ("stash_bytes", "input_bytes", "recompute_bytes")
 _PER_STAGE = ("forward", "backward", "input_grad", "weight_grad", "recompute", "activation_bytes", "grad_bytes",
               "stash_bytes", "input_bytes", "recompute_bytes", "tie_bytes")
+#: the keys of :meth:`CostModel.to_json_dict`'s form: every field, in declaration order
+_JSON_KEYS = ("forward", "backward", "input_grad", "weight_grad", "recompute", "latency", "bandwidth",
+              "activation_bytes", "grad_bytes", "stash_bytes", "input_bytes", "recompute_bytes", "tie_bytes",
+              "send_overhead")
 
 
 def _check_finite(name: str, value) -> None:

@@ -9,11 +9,12 @@ import math
 from dataclasses import dataclass, field
 
 from .checks import as_int, is_real
+from .cost import CostError, CostModel
 from .timeline import unknown_keys_message
 
-#: the keys of :meth:`Candidate.to_json`'s form (``layer_names`` may be left out); any other is refused
+#: the keys of :meth:`Candidate.to_json`'s form (``layer_names`` and ``costs`` may be left out); any other is refused
 _JSON_KEYS = ("schedule", "pp", "dp", "num_microbatches", "virtual_stages", "balance", "recompute", "split_backward",
-              "microbatch_size", "step_time", "bubble_fraction", "peak_memory", "layer_names")
+              "microbatch_size", "step_time", "bubble_fraction", "peak_memory", "layer_names", "costs")
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,9 @@ class Candidate:
         layer_names: the profiled model's layer class names (``()``: unknown; not compared), so that
             ``Pipeline.from_plan`` refuses a model of other layer classes given a Candidate as given a Plan.
         costs: the :class:`~pipesched.CostModel` (one microbatch, this balance) the plan simulated it with (``None``:
-            unknown, e.g. read from JSON; not compared, not in the JSON form). ``Pipeline.from_plan`` of a schedule
-            built from costs (``zb-auto``) passes it, so the pipeline runs the very program the plan simulated.
+            unknown, e.g. read from JSON written without it; not compared; in the JSON form as
+            :meth:`CostModel.to_json_dict` writes it). ``Pipeline.from_plan`` of a schedule built from costs
+            (``zb-auto``) passes it, so the pipeline runs the very program the plan simulated.
 
     ``schedule`` is not looked up: a plan may name a schedule registered in the process that planned it.
 
@@ -70,7 +72,8 @@ class Candidate:
     def to_json(self) -> dict:
         """The JSON form (``pipesched plan --json``): ``schedule, pp, dp, num_microbatches, virtual_stages,
         balance, recompute, split_backward, microbatch_size, step_time, bubble_fraction, peak_memory`` (bytes per
-        pipeline rank), and ``layer_names`` when the profile has them; :meth:`from_json` reads it back."""
+        pipeline rank), ``layer_names`` when the profile has them and ``costs`` when known (a
+        :meth:`CostModel.to_json_dict` object); :meth:`from_json` reads it back."""
         data = {"schedule": self.schedule, "pp": self.pp, "dp": self.dp, "num_microbatches": self.num_microbatches,
                 "virtual_stages": self.virtual_stages, "balance": list(self.balance),
                 "recompute": list(self.recompute), "split_backward": self.split_backward,
@@ -78,6 +81,8 @@ class Candidate:
                 "bubble_fraction": self.bubble_fraction, "peak_memory": [int(math.ceil(b)) for b in self.peak_memory]}
         if self.layer_names:
             data["layer_names"] = list(self.layer_names)
+        if self.costs is not None:
+            data["costs"] = self.costs.to_json_dict()
         return data
 
     @classmethod
@@ -85,7 +90,10 @@ class Candidate:
         """A candidate from its :meth:`to_json` form (e.g. one entry of ``pipesched plan --json``'s
         ``"candidates"``), for :meth:`pipesched.runtime.Pipeline.from_plan` in a training script (no timeline).
 
-        ``layer_names`` may be absent (JSON of an older pipesched: the model is then checked by layer count only).
+        ``layer_names`` may be absent (JSON of an older pipesched: the model is then checked by layer count only),
+        and ``costs`` absent or ``null`` (unknown: a ``zb-auto`` candidate's runtime then measures them); given, it is
+        read as :meth:`CostModel.from_json_dict` reads it, each per-stage list one value per stage (pp x
+        virtual_stages).
 
         Raises:
             ValueError: ``data`` is not a dict; a key is unknown (a typo such as ``split_backwards`` would otherwise
@@ -97,7 +105,7 @@ class Candidate:
         unknown = unknown_keys_message(data, _JSON_KEYS, "a candidate's")
         if unknown:
             raise ValueError(f"planned candidate JSON: {unknown}")
-        names = _JSON_KEYS[:-1]  # all but layer_names
+        names = _JSON_KEYS[:-2]  # all but layer_names and costs
         missing = [n for n in names if n not in data]
         if missing:
             raise ValueError(f"a planned candidate needs the keys {list(names)}; missing {missing}")
@@ -107,7 +115,17 @@ class Candidate:
                 if not isinstance(values[n], (list, tuple)):
                     raise ValueError(f"candidate field {n!r} must be a list, got {values[n]!r}")
                 values[n] = tuple(values[n])
-        return cls(**values)
+        costs = data.get("costs")
+        if costs is None:
+            return cls(**values)
+        where = "planned candidate JSON: costs: "
+        candidate = cls(**values, costs=CostModel._from_json(costs, where))
+        try:  # sizes and defaults as a use would check them (a list of another length than the stages)
+            candidate.costs.check_stages(candidate.pp * candidate.virtual_stages)
+        except CostError as exc:
+            raise CostError(exc.field, f"{where}{exc} (pp x virtual_stages = "
+                                       f"{candidate.pp} x {candidate.virtual_stages})") from None
+        return candidate
 
     def describe(self) -> str:
         """One line: schedule, sizes, recompute and split."""

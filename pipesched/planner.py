@@ -145,8 +145,9 @@ def pipeline_kwargs(plan_or_candidate, num_layers: int, world_size: int, layer_n
     the caller's other arguments ``extra`` (``Pipeline.from_plan``'s ``**kwargs``: loss_fn, device, timeout, ...).
     For a schedule built from costs (``zb-auto``) also ``costs`` (:attr:`Candidate.costs`, what the plan simulated
     it with) and ``memory_limit`` (the in-flight limit the plan built it for, ``min(pp, m)`` per rank), so the
-    pipeline compiles the plan's program rather than one from the costs its first step measures; a candidate read
-    from JSON has no costs: then only ``memory_limit`` (the runtime measures the costs).
+    pipeline compiles the plan's program rather than one from the costs its first step measures (a candidate read
+    from JSON carries them too; one without them (written by an older pipesched): only ``memory_limit``, and the runtime
+    measures the costs).
 
     Raises:
         TypeError: not a Plan or Candidate. ValueError: the model has another layer count (or layer classes) than

@@ -10,7 +10,7 @@ from pipesched.planner import plan
 from pipesched.profile import LayerProfile
 
 KEYS = ("schedule, pp, dp, num_microbatches, virtual_stages, balance, recompute, split_backward, microbatch_size, "
-        "step_time, bubble_fraction, peak_memory, layer_names")
+        "step_time, bubble_fraction, peak_memory, layer_names, costs")
 
 
 def good() -> dict:

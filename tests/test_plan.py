@@ -197,7 +197,8 @@ def test_json_form():
     assert list(data) == ["candidates"] and len(data["candidates"]) == 2
     assert set(data["candidates"][0]) == {"schedule", "pp", "dp", "num_microbatches", "virtual_stages", "balance",
                                           "recompute", "split_backward", "microbatch_size", "step_time",
-                                          "bubble_fraction", "peak_memory", "layer_names"}  # the profile's
+                                          "bubble_fraction", "peak_memory", "layer_names",  # the profile's
+                                          "costs"}  # what the plan simulated it with
     first = data["candidates"][0]
     assert first["step_time"] == result.best.step_time and len(first["peak_memory"]) == result.best.pp
     assert all(isinstance(b, int) for b in first["peak_memory"])

@@ -46,7 +46,7 @@ def test_json_is_the_plan(profile_file, capsys):
     assert data == expected
     first = data["candidates"][0]
     assert set(first) == {"schedule", "pp", "dp", "num_microbatches", "virtual_stages", "balance", "recompute",
-                          "split_backward", "microbatch_size", "step_time", "bubble_fraction", "peak_memory"}
+                          "split_backward", "microbatch_size", "step_time", "bubble_fraction", "peak_memory", "costs"}
     assert {c["schedule"] for c in data["candidates"]} <= {"1f1b", "zbv"}
 
 

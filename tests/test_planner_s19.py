@@ -202,12 +202,12 @@ def test_predicted_zb_auto_candidate_carries_its_costs(recompute):
     assert ps.simulate(program, kwargs["costs"]).makespan == c.step_time
 
 
-def test_zb_auto_from_json_keeps_the_json_form_and_the_limit():
+def test_zb_auto_from_json_keeps_the_costs_and_the_limit():
     c = ps.plan(zb_auto_profile(), 2, 180 * MiB, 8, schedules=["zb-auto"], top=1).best
-    data = c.to_json()
-    assert "costs" not in data and Candidate.from_json(data) == c
-    kwargs = pipeline_kwargs(Candidate.from_json(data), 4, 2)
-    assert "costs" not in kwargs and kwargs["memory_limit"] == [2, 2]  # costs unknown: the runtime measures them
+    back = Candidate.from_json(c.to_json())
+    assert back == c and back.costs == c.costs  # the costs are in the JSON form
+    kwargs = pipeline_kwargs(back, 4, 2)
+    assert kwargs["costs"] == c.costs and kwargs["memory_limit"] == [2, 2]
 
 
 def test_other_schedules_get_neither_costs_nor_limit():
