@@ -11,48 +11,20 @@ import json
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import NamedTuple
 from itertools import accumulate, islice, repeat
 from operator import and_, attrgetter, eq, gt, itemgetter, le
 
 from . import strict_json
-from .checks import as_int, check_path, described, is_real, plain_number, short
+from .checks import check_path, described, short
 from .deps import STASH_CHANGE
 from .ir import COMPUTE_OPS, Instr
+from .timeline_checks import SOURCES, Event, InTimelineOrder, check_fields
 
-
-class Event(NamedTuple):
-    """One executed instruction. ``start`` and ``end`` are seconds from the step's start (``end >= start``).
-
-    Immutable and hashable; a named tuple rather than a dataclass because a simulated timeline holds one
-    per instruction, hundreds of thousands of them, and a tuple is made three times faster. For the same
-    reason an Event checks nothing itself: a :class:`Timeline` checks its events (``rank`` an int in
-    ``0 .. num_ranks - 1``, ``instr`` an :class:`~pipesched.ir.Instr`, ``start`` and ``end`` finite numbers,
-    ``end >= start``; ``end == start`` is fine: a measured send often takes no time).
-    """
-
-    rank: int
-    instr: Instr
-    start: float
-    end: float
-
-    @property
-    def duration(self) -> float:
-        """Seconds the instruction took: ``end - start`` (0.0 for one that took no time)."""
-        return self.end - self.start
-
+#: the public names; ``Event``, ``SOURCES`` and ``InTimelineOrder`` live in :mod:`pipesched.timeline_checks`
+__all__ = ["Event", "InTimelineOrder", "SOURCES", "Timeline", "events_from_columns", "in_timeline_order",
+           "peak_inflight", "peak_of", "ties_in_order", "timeline_order", "unknown_keys_message"]
 
 _BY_RANK_AND_TIME = attrgetter("rank", "start", "end")
-_RANK, _INSTR, _START, _END = (itemgetter(k) for k in range(4))  # an Event's fields (itemgetter: faster)
-#: what ``Timeline.source`` may be
-SOURCES = ("simulated", "measured")
-
-
-class InTimelineOrder(tuple):
-    """Events known to be ordered by (rank, start, end) already, e.g. by the simulator: a
-    :class:`Timeline` made from them keeps their order instead of sorting them again, and trusts them as it
-    trusts their order: it checks only that the first and last ranks are in ``0 .. num_ranks - 1`` (the
-    simulator's events are right by construction, and checking each would cost more than making the Timeline)."""
 
 
 def timeline_order(starts, ends, lo: int, hi: int) -> list[int]:
@@ -109,11 +81,13 @@ class Timeline:
             ``source`` not a str, ``meta`` not a dict, ``peak_inflight`` / ``peak_activation_bytes`` /
             ``ranks`` not a list or tuple (``peak_activation_bytes``, ``ranks``: or None) or holding a non-number.
         ValueError: ``num_ranks`` < 1; an event's rank outside ``0 .. num_ranks - 1`` (or, with ``ranks``, not one
-            of them), a start or end not finite, an end before its start; ``source`` not ``"simulated"`` or
-            ``"measured"``; ``peak_inflight`` not empty or one int >= 0 per rank; ``peak_activation_bytes`` not one
-            finite number >= 0 (or NaN: unknown) per rank; ``ranks`` giving a rank twice or one outside
-            ``0 .. num_ranks - 1``. Each message names the field (an event by its index in ``events`` as given,
-            and its instruction), its value and what is valid.
+            of them), the peer of a SEND/RECV outside ``0 .. num_ranks - 1``, a start or end not finite, an end
+            before its start, a span (an event's ``end - start``, or the first start to the last end) that
+            overflows a float (``start=-1e308, end=1e308``: the makespan would be inf); ``source`` not
+            ``"simulated"`` or ``"measured"``; ``peak_inflight`` not empty or one int >= 0 per rank;
+            ``peak_activation_bytes`` not one finite number >= 0 (or NaN: unknown) per rank; ``ranks`` giving a
+            rank twice or one outside ``0 .. num_ranks - 1``. Each message names the field (an event by its index
+            in ``events`` as given, and its instruction), its value and what is valid.
     """
 
     events: tuple[Event, ...]
@@ -125,7 +99,7 @@ class Timeline:
     ranks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        events, labels = _checked(self.events, self.num_ranks, self.source, self.meta, self.peak_inflight,
+        events, labels = check_fields(self.events, self.num_ranks, self.source, self.meta, self.peak_inflight,
                                   self.peak_activation_bytes, self.ranks, "Timeline: ")
         for name, value in labels.items():
             object.__setattr__(self, name, value)
@@ -246,7 +220,7 @@ class Timeline:
                       peak_inflight=data.get("peak_inflight", ()), peak_activation_bytes=peak_bytes,
                       ranks=data.get("ranks"))
         try:  # checked here, to name the file; the constructor checks again (quickly: they pass)
-            events, labels = _checked(events, *fields.values(), where, thorough=True)
+            events, labels = check_fields(events, *fields.values(), where, thorough=True)
         except TypeError as exc:  # a JSON value of the wrong type: a bad value of the file
             raise ValueError(str(exc)) from None
         return cls(events=tuple(events), **dict(fields, **labels))
@@ -291,171 +265,6 @@ def unknown_keys_message(data: dict, valid, whose: str) -> str | None:
     return (f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(short(key) for key in unknown)}{hint}; "
             f"{whose} keys are {', '.join(valid)}")
 
-
-def _checked(events, num_ranks, source, meta, peak_inflight, peak_bytes, ranks, where: str, thorough: bool = False):
-    """``(events, labels)``: a :class:`Timeline`'s fields checked (see its Raises; messages start with ``where``),
-    ``labels`` the other fields as held (plain numbers, tuples). ``events`` comes back as given (a list or tuple;
-    an iterator made a tuple), or rebuilt of plain numbers where an event held numpy ones. ``thorough``: each event
-    checked in Python (JSON: a ``true`` time is refused, which the quick C-level check takes for 1)."""
-    n = as_int(num_ranks)
-    if n is None:
-        raise TypeError(f"{where}num_ranks must be an int >= 1 (pipeline ranks), got {described(num_ranks)}")
-    if n < 1:
-        raise ValueError(f"{where}num_ranks must be an int >= 1 (pipeline ranks), got {short(num_ranks)}")
-    if source not in SOURCES:
-        kind = ValueError if isinstance(source, str) else TypeError
-        raise kind(f"{where}source must be 'simulated' or 'measured', got {described(source)}")
-    if not isinstance(meta, dict):
-        raise TypeError(f"{where}meta must be a dict (free labels), got {described(meta)}")
-    labels = {"num_ranks": n,
-              "peak_inflight": _per_rank(peak_inflight, n, "peak_inflight", where, _count, "an int >= 0", True),
-              "peak_activation_bytes": None if peak_bytes is None else _per_rank(
-                  peak_bytes, n, "peak_activation_bytes", where, _nbytes,
-                  "a finite number >= 0 (bytes) or NaN (unknown)", False),
-              "ranks": None if ranks is None else _held(ranks, n, where)}
-    held = labels["ranks"]
-    if isinstance(events, (str, bytes, dict)):
-        raise TypeError(f"{where}events must be a sequence of pipesched.Event, got {described(events)}")
-    if not isinstance(events, (tuple, list)):
-        try:
-            events = tuple(events)
-        except TypeError:
-            raise TypeError(f"{where}events must be a sequence of pipesched.Event, got {described(events)}") from None
-    if isinstance(events, InTimelineOrder):  # trusted (the simulator's): its first and last ranks are checked
-        if events and not (held is None and _ranks_in_range(events[0].rank, events[-1].rank, n)):
-            events = InTimelineOrder(_each_checked(events, n, held, where))
-    elif events and (thorough or not _plainly_valid(events, n, held)):
-        events = _each_checked(events, n, held, where)  # raises naming the first bad event
-    if not isinstance(events, InTimelineOrder):
-        _refuse_repeats(events, where)
-    return events, labels
-
-
-def _refuse_repeats(events, where: str) -> None:
-    """Raise ValueError naming the first instruction a rank runs twice (a timeline is one step: each instruction
-    once per rank; a repeat, e.g. from two files merged, counted its time twice in the busy time and the bubble)."""
-    pairs = [(e.rank, e.instr) for e in events]
-    if len(set(pairs)) == len(pairs):
-        return
-    seen: dict = {}
-    for i, pair in enumerate(pairs):
-        if pair in seen:
-            raise ValueError(f"{where}events[{i}] ({pair[1]}): rank {pair[0]} runs {pair[1]} twice (also "
-                             f"events[{seen[pair]}]); a timeline is one step, each instruction once per rank")
-        seen[pair] = i
-
-
-def _plainly_valid(events, num_ranks: int, held) -> bool:
-    """Whether ``events`` (not empty) surely pass :func:`_each_checked` unchanged: C-level passes over the events
-    and their columns instead of a Python loop (a timeline has up to hundreds of thousands of events; these passes
-    cost about what sorting them in order does). False does not mean that one is bad (e.g. sums that overflow, a
-    numpy number): :func:`_each_checked` then looks at each. A ``bool`` start or end passes (as 0 or 1): telling it
-    from an int would take two more passes."""
-    if set(map(type, events)) != {Event}:
-        return False
-    ranks, instrs, starts, ends = zip(*events)
-    if set(map(type, ranks)) != {int} or set(map(type, instrs)) != {Instr}:
-        return False
-    try:  # finite sums: no inf or NaN (nor a str: TypeError); a plain int or float: no numpy number in them
-        first, last = sum(starts), sum(ends)
-    except TypeError:
-        return False
-    if type(first) not in (int, float) or type(last) not in (int, float) \
-            or not (_finite(first) and _finite(last)) or not all(map(le, starts, ends)):
-        return False
-    seen = set(ranks)
-    return seen <= set(held) if held is not None else _ranks_in_range(min(seen), max(seen), num_ranks)
-
-
-def _finite(value) -> bool:
-    """``math.isfinite(value)``, False for an int too large for a float (which isfinite raises OverflowError on)."""
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
-
-
-def _ranks_in_range(lowest, highest, num_ranks: int) -> bool:
-    return type(lowest) is int and type(highest) is int and 0 <= lowest and highest < num_ranks
-
-
-def _each_checked(events, num_ranks: int, held, where: str) -> list:
-    """``events`` checked one by one, numpy numbers made plain (a Python loop: when :func:`_plainly_valid` is not
-    sure). Raises TypeError or ValueError naming the first bad event by its index in ``events``."""
-    checked = []
-    for i, event in enumerate(events):
-        at = f"{where}events[{i}]"
-        if not isinstance(event, Event):
-            raise TypeError(f"{at} must be a pipesched.Event(rank, instr, start, end), got {described(event)}")
-        rank, instr, start, end = event
-        if not isinstance(instr, Instr):
-            raise TypeError(f"{at}: instr must be a pipesched.Instr, got {described(instr)}")
-        at = f"{at} ({instr})"
-        number = as_int(rank)
-        if number is None:
-            raise TypeError(f"{at}: rank must be an int, got {described(rank)}")
-        if not 0 <= number < num_ranks:
-            raise ValueError(f"{at}: rank {number} is outside 0..{num_ranks - 1} (num_ranks={num_ranks})")
-        if held is not None and number not in held:
-            raise ValueError(f"{at}: rank {number} is not one of the ranks the timeline holds (ranks={held})")
-        for name, value in (("start", start), ("end", end)):
-            if not is_real(value):
-                raise TypeError(f"{at}: {name} must be a number (seconds), got {described(value)}")
-            if not _finite(value):
-                raise ValueError(f"{at}: {name} must be finite (seconds from the step's start), got {short(value)}")
-        if end < start:
-            raise ValueError(f"{at}: end {end!r} is before start {start!r} (an event's end must be >= its start)")
-        plain = (number, instr, plain_number(start), plain_number(end))
-        checked.append(event if all(map(_same, plain, event)) else Event(*plain))
-    return checked
-
-
-def _same(a, b) -> bool:
-    return a is b or (type(a) is type(b) and a == b)
-
-
-def _count(value):
-    number = as_int(value)
-    return number if number is not None and number >= 0 else None
-
-
-def _nbytes(value):
-    if is_real(value) and (math.isnan(value) or (math.isfinite(value) and value >= 0)):
-        return plain_number(value)
-    return None
-
-
-def _per_rank(values, num_ranks: int, name: str, where: str, each, one: str, empty: bool) -> tuple:
-    """``values`` (a list or tuple: one per rank, or none if ``empty``) as a tuple of ``each(value)`` (None: not
-    ``one``, what each must be)."""
-    valid = f"a list of {num_ranks} (one per rank){' or an empty one (unknown)' if empty else ''}"
-    if not isinstance(values, (tuple, list)):
-        raise TypeError(f"{where}{name} must be {valid}, got {described(values)}")
-    if len(values) != num_ranks and not (empty and not values):
-        raise ValueError(f"{where}{name} must be {valid}, got {len(values)}: {short(values)}")
-    result = tuple(map(each, values))
-    for i, (value, plain) in enumerate(zip(values, result)):
-        if plain is None:
-            kind = ValueError if is_real(value) else TypeError
-            raise kind(f"{where}{name}[{i}] must be {one}, got {described(value)}")
-    return result
-
-
-def _held(ranks, num_ranks: int, where: str) -> tuple[int, ...]:
-    """``ranks`` (a list or tuple of distinct ranks in ``0 .. num_ranks - 1``) as a tuple of plain ints."""
-    valid = f"None (every rank) or a list of distinct ranks in 0..{num_ranks - 1}"
-    if not isinstance(ranks, (tuple, list)):
-        raise TypeError(f"{where}ranks must be {valid}, got {described(ranks)}")
-    result = []
-    for i, rank in enumerate(ranks):
-        number = as_int(rank)
-        if number is None:
-            raise TypeError(f"{where}ranks[{i}] must be an int (ranks: {valid}), got {described(rank)}")
-        if not 0 <= number < num_ranks or number in result:
-            why = "given twice" if number in result else f"outside 0..{num_ranks - 1} (num_ranks={num_ranks})"
-            raise ValueError(f"{where}ranks[{i}] = {number} is {why}; ranks must be {valid}")
-        result.append(number)
-    return tuple(result)
 
 
 def peak_inflight(streams) -> tuple[int, ...]:

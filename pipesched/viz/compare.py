@@ -6,7 +6,7 @@ import statistics
 from ..api import compile_program
 from ..checks import check_timeline
 from ..cost import CostModel
-from ..ir import Op, Program
+from ..ir import COMPUTE_OPS, Op, Program
 from ..placement import looped
 from ..sim import simulate
 from ..timing import COST_FIELD
@@ -146,7 +146,11 @@ def plot_comparison(simulated: Timeline, measured: Timeline, mode: str = "side-b
         The headless (Agg) ``matplotlib.figure.Figure``.
     Raises:
         TypeError: ``simulated`` or ``measured`` is not a :class:`~pipesched.timeline.Timeline`.
-        ValueError: unknown ``mode``, an empty timeline, or different rank counts.
+        ValueError: unknown ``mode``, an empty timeline, different rank counts, or timelines of different programs:
+            on a rank both hold, not the same compute instructions (``F``, ``B``, ``I``, ``W``, ``R`` of each stage
+            and microbatch); the message names the first such rank and an instruction only one of them runs.
+            Messages and collectives are not compared (they follow the backend's passes: ``dp_size``'s
+            ``ALL_REDUCE``, receives posted early).
     """
     check_timeline(simulated, "simulated", where="plot_comparison: ")
     check_timeline(measured, "measured", where="plot_comparison: ")
@@ -155,6 +159,7 @@ def plot_comparison(simulated: Timeline, measured: Timeline, mode: str = "side-b
     if simulated.num_ranks != measured.num_ranks or not simulated.events or not measured.events:
         raise ValueError(f"need two non-empty timelines with the same ranks, got {simulated.num_ranks} "
                          f"and {measured.num_ranks} ranks")
+    _refuse_other_program(simulated, measured)
     unit, factor = style.time_unit(max(simulated.makespan, measured.makespan))
     p = measured.num_ranks
     panels = [p, p] if mode == "side-by-side" else [2 * p * 0.8]
@@ -180,6 +185,32 @@ def plot_comparison(simulated: Timeline, measured: Timeline, mode: str = "side-b
     else:
         _overlay(gantt_axes[0], simulated, measured, factor, unit)
     return fig
+
+
+def _refuse_other_program(simulated: Timeline, measured: Timeline) -> None:
+    """Raise ValueError naming the first rank both timelines hold whose compute instructions differ (a prediction
+    drawn next to a run of another schedule, size or placement: its bubble compared to one it does not predict)."""
+    held = [r for r in range(measured.num_ranks) if (simulated.ranks is None or r in simulated.ranks)
+            and (measured.ranks is None or r in measured.ranks)]
+    computes = [_computes(timeline, measured.num_ranks) for timeline in (simulated, measured)]
+    for rank in held:
+        mine, theirs = computes[0][rank], computes[1][rank]
+        if mine != theirs:
+            first = min(mine ^ theirs)
+            only, other = ("simulated", "measured") if first in mine else ("measured", "simulated")
+            raise ValueError(f"plot_comparison: simulated and measured must be timelines of the same program (the same "
+                             f"compute instructions on each rank), but on rank {rank} the {only} timeline runs "
+                             f"{first} and the {other} does not ({len(mine)} compute instructions simulated, "
+                             f"{len(theirs)} measured, {len(mine ^ theirs)} in one only)")
+
+
+def _computes(timeline: Timeline, num_ranks: int) -> list[set]:
+    """Per rank, the set of compute instructions (F, B, I, W, R) of ``timeline``."""
+    per_rank = [set() for _ in range(num_ranks)]
+    for event in timeline.events:
+        if event.instr.op in COMPUTE_OPS:
+            per_rank[event.rank].add(event.instr)
+    return per_rank
 
 
 def _overlay(ax, simulated: Timeline, measured: Timeline, factor: float, unit: str) -> None:
