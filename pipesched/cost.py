@@ -6,8 +6,8 @@ import sys
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
-from .checks import described, is_real, plain_number
-from .timeline import unknown_keys_message
+from .checks import is_real, plain_number
+from .strict_json import check_json_object
 
 Number = float | int
 PerStage = Number | Sequence[Number]
@@ -258,12 +258,8 @@ class CostModel:
     @classmethod
     def _from_json(cls, data, where: str) -> "CostModel":
         """:meth:`from_json_dict`, its messages starting with ``where``."""
-        if not isinstance(data, dict):
-            raise ValueError(f"{where}a cost model is a JSON object (as CostModel.to_json_dict writes), got "
-                             f"{described(data)}")
-        unknown = unknown_keys_message(data, _JSON_KEYS, "a CostModel's")
-        if unknown:
-            raise ValueError(where + unknown)
+        check_json_object(data, _JSON_KEYS, "a CostModel's", where,
+                          "a cost model is a JSON object (as CostModel.to_json_dict writes)")
         values = dict(data)
         bandwidth = values.get("bandwidth", math.inf)
         if bandwidth == "inf":

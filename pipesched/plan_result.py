@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from .checks import as_int, is_real
 from .cost import CostError, CostModel
-from .timeline import unknown_keys_message
+from .strict_json import unknown_keys_message
 
 #: the keys of :meth:`Candidate.to_json`'s form (``layer_names`` and ``costs`` may be left out); any other is refused
 _JSON_KEYS = ("schedule", "pp", "dp", "num_microbatches", "virtual_stages", "balance", "recompute", "split_backward",

@@ -8,10 +8,13 @@ an ``F``. The program reader (:mod:`pipesched.program_io`), :meth:`pipesched.tim
 """
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import sys
 from collections import Counter
+
+from .checks import described, short
 
 
 class DuplicateKeyError(ValueError):
@@ -160,3 +163,31 @@ def load_file(path, writer: str):
 def not_text(exc: UnicodeDecodeError) -> str:
     """What a file that fails to decode is, for a message naming it (``not UTF-8 text: byte 0x8a at offset 0``)."""
     return f"not UTF-8 text: byte {exc.object[exc.start]:#04x} at offset {exc.start}"
+
+
+def unknown_keys_message(data: dict, valid, whose: str) -> str | None:
+    """Why ``data`` (a JSON object) is refused for keys not in ``valid``, or None if it has none: the unknown keys,
+    the closest valid key to the first (a typo such as ``num_rank``) and ``whose`` keys are valid:
+    ``unknown key 'num_rank' (did you mean 'num_ranks'?); a saved Timeline's keys are events, num_ranks, ...``."""
+    unknown = [key for key in data if key not in valid]
+    if not unknown:
+        return None
+    close = difflib.get_close_matches(unknown[0], valid, n=1) if isinstance(unknown[0], str) else []
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(short(key) for key in unknown)}{hint}; "
+            f"{whose} keys are {', '.join(valid)}")
+
+
+def check_json_object(data, valid, whose: str, where: str, form: str) -> None:
+    """Refuse ``data`` unless it is a JSON object (a dict) whose keys are all in ``valid``.
+
+    Raises:
+        ValueError: ``where`` + ``form`` + what ``data`` is, for a non-object (``form``: what it must be, e.g. ``"a
+            cost model is a JSON object (as CostModel.to_json_dict writes)"``); ``where`` +
+            :func:`unknown_keys_message` for a key not in ``valid``.
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}{form}, got {described(data)}")
+    unknown = unknown_keys_message(data, valid, whose)
+    if unknown:
+        raise ValueError(where + unknown)

@@ -6,7 +6,6 @@ simulated and a measured run of the same program are analysed by the same code.
 """
 from __future__ import annotations
 
-import difflib
 import json
 import math
 from dataclasses import dataclass, field
@@ -15,14 +14,14 @@ from itertools import accumulate, islice, repeat
 from operator import and_, attrgetter, eq, gt, itemgetter, le
 
 from . import strict_json
-from .checks import check_path, described, short
+from .checks import check_path, described
 from .deps import STASH_CHANGE
 from .ir import COMPUTE_OPS, Instr
 from .timeline_checks import SOURCES, Event, InTimelineOrder, check_fields
 
 #: the public names; ``Event``, ``SOURCES`` and ``InTimelineOrder`` live in :mod:`pipesched.timeline_checks`
 __all__ = ["Event", "InTimelineOrder", "SOURCES", "Timeline", "events_from_columns", "in_timeline_order",
-           "peak_inflight", "peak_of", "ties_in_order", "timeline_order", "unknown_keys_message"]
+           "peak_inflight", "peak_of", "ties_in_order", "timeline_order"]
 
 _BY_RANK_AND_TIME = attrgetter("rank", "start", "end")
 
@@ -185,12 +184,8 @@ class Timeline:
     @classmethod
     def _from_json(cls, data, where: str) -> "Timeline":
         """:meth:`from_json_dict`, its messages starting with ``where``."""
-        if not isinstance(data, dict):
-            raise ValueError(f"{where}the top level must be a JSON object (as Timeline.save writes), got "
-                             f"{described(data)}")
-        unknown = unknown_keys_message(data, _JSON_KEYS, "a saved Timeline's")
-        if unknown:
-            raise ValueError(where + unknown)
+        strict_json.check_json_object(data, _JSON_KEYS, "a saved Timeline's", where,
+                                      "the top level must be a JSON object (as Timeline.save writes)")
         missing = [key for key in ("events", "num_ranks") if key not in data]
         if missing:
             raise ValueError(f"{where}missing key{'s' if len(missing) > 1 else ''} "
@@ -251,20 +246,6 @@ class Timeline:
 #: the keys of :meth:`Timeline.to_json_dict`'s form; the last three are recomputed, not read
 _JSON_KEYS = ("events", "num_ranks", "source", "meta", "peak_inflight", "peak_activation_bytes", "ranks", "makespan",
               "bubble_fraction", "bubble_per_rank")
-
-
-def unknown_keys_message(data: dict, valid, whose: str) -> str | None:
-    """Why ``data`` (a JSON object) is refused for keys not in ``valid``, or None if it has none: the unknown keys,
-    the closest valid key to the first (a typo such as ``num_rank``) and ``whose`` keys are valid:
-    ``unknown key 'num_rank' (did you mean 'num_ranks'?); a saved Timeline's keys are events, num_ranks, ...``."""
-    unknown = [key for key in data if key not in valid]
-    if not unknown:
-        return None
-    close = difflib.get_close_matches(unknown[0], valid, n=1) if isinstance(unknown[0], str) else []
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return (f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(short(key) for key in unknown)}{hint}; "
-            f"{whose} keys are {', '.join(valid)}")
-
 
 
 def peak_inflight(streams) -> tuple[int, ...]:

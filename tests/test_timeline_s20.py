@@ -25,7 +25,7 @@ def test_the_moved_names_are_the_same_objects_from_either_module():
         assert getattr(timeline_module, name) is getattr(checks_module, name), name
     assert ps.Event is checks_module.Event and timeline_module.SOURCES == ("simulated", "measured")
     assert set(timeline_module.__all__) >= {"Event", "InTimelineOrder", "SOURCES", "Timeline", "peak_inflight",
-                                            "timeline_order", "unknown_keys_message"}
+                                            "timeline_order"}
 
 
 def test_the_checks_module_does_not_import_the_timeline_module():
