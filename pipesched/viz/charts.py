@@ -47,7 +47,9 @@ def plot_bubble_vs_microbatches(num_ranks: int = 4, microbatches=None, schedules
     default F=1 B=2, each schedule at its default virtual stages); lines of the same colour are the
     registry's closed forms, drawn over continuous m, or, for a form with a ``for`` condition (shown in the
     legend), as small filled dots only at the m where it holds (interleaved: multiples of p). Coincident
-    schedules show as nested hollow markers. A schedule whose size is invalid at some m skips that point.
+    schedules show as nested hollow markers, each schedule's drawn a few points to the side of the last (centred on
+    m; the data keeps the exact m), so none hides another. A schedule whose size is invalid at some m skips that
+    point.
 
     Args:
         num_ranks: pipeline ranks ``p`` >= 1.
@@ -78,7 +80,8 @@ def plot_bubble_vs_microbatches(num_ranks: int = 4, microbatches=None, schedules
         points = simulated_bubbles(info.name, num_ranks, ms, v, cost)
         ax.plot([m for m, _ in points], [b for _, b in points], linestyle="none", marker=marker,
                 markersize=max(4.0, 10.0 - 2.5 * index), markerfacecolor="none", markeredgewidth=1.4,
-                color=colour, label=f"{label}: simulated", gid=f"sim:{info.name}")
+                color=colour, label=f"{label}: simulated", gid=f"sim:{info.name}",
+                transform=_nudged(ax, index, len(infos)))
         _closed_form_curve(ax, info, num_ranks, ms, v, colour, index)
     ax.set_xlabel("microbatches per step m")
     ax.set_ylabel("bubble fraction (idle / (p × makespan))")
@@ -89,6 +92,18 @@ def plot_bubble_vs_microbatches(num_ranks: int = 4, microbatches=None, schedules
                  fontsize=10, loc="left")
     ax.legend(fontsize=7.5, frameon=False, ncol=1, loc="upper right")
     return fig
+
+
+def _nudged(ax, index: int, count: int):
+    """Data coordinates drawn ``_NUDGE_PT`` points apart per schedule, centred on each m: schedules whose bubbles
+    coincide (zbv and dualpipev) stay visible side by side; the points' data (``get_data``) keeps the exact m."""
+    from matplotlib.transforms import ScaledTranslation
+
+    shift = (index - (count - 1) / 2) * _NUDGE_PT / 72  # inches
+    return ax.transData + ScaledTranslation(shift, 0, ax.figure.dpi_scale_trans)
+
+
+_NUDGE_PT = 2.5  #: points between the markers of neighbouring schedules at one m
 
 
 def simulated_bubbles(schedule: str, num_ranks: int, ms, v: int, cost: CostModel) -> list[tuple[int, float]]:

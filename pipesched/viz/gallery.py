@@ -179,6 +179,7 @@ def _write_readme(out: Path, entries: list[tuple[str, str]]) -> Path:
              "title the overall bubble, the makespan and the costs, all in the time axis's unit (s, ms or µs).",
              "In the bubble-vs-microbatches charts, hollow markers are simulated and lines the closed forms; the",
              "interleaved form holds for m a multiple of p, so it is drawn as filled dots at those m only.",
+             "Each schedule's markers sit a few points beside the last one's: equal bubbles both show.",
              "The breakdown bars split the bubble into warmup, steady, cooldown, sending, communication and",
              "imbalance (defined in `pipesched.viz.bubble_breakdown`). Render your own: `pipesched render",
              "SCHEDULE -p P -m M [costs] -o FILE.png|.svg|.json` or `pipesched render --trace RUN.json [--compare]",

@@ -65,3 +65,21 @@ def test_the_same_program_is_accepted_whatever_its_messages_and_all_reduces():
     assert plot_comparison(predict_for(measured), measured) is not None
     with_dp = _measured(_sim("1f1b", 2, 4, dp_size=2))  # ALL_REDUCE: a backend pass, not another program
     assert plot_comparison(_sim("1f1b", 2, 4), with_dp) is not None
+
+
+# ---- coinciding schedules stay visible in the bubble-vs-microbatches chart ------------------------------------
+
+def test_schedules_with_equal_bubbles_are_drawn_side_by_side_at_the_exact_m():
+    from pipesched.viz.charts import SCHEDULES, plot_bubble_vs_microbatches
+
+    fig = plot_bubble_vs_microbatches(4, microbatches=[8])
+    drawn = {line.get_gid()[4:]: line for line in fig.axes[0].get_lines() if (line.get_gid() or "").startswith("sim:")}
+    zbv, dualpipev = drawn["zbv"], drawn["dualpipev"]
+    assert zbv.get_data()[1][0] == dualpipev.get_data()[1][0]  # the same bubble at m=8
+    assert list(zbv.get_data()[0]) == list(dualpipev.get_data()[0]) == [8]  # the data keeps the exact m
+    x = {name: line.get_transform().transform((8, 0))[0] for name, line in drawn.items()}
+    step = 2.5 / 72 * fig.dpi  # display pixels between neighbouring schedules
+    order = list(SCHEDULES)
+    assert x["dualpipev"] - x["zbv"] == pytest.approx((order.index("dualpipev") - order.index("zbv")) * step)
+    centre = fig.axes[0].transData.transform((8, 0))[0]
+    assert sum(x.values()) / len(x) == pytest.approx(centre)  # centred on m
