@@ -130,7 +130,7 @@ def test_readme_pipeline_block_lists_every_constructor_argument():
     named = [name for line in block.splitlines() for name in re.findall(r"(\w+)=", line.split("#")[0])]
     assert ["model", *named] == _init_params()
     assert "                profile=None,               # balance=\"time\" only" in block
-    assert "                gradient_accumulation_fusion=False)  # True: W adds" in block  # the last argument
+    assert "                pair_weight_grads=False)    # True (with fusion)" in block  # the last argument
     assert "(no ties= argument: tied weights are found in the model, see below)" in block
     assert "ties" not in _init_params()
 

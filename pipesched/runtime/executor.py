@@ -21,6 +21,7 @@ from .received import loss_input_text, stage_input_text
 from .shared_inputs import check_shared_writes, shared_versions
 from .recompute import check_no_forward_hooks, keep_nothing, replay_rng, rng_state, scratch_buffers
 from .split import SplitPlans, backward_input, backward_weight
+from .wgrad_fusion import Pairing, PairStats, run_pending
 from .stage import call_stage
 from .clock import clock_for
 from ..api import StepPrograms
@@ -46,10 +47,13 @@ class Executor(MessageHandlers):
     def __init__(self, programs: StepPrograms, pp_rank: int, work: RankWork, links: Links):
         program = programs.train  # the four share placement and sizes
         self.programs, self.program, self.pp_rank, self.stages = programs, program, pp_rank, work.stages
+        self.work = work  # kept whole: an executor rebuilt for other programs (measured_costs) runs the same work
         self.transport, self.dp_group, self.loss_fn = links.transport, links.dp_group, work.loss_fn
         recomputed = program.stages_with(Op.R)
         self.recompute = [s in recomputed for s in range(program.num_stages)]  # stages with an R: no forward hooks
         self.device, self.autocast, self.fuse_wgrad = work.device, work.autocast, work.fuse_wgrad
+        self.pair_wgrad = work.fuse_wgrad and work.pair_wgrad
+        self.pair_stats = PairStats()  # what pairing did, over all steps (runtime.wgrad_fusion; for tests)
         self.first_layers = work.first_layers if work.first_layers is not None else [0] * program.num_stages
         self.last = program.num_stages - 1
         self.local = set(work.stages)
@@ -65,17 +69,21 @@ class Executor(MessageHandlers):
                  Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b,
                  Op.RECV_B: self._recv_b, Op.ALL_REDUCE: self._all_reduce, Op.TIE_REDUCE: self._tie_reduce}
         #: per (train, learning): this rank's stream of that program, each instruction with its handler
-        self.streams, self.loss_post, self.redone = {}, {}, {}
+        self.streams, self.loss_post, self.redone, self.defers = {}, {}, {}, {}
         for key in ((True, False), (True, True), (False, False), (False, True)):
             stream = programs.pick(*key).ranks[pp_rank]
             #: the (stage, microbatch) pairs whose F keeps only its input, an R rebuilding the graph (a program may
             #: recompute some microbatches of a stage and not others)
             self.redone[key] = programs.pick(*key).recomputed()
             self.streams[key] = [(table[i.op], i) for i in stream]
+            #: the (stage, microbatch) of the W (and B) after which this stream has another of the same stage: a
+            #: paired GEMM may wait for that one; the stage's last never waits (see runtime.wgrad_fusion.Pairing)
+            self.defers[key] = later_weight_grads(stream)
             #: the position after which the loss receive is posted (see :func:`loss_post_position`)
             early = programs.early_receives > 0 and not key[1]
             self.loss_post[key] = loss_post_position(stream, program.stage_to_rank[-1], early)
         self.ran = None  # the program of the last step run
+        self.defer_now = frozenset()  # self.defers of the step running
         self.current = None  # the instruction running now (for error reports)
         #: (instr, text): what the stage whose forward (or loss_fn) raised received, for the error; set only then
         self.failed_input = None
@@ -102,6 +110,7 @@ class Executor(MessageHandlers):
         self.origin, self.wall0 = self.clock.origin()  # one instant: a preemption between them is retried
         key = (inputs.train, inputs.learning)
         self.ran = self.programs.pick(*key)  # the program this step runs (its stream is self.streams[key])
+        self.defer_now = self.defers[key]
         loss_post = self.loss_post[key] if inputs.train and self.last not in self.local else None
         if loss_post == -1:
             self._post_loss()
@@ -133,6 +142,8 @@ class Executor(MessageHandlers):
         the others posted its receive after their last receive from it), then every send and all-reduce is
         waited for."""
         st = self.step
+        if any(st.wpairs.values()):  # never, by the stream rule (each stage's last W runs what is pending): a net
+            self.pair_stats.flushed += sum(run_pending(pending) for pending in st.wpairs.values())
         if st.io.train and self.last in self.local:
             self._send_loss()
         for pending in list(st.act_sends.values()) + [st.other_sends]:
@@ -348,13 +359,19 @@ class Executor(MessageHandlers):
     def _w(self, instr):
         s, mb = instr.stage, instr.microbatch
         work = self.step.wgrad.pop((s, mb))
+        pairing = None
+        if self.pair_wgrad:  # the GEMM may wait for the stage's next W, or take the one waiting (wgrad_fusion)
+            pairing = Pairing(self.step.wpairs.setdefault(s, {}), (s, mb) in self.defer_now, self.pair_stats)
         if work.groups and any(m._buffers for m in self.modules[s]):  # W restarts inside the graph I ran: a
             # torch.utils.checkpoint region recomputes its forward again there (I, as the fused backward, already
             # did once), so what it writes to buffers (BatchNorm's running statistics) goes to scratch copies
             with scratch_buffers(self.stages[s]):
-                backward_weight(work, self.fuse_wgrad)
+                backward_weight(work, self.fuse_wgrad, pairing)
         else:
-            backward_weight(work, self.fuse_wgrad)
+            backward_weight(work, self.fuse_wgrad, pairing)
+        if pairing is not None and not pairing.defer and pairing.pending:  # the stage's last W of the step: what
+            # waits for a W that did not take it (one that declined fusion, or got no gradient) runs now
+            self.pair_stats.leftover += run_pending(pairing.pending)
         self._release(s, mb)
 
     def _release(self, s, mb):
@@ -362,3 +379,16 @@ class Executor(MessageHandlers):
         st.live -= st.held.pop((s, mb), 0)
         for work, _ in st.act_sends.pop((s, mb), ()):  # landed: its gradient has come back
             wait(work, f"the send of the output of stage {s}, microbatch {mb}")
+
+
+def later_weight_grads(stream) -> frozenset:
+    """The ``(stage, microbatch)`` of the ``W`` and ``B`` instructions of ``stream`` (one rank's, in order) that
+    another ``W`` or ``B`` of the same stage follows: those whose weight GEMM may wait to be paired
+    (:class:`~pipesched.runtime.wgrad_fusion.Pairing`). A stage's last is not in it, so nothing waits past it."""
+    later, seen = set(), set()
+    for instr in reversed(stream):
+        if instr.op in (Op.W, Op.B):
+            if instr.stage in seen:
+                later.add((instr.stage, instr.microbatch))
+            seen.add(instr.stage)
+    return frozenset(later)

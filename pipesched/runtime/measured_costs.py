@@ -53,7 +53,7 @@ from ..program_io import fingerprint
 from ..timeline import peak_inflight
 from ..user_programs import program_for
 from .executor import Executor
-from .step_state import Links, RankWork
+from .step_state import Links
 from .ties import with_ties
 from .transport import gather_rows, wait
 
@@ -298,10 +298,8 @@ def check_same_program(program, groups, sizes, device) -> None:
 
 def rebuilt_executor(executor: Executor, programs: StepPrograms) -> Executor:
     """A new :class:`Executor` of ``programs`` on ``executor``'s stages, loss, device, transport, groups and ties."""
-    work = RankWork(executor.stages, executor.loss_fn, executor.device, executor.first_layers, executor.autocast,
-                    executor.fuse_wgrad)
     links = Links(executor.transport, executor.dp_group, executor.ties)
-    return Executor(programs, executor.pp_rank, work, links)
+    return Executor(programs, executor.pp_rank, executor.work, links)
 
 
 def measure_and_compile(plan: MeasurePlan, record, executor: Executor, groups, ties, backend: str):

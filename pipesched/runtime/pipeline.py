@@ -115,6 +115,14 @@ class Pipeline(PipelineCalls, PipelineCollectives, PipelineMeasured, Sealed):
             name; a ``B`` then runs as ``I`` then ``W`` (:mod:`pipesched.runtime.wgrad_fusion`: where it applies,
             what it costs). **Not bitwise** (float rounding), so the bitwise guarantees hold with it off. A
             ``TypeError`` for anything but a bool. Per rank (not compared across ranks).
+        pair_weight_grads: ``False`` (default) or ``True`` (with ``gradient_accumulation_fusion=True`` only, else a
+            ``ValueError``; a ``TypeError`` for anything but a bool): a fused ``W`` whose stage has a later ``W`` (or
+            ``B``) in this rank's stream of the step keeps its GEMM for that one, which runs one ``addmm_`` over
+            both microbatches' rows (the GEMM is bound by writing the weight's gradient: at a few dozen rows, two
+            cost far more than one over twice the rows). A stage's last ``W`` of the step never waits, so every
+            ``.grad`` is complete before ALL_REDUCE, TIE_REDUCE and the step's end. Memory: each ``Linear`` keeps
+            one microbatch's input and output gradient alive until its stage's next ``W``. Not bitwise (as fusion).
+            Per rank (not compared across ranks).
     Attributes:
         programs: the validated programs this pipeline runs (:class:`pipesched.api.StepPrograms`): ``step()``
             and ``forward()``, once the message shapes are known and while learning them; the executor runs
@@ -167,7 +175,8 @@ class Pipeline(PipelineCalls, PipelineCollectives, PipelineMeasured, Sealed):
                  virtual_stages: int | None = None, balance=None, dp_size: int = 1, recompute=False,
                  split_backward=False, device=None, timeout: float = 300.0,
                  early_receives: bool | None = None, autocast: torch.dtype | None = None, costs=None,
-                 memory_limit=None, profile=None, gradient_accumulation_fusion: bool = False) -> None:
+                 memory_limit=None, profile=None, gradient_accumulation_fusion: bool = False,
+                 pair_weight_grads: bool = False) -> None:
         try:
             setup = local_setup(model, schedule, num_microbatches, loss_fn, virtual_stages, balance, dp_size,
                                 recompute, split_backward, device, timeout, early_receives, costs, memory_limit,
@@ -179,6 +188,11 @@ class Pipeline(PipelineCalls, PipelineCollectives, PipelineMeasured, Sealed):
                 setattr(self, name, getattr(setup, name))
             self.autocast = checked_autocast(autocast, self.device)  # ValueError naming autocast and valid values
             self._fuse_wgrad = check_flag(gradient_accumulation_fusion, "gradient_accumulation_fusion", "Pipeline: ")
+            self._pair_wgrad = check_flag(pair_weight_grads, "pair_weight_grads", "Pipeline: ")
+            if self._pair_wgrad and not self._fuse_wgrad:
+                raise ValueError(f"Pipeline: pair_weight_grads=True needs gradient_accumulation_fusion=True (it pairs "
+                                 f"the fused weight-gradient GEMMs), got gradient_accumulation_fusion="
+                                 f"{self._fuse_wgrad}: pass both True, or pair_weight_grads=False")
             self._built = Built(model, self.stages, self.first_layers, self.layer_names)  # checked at each step
         except Exception as exc:
             refuse_construction(exc, timeout)  # the other ranks must not wait for this one
@@ -210,7 +224,7 @@ class Pipeline(PipelineCalls, PipelineCollectives, PipelineMeasured, Sealed):
         self._failures = FailureChannel(dist.distributed_c10d._get_default_store(), names,
                                         f"pipesched/pipeline-{self._construction}")
         work = RankWork(self.stages, self.loss_fn, self.device, self.first_layers,
-                        autocast_context(self.device, self.autocast), self._fuse_wgrad)
+                        autocast_context(self.device, self.autocast), self._fuse_wgrad, self._pair_wgrad)
         links = Links(Transport(self._pp_group, self.program.num_stages, self.device), self._dp_group, ties)
         keep_freed_memory()  # no page faults for the weight-gradient blocks each backward frees (heap.py)
         self._executor = Executor(self.programs, grid.pp_rank, work, links)

@@ -119,10 +119,12 @@ def backward_input(roots, grads, inputs, params, plans: SplitPlans | None = None
     return tuple(got), WeightGrad(work)
 
 
-def backward_weight(work: WeightGrad, fuse: bool = False) -> None:
+def backward_weight(work: WeightGrad, fuse: bool = False, pairing=None) -> None:
     """Weight-gradient half: accumulate every parameter's gradient into its ``.grad`` (as
     ``torch.autograd.backward`` does), then let the graph go. ``fuse``: a ``Linear``'s weight gradient is added
-    into an existing ``.grad`` by the GEMM itself (:mod:`pipesched.runtime.wgrad_fusion`: faster, not bitwise).
+    into an existing ``.grad`` by the GEMM itself (:mod:`pipesched.runtime.wgrad_fusion`: faster, not bitwise);
+    ``pairing`` (with ``fuse``): that GEMM may be kept for, or run together with, another microbatch's
+    (:class:`~pipesched.runtime.wgrad_fusion.Pairing`); ``None``: it runs now.
 
     Each boundary node's incoming gradient is pinned to the one ``I`` recorded (by the pre-hook that recorded
     it): for a group restarting at several boundary nodes, one below another (a parameter used twice), so the
@@ -132,13 +134,12 @@ def backward_weight(work: WeightGrad, fuse: bool = False) -> None:
     if work.whole is not None:
         torch.autograd.backward(*work.whole)
     for starts, params in work.groups:
-        if fuse and fused_linear_weight(starts, params, _accumulate):
+        if fuse and fused_linear_weight(starts, params, _accumulate, pairing):
             continue
         edges = [GradientEdge(node, i) for node, grads in starts for i, g in _given(grads)]
         values = [g for _, grads in starts for _, g in _given(grads)]
         _accumulate(edges, values, params)
     work.groups, work.whole = [], None
-
 
 
 def _accumulate(edges, values, params) -> None:

@@ -43,6 +43,9 @@ class StepState:
         self.losses, self.outputs, self.loss_recv = {}, {}, None
         self.buffers = BufferLedger()  # the buffers of recomputed stages at each F, for their R
         self.live = self.peak = 0
+        #: {stage: {id(weight): (weight, grad_out, left)}}: fused W GEMMs kept for the stage's next W (pairs,
+        #: runtime.wgrad_fusion.Pairing); empty again after each stage's last W of the step
+        self.wpairs: dict = {}
 
 
 class RankWork(NamedTuple):
@@ -54,6 +57,7 @@ class RankWork(NamedTuple):
     first_layers: Sequence[int] | None = None  #: per stage, its first layer's index in the model (for errors)
     autocast: Callable = contextlib.nullcontext  #: () -> the context F, R and the loss run in (runtime.amp)
     fuse_wgrad: bool = False  #: W adds a Linear's weight gradient into ``.grad`` in its GEMM (runtime.wgrad_fusion)
+    pair_wgrad: bool = False  #: with fuse_wgrad: two W's GEMMs of a weight run as one (runtime.wgrad_fusion.Pairing)
 
 
 class Links(NamedTuple):
