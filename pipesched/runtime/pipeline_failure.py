@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .departure import forget
 from .failure import CommError, FailureRecord, PipelineError
 from .lost_rank import adoptable, lost_record, store_host
-from .stalled import STEP, answer_roll_call, silent_members, stall_note
+from .stalled import STEP, answer_roll_call, lookup_answering, silent_members, stall_note
 from .vote import votes_note, waiting_in_votes
 
 _VOTE_SLACK_S = 5.0  # a checkpoint round given up on at most this long before this rank's wait began still counts
@@ -30,7 +30,10 @@ def fail(pipe, exc: BaseException, where: str | None = None) -> PipelineError:
         note = f"while waiting for {exc.what}"
         if not exc.connection_lost:  # timed out: alive, said before the wait below (lost_record tells it from lost)
             answer_roll_call(pipe._failures, me)
-        record = adoptable(pipe._failures.lookup(wait_s=1.0), me)  # a record calling this live rank lost: not it
+            found = pipe._failures.lookup(wait_s=1.0)
+        else:  # a closed connection: answered as soon as another rank has (its timeout closed it), else not yet
+            found = lookup_answering(pipe._failures, me, wait_s=1.0)
+        record = adoptable(found, me)  # a record calling this live rank lost: not it
         if record is None and exc.connection_lost:  # a process was lost: name it (published for the others)
             record = adoptable(lost_record(exc, grid, pipe._failures, _probed_groups(pipe), pipe.device,
                                            away_s=getattr(pipe, "_away_s", 0.0), timeout=pipe.timeout), me)

@@ -29,13 +29,48 @@ def answer_roll_call(failures: FailureChannel, world_rank: int) -> bool:
     """Answer the roll call as ``world_rank`` (alive, not the stalled rank); False if the store does not answer.
     A timed-out rank answers before it reads the store for a record: gloo may close its connections as its wait
     times out, and a peer that sees that closed connection tells it from a lost rank by this key
-    (:func:`answered_roll_call`, in :func:`~pipesched.runtime.lost_rank.lost_record`)."""
+    (:func:`answered_roll_call`, in :func:`~pipesched.runtime.lost_rank.lost_record`), and answers at once itself
+    (:func:`lookup_answering`). Also sets the job's one "some rank answered" key (:func:`another_answered`)."""
     try:
         for key in roll_call_keys(failures, world_rank):
             failures.store.set(key, "1")
+        if _any_key(failures):
+            failures.store.set(_any_key(failures), "1")
     except Exception:  # noqa: BLE001 - a store that is gone: no roll call
         return False
     return True
+
+
+def _any_key(failures: FailureChannel) -> str | None:
+    """The key every rank's answer sets, under the job key (shared by every rank), if the channel has one."""
+    job_key = getattr(failures, "job_key", None)
+    return f"{job_key}/timed-out/any" if job_key else None
+
+
+def another_answered(failures: FailureChannel) -> bool:
+    """Whether some rank answered the roll call (one store check; False without a job key or a store)."""
+    try:
+        return bool(_any_key(failures)) and failures.store.check([_any_key(failures)])
+    except Exception:  # noqa: BLE001 - a store that is gone: nothing can be said
+        return False
+
+
+def lookup_answering(failures: FailureChannel, world_rank: int, wait_s: float = 1.0):
+    """``failures.lookup(wait_s)`` for a rank whose wait saw a closed connection, answering the roll call as
+    ``world_rank`` as soon as another rank has: that rank's wait timed out and gloo closed its connections (the
+    one this rank saw close, most likely), so this rank, alive and waiting too, is not the stalled one, and says
+    so well inside that rank's ``ROLL_CALL_S`` (after the read and the probe it would answer about 1 s late: a
+    rank held off the CPU a little longer was named stalled). Returns the record found, or None."""
+    deadline, answered = time.monotonic() + wait_s, False
+    while True:
+        record = failures.lookup()
+        if record is not None:
+            return record
+        if not answered and another_answered(failures):
+            answered = answer_roll_call(failures, world_rank)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.02)
 
 
 def answered_roll_call(failures: FailureChannel, world_rank: int) -> bool:
