@@ -27,6 +27,8 @@ the F / B / I / W seconds per stage and the message time measured in that block'
 
 (also ``python benchmarks/bench_runtime.py --zero-bubble [same options]``). A quick run: ``--rounds 1 --block 2
 --warmup 1``. ``--profile``: cProfile of ours' zb-h1 and zbv steps on the last rank, the top functions.
+``--fusion``: ours' fused rows (``gradient_accumulation_fusion=True``, "+fusion"); ``--pairs``: those again with
+``pair_weight_grads=True`` too ("+fusion +pairs": two microbatches' weight-gradient GEMMs of a stage as one).
 """
 from __future__ import annotations
 
@@ -50,15 +52,20 @@ THEIRS = ("Schedule1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubbl
 V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 AT_1F1B_MEMORY = ("zb-h1", "zbv", "zb-auto")  # peak in-flight activations no more than 1F1B's
 FUSED = ("1f1b", "zb-h1", "zbv", "dualpipev", "zb-auto")  # --fusion: these again with gradient_accumulation_fusion=True
+PAIRS = "pairs"  # a row's fusion field for --pairs: gradient_accumulation_fusion=True and pair_weight_grads=True
 
 
-def rows(fusion: bool, only=None) -> tuple:
-    """(row label, our schedule, virtual stages, torch's class or None, gradient_accumulation_fusion) of ours;
-    ``only``: the schedules to keep (``None``: all), 1f1b and zb-h1 always (the ceiling and zb-auto's costs)."""
+def rows(fusion: bool, only=None, pairs: bool = False) -> tuple:
+    """(row label, our schedule, virtual stages, torch's class or None, fusion) of ours, fusion ``False``,
+    ``True`` (gradient_accumulation_fusion) or :data:`PAIRS` (and pair_weight_grads); ``only``: the schedules to
+    keep (``None``: all), 1f1b and zb-h1 always (the ceiling and zb-auto's costs); ``pairs``: a "+fusion +pairs"
+    row after each fused schedule's (its "+fusion" row with ``fusion``)."""
     keep = [row for row in OURS if only is None or row[0] in {*only, "1f1b", "zb-h1"}]
     plain = tuple((*row, False) for row in keep)
-    return plain + tuple((f"{label} +fusion", name, v, theirs, True) for label, name, v, theirs in keep
-                         if fusion and label in FUSED)
+    fused = tuple(row for label, name, v, theirs in keep if label in FUSED
+                  for row in ((f"{label} +fusion", name, v, theirs, True),) * fusion
+                  + ((f"{label} +fusion +pairs", name, v, theirs, PAIRS),) * pairs)
+    return plain + fused
 
 
 def torch_sides(ours_rows) -> tuple:
@@ -78,13 +85,15 @@ def data(width: int, rows: int, m: int):
     return torch.randn(rows * m, width, generator=g), torch.randn(rows * m, width, generator=g)
 
 
-def ours(cfg, schedule: str, v: int, costs=None, fuse: bool = False):
-    """(step, zero_grad, pipeline) of our Pipeline on this rank; cfg = (width, rows, m)."""
+def ours(cfg, schedule: str, v: int, costs=None, fuse=False):
+    """(step, zero_grad, pipeline) of our Pipeline on this rank; cfg = (width, rows, m); ``fuse``: ``False``,
+    ``True`` (gradient_accumulation_fusion) or :data:`PAIRS` (and pair_weight_grads)."""
     from pipesched.runtime import Pipeline
 
     width, rows, m = cfg
     pipe = Pipeline(model(width), schedule=schedule, num_microbatches=m, loss_fn=F.mse_loss, virtual_stages=v,
-                    split_backward=False, costs=costs, gradient_accumulation_fusion=fuse)
+                    split_backward=False, costs=costs, gradient_accumulation_fusion=bool(fuse),
+                    pair_weight_grads=fuse == PAIRS)
     x, y = data(width, rows, m)
 
     def zero():
@@ -234,13 +243,14 @@ def _shared(value, rank: int):
     return box[0]
 
 
-def worker(rank: int, cfgs, rounds: int, block: int, warmup: int, profile: bool, fusion: bool = False, only=None):
+def worker(rank: int, cfgs, rounds: int, block: int, warmup: int, profile: bool, fusion: bool = False, only=None,
+           pairs: bool = False):
     """Per config: {side: {"steps": [(s, faults, CPU s)], "bubbles": [(measured, simulated, in SEND calls)]},
     "zb-auto costs": CostModel}; side = ("ours", label) or ("torch", class name)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    out, mine = [], rows(fusion, only)
+    out, mine = [], rows(fusion, only, pairs)
     for cfg in cfgs:
         sides = {("ours", label): ours(cfg, name, v, fuse=fuse)
                  for label, name, v, _, fuse in mine if name != "zb-auto"}
@@ -306,7 +316,7 @@ def spread(ratios: list[float]) -> str:
     return f"[{q1:.2f}-{q3:.2f}]"
 
 
-def table(results, label: str, block: int = 1, fusion: bool = False, only=None) -> list[str]:
+def table(results, label: str, block: int = 1, fusion: bool = False, only=None, pairs: bool = False) -> list[str]:
     """Rows of the markdown table of one config (results: one dict per rank); after each ratio, the middle half
     of the per-round ratios (:func:`round_ratios`)."""
     lines = [f"\n{label}",
@@ -314,8 +324,8 @@ def table(results, label: str, block: int = 1, fusion: bool = False, only=None) 
              "faults/step ours / torch | bubble measured / simulated | in SEND calls |",
              "|---|---|---|---|---|---|---|---|---|"]
     ref = summarize(results, ("torch", "Schedule1F1B"))[0]
-    best = fused_best = None
-    for row, _, _, torch_name, fuse in rows(fusion, only):
+    best = fused_best = paired_best = None
+    for row, _, _, torch_name, fuse in rows(fusion, only, pairs):
         t, f, c = summarize(results, ("ours", row))
         bub = results[0]["ours", row]["bubbles"]
         measured, simulated, sending = (statistics.median(b[k] for b in bub) for k in range(3))
@@ -329,13 +339,18 @@ def table(results, label: str, block: int = 1, fusion: bool = False, only=None) 
                      f"{f:.0f} / {'-' if ff is None else f'{ff:.0f}'} | {measured:.3f} / {simulated:.3f} | {sending:.3f} |")
         if row in AT_1F1B_MEMORY and (best is None or t < best[1]):
             best = (row, t)
-        if fuse and row.split()[0] in AT_1F1B_MEMORY and (fused_best is None or t < fused_best[1]):
+        if fuse is True and row.split()[0] in AT_1F1B_MEMORY and (fused_best is None or t < fused_best[1]):
             fused_best = (row, t)
+        if fuse == PAIRS and row.split()[0] in AT_1F1B_MEMORY and (paired_best is None or t < paired_best[1]):
+            paired_best = (row, t)
     lines.append(f"best at 1F1B's memory: {best[0]}, {best[1] / ref:.2f}x torch's Schedule1F1B; zb-auto built for "
                  f"{results[0]['zb-auto costs'].describe()}")
     if fused_best:
         lines.append(f"with gradient_accumulation_fusion (not bitwise): {fused_best[0]}, "
                      f"{fused_best[1] / ref:.2f}x torch's Schedule1F1B")
+    if paired_best:
+        lines.append(f"with gradient_accumulation_fusion and pair_weight_grads (not bitwise): {paired_best[0]}, "
+                     f"{paired_best[1] / ref:.2f}x torch's Schedule1F1B")
     lines.append(ceiling(results[0]))
     return lines
 
@@ -382,6 +397,9 @@ def add_arguments(parser) -> None:
                         help="comma-separated: only these of ours (and torch's same); 1f1b and zb-h1 always run")
     parser.add_argument("--fusion", action="store_true",
                         help="also ours' " + ", ".join(FUSED) + " with gradient_accumulation_fusion=True")
+    parser.add_argument("--pairs", action="store_true",
+                        help="also ours' " + ", ".join(FUSED) + " with gradient_accumulation_fusion=True and "
+                             "pair_weight_grads=True (rows '+fusion +pairs')")
 
 
 def run(args, launch) -> None:
@@ -396,7 +414,7 @@ def run(args, launch) -> None:
         raise SystemExit(f"--schedules: {args.schedules!r}; valid: comma-separated names from "
                          f"{[row[0] for row in OURS]}")
     results = launch(worker, P, cfgs, args.rounds, args.block, args.warmup, args.profile, args.fusion, only,
-                     timeout=7200)
+                     args.pairs, timeout=7200)
     load1 = os.getloadavg()
     print(f"\np={P} gloo, 1 thread/process, {LAYERS} x (Linear(w, w) + Tanh), MSE; medians of {args.rounds} x "
           f"{args.block} steps per side in alternating blocks; {time.perf_counter() - start:.0f} s; load average "
@@ -404,7 +422,8 @@ def run(args, launch) -> None:
           f"{load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f} after ({os.cpu_count()} cores)")
     for k, (width, rows, m) in enumerate(cfgs):
         label = f"w={width}, {rows} rows per microbatch, m={m}"
-        print("\n".join(table([r[k] for r in results], label, args.block, args.fusion, only)))
+        print("\n".join(table([r[k] for r in results], label, args.block, args.fusion, only,
+                               args.pairs)))
 
 
 if __name__ == "__main__":

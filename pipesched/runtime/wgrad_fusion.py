@@ -34,7 +34,9 @@ for ``K`` = a microbatch's rows, and at a few dozen rows its time goes to that o
 products: one ``addmm_`` over two microbatches' rows (``K`` doubled) costs far less than two (9.0 ms against 13.4
 for ``Linear(2048, 2048)`` at 64 rows on this machine's CPU). So a fused ``W`` whose stage has a later ``W`` (or
 ``B``) in this rank's stream of the step keeps its operands pending (:class:`Pairing`) instead of running its GEMM,
-and the next fused ``W`` of that weight runs one ``addmm_`` over both (rows concatenated). The last ``W`` of a stage
+and the next fused ``W`` of that weight runs one ``addmm_`` over both (rows concatenated); where ``.grad`` is None
+(the first microbatch after ``zero_grad()``, which fusion alone leaves to autograd) the pair's product becomes
+``.grad`` (``torch.mm``, as autograd's first accumulation stores its product). The last ``W`` of a stage
 in the step never defers and runs whatever is still pending for the stage, so nothing is pending when a
 ``.grad`` is read (ALL_REDUCE, TIE_REDUCE, the step's end). Memory: a pending pair keeps one microbatch's
 ``Linear`` input and output gradient per ``Linear`` alive until the stage's next ``W``. Not bitwise either: the
@@ -72,10 +74,11 @@ def fused_linear_weight(starts, params, accumulate, pairing=None) -> bool:
     if weight is None or not any(p is weight for p in params) or not _only_through_mat2(node, grads, weight, params):
         return False
     grad_out = grads[0]
-    if not _fusable(weight, grad_out):
+    fresh = pairing is not None and weight.grad is None  # a pair may make .grad, as autograd's first accumulation
+    if not _fusable(weight, grad_out, fresh):
         return False
     left = getattr(node, saved)  # after the checks: under a non-reentrant checkpoint, reading it recomputes
-    if not _fits(weight.grad, left):
+    if not _fits(weight if fresh else weight.grad, left):
         return False
     rest = [p for p in params if p is not weight]
     if rest:
@@ -123,16 +126,16 @@ class Pairing:
                 self.pending[id(weight)] = (weight, grad_out, left)
                 self.stats.deferred += 1
             else:
-                weight.grad.addmm_(grad_out.t(), left)
+                _add_product(weight, grad_out, left)
                 self.stats.alone += 1
             return
         _, before_out, before_left = held
         if _same_kind(before_out, grad_out) and _same_kind(before_left, left):
-            weight.grad.addmm_(torch.cat([before_out, grad_out]).t(), torch.cat([before_left, left]))
+            _add_product(weight, torch.cat([before_out, grad_out]), torch.cat([before_left, left]))
             self.stats.paired += 1
         else:
-            weight.grad.addmm_(before_out.t(), before_left)
-            weight.grad.addmm_(grad_out.t(), left)
+            _add_product(weight, before_out, before_left)
+            _add_product(weight, grad_out, left)
             self.stats.apart += 1
 
 
@@ -141,9 +144,19 @@ def run_pending(pending: dict) -> int:
     count = len(pending)
     with torch.no_grad():
         for weight, grad_out, left in pending.values():
-            weight.grad.addmm_(grad_out.t(), left)
+            _add_product(weight, grad_out, left)
     pending.clear()
     return count
+
+
+def _add_product(weight, grad_out, left) -> None:
+    """``weight.grad += grad_out^T left`` in one GEMM; where ``.grad`` is None (the first microbatch after
+    ``zero_grad()``: only a pair's GEMM gets here so) the product becomes ``.grad``, as autograd's first accumulation
+    stores it."""
+    if weight.grad is None:
+        weight.grad = torch.mm(grad_out.t(), left)
+    else:
+        weight.grad.addmm_(grad_out.t(), left)
 
 
 def _same_kind(a, b) -> bool:
@@ -179,17 +192,19 @@ def _only_through_mat2(node, grads, weight, params) -> bool:
     return leaf is not None and leaf is not weight and any(p is leaf for p in params)
 
 
-def _fusable(weight, grad_out) -> bool:
+def _fusable(weight, grad_out, fresh: bool = False) -> bool:
     """Whether ``weight.grad += grad_out^T @ left`` in one ``addmm_`` can do what the accumulate node would (bar
     rounding), as far as the weight and ``grad_out`` say: ``.grad`` there to add into, contiguous, not itself
     requiring grad, of ``grad_out``'s dtype and device, one row per output feature; no hooks on the weight; plain
-    tensors (``left``: :func:`_fits`)."""
-    grad = weight.grad
+    tensors (``left``: :func:`_fits`). ``fresh`` (pairs only): ``.grad`` is None and the GEMM makes it (``torch.mm``,
+    as autograd's first accumulation stores its product): the weight itself must be so (contiguous, of
+    ``grad_out``'s dtype and device), as autograd gives a new ``.grad`` the weight's layout."""
+    grad = weight if fresh else weight.grad
     if grad is None or not all(type(t) in PLAIN_TENSORS for t in (weight, grad, grad_out)):
         return False
     if weight._backward_hooks or getattr(weight, "_post_accumulate_grad_hooks", None):
         return False
-    if grad_out.dim() != 2 or grad.dim() != 2 or grad.layout != torch.strided or grad.requires_grad:
+    if grad_out.dim() != 2 or grad.dim() != 2 or grad.layout != torch.strided or (grad.requires_grad and not fresh):
         return False
     return (grad.is_contiguous() and grad.dtype == grad_out.dtype and grad.device == grad_out.device
             and grad.shape[0] == grad_out.shape[1])

@@ -24,14 +24,20 @@ def _stage():
 
 @pytest.fixture
 def addmm_calls(monkeypatch):
-    """Counts ``Tensor.addmm_`` calls from Python (the fused and paired GEMMs; autograd's own are not)."""
+    """Counts ``Tensor.addmm_`` and ``torch.mm`` calls from Python (the fused and paired GEMMs, the ones making
+    ``.grad``; autograd's own are not)."""
     calls = []
-    original = torch.Tensor.addmm_
+    original, original_mm = torch.Tensor.addmm_, torch.mm
 
     def counted(self, *args, **kwargs):
         calls.append(args[0].shape[1])  # K: rows of the GEMM
         return original(self, *args, **kwargs)
+
+    def counted_mm(a, b, *args, **kwargs):
+        calls.append(a.shape[1])
+        return original_mm(a, b, *args, **kwargs)
     monkeypatch.setattr(torch.Tensor, "addmm_", counted)
+    monkeypatch.setattr(torch, "mm", counted_mm)
     return calls
 
 
@@ -53,15 +59,16 @@ def _grads(m, pairs, rows=4, seed=0):
 
 
 @pytest.mark.parametrize("m, gemms, stats", [
-    # per Linear: mb 0 finds .grad None (autograd's path, no addmm_); m=4: mb 1 waits, mb 2 runs the pair (K=8), mb 3
-    # is the stage's last W and runs alone (K=4): 2 addmm_ per Linear, 4 in all (fusion alone: 3 per Linear, 6)
-    (4, [8, 8, 4, 4], {"deferred": 2, "paired": 2, "apart": 0, "alone": 2, "leftover": 0, "flushed": 0}),
-    # m=3: mb 1 waits, mb 2 (the last) runs the pair: 1 addmm_ per Linear (fusion alone: 2 per Linear, 4)
-    (3, [8, 8], {"deferred": 2, "paired": 2, "apart": 0, "alone": 0, "leftover": 0, "flushed": 0}),
-    # m=5: waits at mb 1 and 3, pairs at 2 and 4: 2 per Linear (fusion alone: 8)
-    (5, [8, 8, 8, 8], {"deferred": 4, "paired": 4, "apart": 0, "alone": 0, "leftover": 0, "flushed": 0}),
-    # m=2: mb 1 is the last: alone, as fusion alone
-    (2, [4, 4], {"deferred": 0, "paired": 0, "apart": 0, "alone": 2, "leftover": 0, "flushed": 0}),
+    # per Linear: mb 0 finds .grad None and waits (fusion alone takes autograd's path there), mb 1 runs the pair
+    # as torch.mm making .grad (K=8); m=4: mb 2 waits, mb 3 (the stage's last W) runs the pair as addmm_ (K=8):
+    # 2 GEMMs per Linear, 4 in all (fusion alone: 3 addmm_ per Linear, 6)
+    (4, [8, 8, 8, 8], {"deferred": 4, "paired": 4, "apart": 0, "alone": 0, "leftover": 0, "flushed": 0}),
+    # m=3: the pair (mm, K=8), then mb 2, the last, alone (addmm_, K=4) (fusion alone: 4)
+    (3, [8, 8, 4, 4], {"deferred": 2, "paired": 2, "apart": 0, "alone": 2, "leftover": 0, "flushed": 0}),
+    # m=5: pairs at mb 1 and 3, mb 4 alone: 3 per Linear (fusion alone: 8)
+    (5, [8, 8, 8, 8, 4, 4], {"deferred": 4, "paired": 4, "apart": 0, "alone": 2, "leftover": 0, "flushed": 0}),
+    # m=2: one pair, making .grad (fusion alone: 2)
+    (2, [8, 8], {"deferred": 2, "paired": 2, "apart": 0, "alone": 0, "leftover": 0, "flushed": 0}),
 ], ids=["m4", "m3", "m5", "m2"])
 def test_gemm_count_and_rows(addmm_calls, m, gemms, stats):
     paired, got, pending = _grads(m, True)
@@ -93,7 +100,7 @@ def test_unlike_operands_run_apart():
 
 
 def test_a_pending_pair_the_next_w_declines_runs_at_the_stages_last_w():
-    """m=3; before the last W a hook goes on the first Linear's weight, so that W declines fusion (autograd's
+    """m=4; before the last W a hook goes on the first Linear's weight, so that W declines fusion (autograd's
     path) and leaves the pending pair: the stage's last W runs it (the executor's ``leftover``), sums unchanged."""
     results = []
     for pairs in (False, True):
@@ -102,17 +109,17 @@ def test_a_pending_pair_the_next_w_declines_runs_at_the_stages_last_w():
         g = torch.Generator().manual_seed(0)
         plans, params = SplitPlans(), list(stage.parameters())
         pending, stats = {}, PairStats()
-        for i in range(3):
-            if i == 2:
+        for i in range(4):
+            if i == 3:
                 stage[0].weight.register_post_accumulate_grad_hook(lambda p: None)
             x = torch.randn(4, 8, generator=g).requires_grad_()
             y = stage(x)
             _, work = backward_input([y], [torch.randn(y.shape, generator=g)], [x], params, plans)
-            backward_weight(work, True, Pairing(pending, i < 2, stats) if pairs else None)
+            backward_weight(work, True, Pairing(pending, i < 3, stats) if pairs else None)
         if pairs:
             assert list(pending) == [id(stage[0].weight)]
             assert run_pending(pending) == 1 and pending == {}
-            assert stats.as_dict() == {"deferred": 2, "paired": 1, "apart": 0, "alone": 0, "leftover": 0,
+            assert stats.as_dict() == {"deferred": 4, "paired": 3, "apart": 0, "alone": 0, "leftover": 0,
                                        "flushed": 0}
         results.append([p.grad.clone() for p in params])
     for a, b in zip(*results):
@@ -161,10 +168,10 @@ NONE = {"deferred": 0, "paired": 0, "apart": 0, "alone": 0, "leftover": 0, "flus
 
 
 def _expected(split_stages, linears, m, steps=3):
-    """PairStats of ``steps`` steps: per split stage's Linear, the first W finds .grad None (autograd), then pairs:
-    m=4: wait, pair, alone; m=3: wait, pair."""
+    """PairStats of ``steps`` steps: per split stage's Linear (the first W finds .grad None: its pair makes it):
+    m=4: wait, pair, wait, pair; m=3: wait, pair, alone."""
     k = split_stages * linears * steps
-    per = {4: {"deferred": 1, "paired": 1, "alone": 1}, 3: {"deferred": 1, "paired": 1, "alone": 0}}[m]
+    per = {4: {"deferred": 2, "paired": 2, "alone": 0}, 3: {"deferred": 1, "paired": 1, "alone": 1}}[m]
     return {**NONE, **{name: count * k for name, count in per.items()}}
 
 
