@@ -279,6 +279,11 @@ class Pipeline(PipelineCalls, PipelineCollectives, PipelineMeasured, Sealed):
         return self._fuse_wgrad
 
     @property
+    def pair_weight_grads(self) -> bool:
+        """Whether fused ``W`` GEMMs of a stage run two microbatches at a time (the constructor's argument; fixed)."""
+        return self._pair_wgrad
+
+    @property
     def stage_ids(self) -> tuple[int, ...]:
         """The global stages this rank runs."""
         return tuple(self.stages)

@@ -62,6 +62,7 @@ def compare(rank, schedule, v, m, dp=1, steps=3, rows=2, **options):
             opt.zero_grad()
     stats = pipe._executor.pair_stats.as_dict()
     pairing = pipe._executor.pair_wgrad  # after the last step (zb-auto rebuilds its executor after step 1)
+    assert (pipe.pair_weight_grads, fused.pair_weight_grads) == (True, False)
     fused_stats = fused._executor.pair_stats.as_dict()
     ops = sorted({i.op.value for i in pipe.program.ranks[pipe.pp_rank]})
     split_stages = sum(1 for s in pipe.stage_ids if s > 0)  # stage 0's W is its whole backward: nothing fused
