@@ -125,23 +125,22 @@ def lost_record(exc: CommError, grid, failures: FailureChannel, groups, device, 
         published = failures.lookup()
         if published is not None:
             return published
-        if not closed:
-            return _after_a_timed_out_rank(failures, grid)
+        if not closed:  # it closed in a group not probed: gloo closes a rank's connections as its wait times out
+            others = (r for r in range(grid.world_size) if r != grid.world_rank)
+            if not any(answered_roll_call(failures, r) for r in others):
+                return None
+            return _timed_out_peers_record(failures, grid)
         closed.sort(key=lambda r: answered_roll_call(failures, r))  # a member that did not answer first
         lost, how = closed[0], "closed its connection"
-    if answered_roll_call(failures, lost):  # alive: its wait timed out; neither it nor this rank is the stalled one
-        answer_roll_call(failures, grid.world_rank)
-        return failures.lookup(wait_s=_TIMED_OUT_PEER_S)
+    if answered_roll_call(failures, lost):
+        return _timed_out_peers_record(failures, grid)
     return _named_lost(exc, grid, failures, lost, how, me)
 
 
-def _after_a_timed_out_rank(failures: FailureChannel, grid) -> FailureRecord | None:
-    """A collective's closed connection that no probed member accounts for (it closed in a group not probed: gloo
-    closes a rank's connections as that rank's own wait times out): if another rank answered the roll call, the
-    closing rank is alive and timed out, so this rank answers too (neither is the stalled one) and takes the record
-    it publishes (``None`` if none turns up within ``_TIMED_OUT_PEER_S``); ``None`` at once if nobody answered."""
-    if not any(answered_roll_call(failures, r) for r in range(grid.world_size) if r != grid.world_rank):
-        return None
+def _timed_out_peers_record(failures: FailureChannel, grid) -> FailureRecord | None:
+    """The connection that closed was a rank's whose own wait timed out (it answered the roll call: alive), so
+    neither it nor this rank is the stalled one: answer too, and take the record it publishes (``None`` if none
+    turns up within ``_TIMED_OUT_PEER_S``)."""
     answer_roll_call(failures, grid.world_rank)
     return failures.lookup(wait_s=_TIMED_OUT_PEER_S)
 
